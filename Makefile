@@ -1,0 +1,39 @@
+# Two commands on a fresh machine: `make run` and `make test`. Both set up .venv on first use.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# On a box that already has a CUDA torch, reuse it (system site packages) instead of installing another.
+HAVE_TORCH := $(shell $(PY) -c "import torch" >/dev/null 2>&1 && echo yes)
+
+.PHONY: setup run test lint lab sft clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+ifeq ($(HAVE_TORCH),yes)
+	$(PY) -m venv --system-site-packages $(VENV)
+else
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q torch==2.13.0
+endif
+	$(VPY) -m pip install -q -e ".[notebook,dev,data]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VPY) -m rlbench.cli demo
+
+test: $(STAMP)
+	$(VPY) -m ruff check rlbench tests benchmarks
+	$(VPY) -m pytest -q -m "not gpu" tests
+	$(VPY) -m pytest -q --nbval-lax notebooks
+
+lint: $(STAMP)
+	$(VPY) -m ruff check rlbench tests benchmarks
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab notebooks/
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,1 @@
+"""rlbench: a notebook-first workbench for RL post-training of language models."""

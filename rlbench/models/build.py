@@ -1,0 +1,69 @@
+"""Build a Qwen3-architecture model from a preset, or load any local Hugging Face causal-LM directory."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+
+from rlbench.models.presets import build_config
+
+
+def build_model(
+    preset_or_config: str | PretrainedConfig,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    meta: bool = False,
+    attn_implementation: str = "sdpa",
+    **overrides,
+) -> PreTrainedModel:
+    """A randomly initialised causal LM.
+
+    Args:
+        preset_or_config: a preset name from `PRESETS` or a transformers config.
+        device: where the parameters live (ignored when `meta`).
+        dtype: parameter dtype.
+        seed: torch seed for the initialisation (same seed -> same weights).
+        meta: construct on the meta device (no memory; FSDP materialises shards later).
+        attn_implementation: passed to transformers ("sdpa", "eager", "flex_attention", ...).
+        overrides: config fields for a preset (e.g. `vocab_size=`).
+    """
+    config = build_config(preset_or_config, **overrides) if isinstance(preset_or_config, str) else preset_or_config
+    config._attn_implementation = attn_implementation
+    if meta:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    return model.to(device)
+
+
+def load_model(
+    path: str | os.PathLike,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+) -> PreTrainedModel:
+    """Load a local HF causal-LM directory (config.json + safetensors)."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"{path!r} is not a Hugging Face model directory (no config.json); pass a local HF dir")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    return model.to(device)
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """Load the tokenizer saved beside a model (a standard fast tokenizer with a chat template)."""
+    return AutoTokenizer.from_pretrained(path)
+
+
+def save_pretrained(model: PreTrainedModel, tokenizer, path: str | os.PathLike) -> None:
+    """Write a standard HF directory (safetensors) that `from_pretrained` loads."""
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)

@@ -1,0 +1,53 @@
+"""Qwen3-architecture model presets: tiny/small for CPU work, the real Qwen3 shapes for the GPU."""
+
+from __future__ import annotations
+
+import copy
+
+from transformers import Qwen3Config
+
+_QWEN3_COMMON = dict(
+    hidden_act="silu",
+    rms_norm_eps=1e-6,
+    attention_bias=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+)
+
+PRESETS: dict[str, dict] = {
+    # < 1 M parameters with a small vocabulary: unit tests on CPU.
+    "tiny": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    ),
+    # A few M parameters: the CPU demo (SFT warm start, then GRPO in minutes).
+    "small": dict(
+        hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, vocab_size=128, max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    ),
+    # The published Qwen3-0.6B hyper-parameters (random init): GPU memory/throughput work.
+    "qwen3-0.6b-shape": dict(
+        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+        tie_word_embeddings=True,
+    ),
+    # The published Qwen3-4B hyper-parameters (random init).
+    "qwen3-4b-shape": dict(
+        hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def build_config(preset: str, **overrides) -> Qwen3Config:
+    """A `Qwen3Config` for a preset name, with keyword overrides (e.g. `vocab_size=` of a tokenizer).
+
+    Raises:
+        ValueError: unknown preset name (the message lists the known ones).
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
+    kwargs = copy.deepcopy(_QWEN3_COMMON) | copy.deepcopy(PRESETS[preset]) | overrides
+    return Qwen3Config(**kwargs)
