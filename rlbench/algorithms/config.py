@@ -1,0 +1,198 @@
+"""Typed configs for the RL algorithms; field names follow slime's flags (`--eps-clip` -> `eps_clip`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .aggregation import AGGREGATIONS
+from .kl import KL_TYPES
+
+ADVANTAGE_ESTIMATORS = (
+    "grpo",
+    "gspo",
+    "dr_grpo",
+    "rloo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "ppo",
+)
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
+MIS_LEVELS = ("token", "sequence", "geometric")
+MIS_MODES = ("truncate", "clip", "mask")
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {choices}")
+
+
+@dataclass
+class MISConfig:
+    """Masked importance sampling (slime's `examples/train_infer_mismatch_helper/mis.yaml`, same defaults)."""
+
+    use_tis: bool = True
+    """Multiply the policy loss by the (bounded) importance weight π_old/π_rollout."""
+    use_rs: bool = True
+    """Rejection sampling: zero the weight of tokens/sequences whose ratio leaves [rs_lower, rs_upper]."""
+    tis_level: str = "token"
+    """Ratio level of the IS weight: token | sequence (Π over the sequence) | geometric (mean log-ratio)."""
+    rs_level: str = "token"
+    """Ratio level of rejection sampling: token | sequence | geometric."""
+    tis_mode: str = "truncate"
+    """truncate: min(w, U); clip: clamp(w, L, U); mask: w, and tokens outside [L, U] are rejected."""
+    tis_lower_bound: float | None = 0.5
+    """L; None means 1 / tis_upper_bound."""
+    tis_upper_bound: float = 2.0
+    """U."""
+    rs_lower_bound: float | None = None
+    """Rejection lower bound; None means the (resolved) tis_lower_bound."""
+    rs_upper_bound: float | None = None
+    """Rejection upper bound; None means tis_upper_bound."""
+    rs_veto_threshold: float | None = 1e-4
+    """Reject a whole sequence if any trained token has π_old/π_rollout below this; None disables."""
+    tis_batch_normalize: bool = True
+    """Divide the weights by their mean over the WHOLE global batch (token or sequence level)."""
+
+    def __post_init__(self) -> None:
+        _choice("mis.tis_level", self.tis_level, MIS_LEVELS)
+        _choice("mis.rs_level", self.rs_level, MIS_LEVELS)
+        _choice("mis.tis_mode", self.tis_mode, MIS_MODES)
+        if self.tis_lower_bound is None:
+            self.tis_lower_bound = 1.0 / self.tis_upper_bound
+        if self.rs_lower_bound is None:
+            self.rs_lower_bound = self.tis_lower_bound
+        if self.rs_upper_bound is None:
+            self.rs_upper_bound = self.tis_upper_bound
+        if not 0 <= self.tis_lower_bound <= self.tis_upper_bound:
+            raise ValueError(
+                f"mis bounds tis_lower_bound={self.tis_lower_bound}, tis_upper_bound={self.tis_upper_bound} "
+                "must satisfy 0 <= lower <= upper"
+            )
+        if not 0 <= self.rs_lower_bound <= self.rs_upper_bound:
+            raise ValueError(
+                f"mis bounds rs_lower_bound={self.rs_lower_bound}, rs_upper_bound={self.rs_upper_bound} "
+                "must satisfy 0 <= lower <= upper"
+            )
+        if self.rs_veto_threshold is not None and self.rs_veto_threshold <= 0:
+            raise ValueError(f"mis.rs_veto_threshold={self.rs_veto_threshold} must be > 0 or None (off)")
+        if self.tis_batch_normalize and self.use_tis and self.tis_level == "geometric":
+            raise ValueError("mis.tis_batch_normalize=True is undefined for tis_level='geometric'; set it False")
+
+
+@dataclass
+class LossConfig:
+    """Advantage estimator, policy loss, KL, entropy, aggregation and train–inference mismatch correction."""
+
+    advantage_estimator: str = "grpo"
+    """grpo | gspo | dr_grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | ppo (GAE)."""
+    grpo_std_normalization: bool = True
+    """GRPO/GSPO: divide by the group's unbiased std + 1e-6 (slime: --disable-grpo-std-normalization)."""
+    normalize_advantages: bool = False
+    """Whiten advantages over the global batch (masked mean/std); required by REINFORCE++(-baseline)."""
+    gamma: float = 1.0
+    """Discount for REINFORCE++ returns and GAE."""
+    lambd: float = 1.0
+    """GAE λ."""
+    policy_loss: str | None = None
+    """ppo | gspo | cispo; None: gspo when advantage_estimator == 'gspo', else ppo."""
+    eps_clip: float = 0.2
+    """Lower clip ε_low: ratios below 1 − ε_low are clipped."""
+    eps_clip_high: float | None = None
+    """Upper clip ε_high (DAPO clip-higher, e.g. 0.28); None means eps_clip."""
+    eps_clip_c: float | None = None
+    """Dual-clip constant c > 1: for A < 0 the loss is capped at −c·A; None disables."""
+    use_kl_loss: bool = False
+    """Add kl_loss_coef · KL(π‖π_ref) to the loss (needs ref log-probs)."""
+    kl_loss_coef: float = 0.0
+    """Coefficient of the KL loss term."""
+    kl_loss_type: str = "k1"
+    """KL estimator for the loss term (and for reward shaping): k1 | k2 | k3 | low_var_kl."""
+    use_unbiased_kl: bool = False
+    """Multiply the KL estimate by exp(logπ − logπ_old) (DeepSeek-V3.2 unbiased KL)."""
+    kl_coef: float = 0.0
+    """KL reward shaping (REINFORCE++, REINFORCE++-baseline, PPO); cannot be combined with kl_loss_coef."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: loss −= entropy_coef · H."""
+    loss_aggregation: str = "sample_mean"
+    """sample_mean | token_mean | seq_sum_constant (Dr.GRPO)."""
+    loss_aggregation_constant: float | None = None
+    """The per-sample divisor of seq_sum_constant (e.g. max response length); required for that mode."""
+    use_rollout_logprobs: bool = False
+    """Bypass mode: the rollout engine's log-probs are π_old (no recompute forward)."""
+    use_tis: bool = False
+    """Decoupled mode: importance-weight the loss by π_old/π_rollout (vanilla TIS, or MIS if `mis` set)."""
+    tis_clip: float = 2.0
+    """Vanilla TIS upper bound C."""
+    tis_clip_low: float = 0.0
+    """Vanilla TIS lower bound."""
+    mis: MISConfig | None = None
+    """Masked importance sampling config; replaces vanilla TIS (requires use_tis=True)."""
+    use_opsm: bool = False
+    """Off-policy sequence masking (DeepSeek-V3.2): drop A<0 sequences whose mean(old − new) > opsm_delta."""
+    opsm_delta: float = 1e-4
+    """OPSM threshold δ."""
+
+    def __post_init__(self) -> None:
+        _choice("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS)
+        if self.policy_loss is None:
+            self.policy_loss = "gspo" if self.advantage_estimator == "gspo" else "ppo"
+        _choice("policy_loss", self.policy_loss, POLICY_LOSSES)
+        _choice("kl_loss_type", self.kl_loss_type, KL_TYPES)
+        _choice("loss_aggregation", self.loss_aggregation, AGGREGATIONS)
+        if self.eps_clip_high is None:
+            self.eps_clip_high = self.eps_clip
+        self._validate_numbers()
+        self._validate_combinations()
+
+    def _validate_numbers(self) -> None:
+        if not 0 <= self.eps_clip < 1:
+            raise ValueError(f"eps_clip={self.eps_clip} must be in [0, 1)")
+        if self.eps_clip_high < 0:
+            raise ValueError(f"eps_clip_high={self.eps_clip_high} must be >= 0")
+        if self.eps_clip_c is not None and self.eps_clip_c <= 1:
+            raise ValueError(f"eps_clip_c={self.eps_clip_c} must be > 1 (dual clip), or None to disable")
+        if not (0 <= self.gamma <= 1 and 0 <= self.lambd <= 1):
+            raise ValueError(f"gamma={self.gamma}, lambd={self.lambd} must be in [0, 1]")
+        if not 0 <= self.tis_clip_low <= self.tis_clip:
+            raise ValueError(f"tis_clip_low={self.tis_clip_low}, tis_clip={self.tis_clip}: need 0 <= low <= clip")
+        if self.kl_loss_coef < 0 or self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError(
+                f"kl_loss_coef={self.kl_loss_coef}, kl_coef={self.kl_coef}, entropy_coef={self.entropy_coef} "
+                "must be >= 0"
+            )
+
+    def _validate_combinations(self) -> None:
+        if self.kl_coef != 0 and self.kl_loss_coef != 0:
+            raise ValueError(
+                f"kl_coef={self.kl_coef} (reward shaping) and kl_loss_coef={self.kl_loss_coef} (loss term) "
+                "cannot both be non-zero; pick one"
+            )
+        if self.kl_coef != 0 and self.advantage_estimator in ("grpo", "gspo", "dr_grpo", "rloo"):
+            raise ValueError(
+                f"kl_coef={self.kl_coef} has no effect with advantage_estimator={self.advantage_estimator!r}; "
+                "use use_kl_loss/kl_loss_coef or a REINFORCE++/PPO estimator"
+            )
+        if self.advantage_estimator.startswith("reinforce_plus_plus") and not self.normalize_advantages:
+            raise ValueError(f"advantage_estimator={self.advantage_estimator!r} requires normalize_advantages=True")
+        if self.use_rollout_logprobs and self.use_tis:
+            raise ValueError(
+                "use_rollout_logprobs=True (bypass: old = rollout) and use_tis=True (decoupled) are exclusive"
+            )
+        if self.mis is not None and not self.use_tis:
+            raise ValueError("mis is set but use_tis=False; set use_tis=True to enable masked IS")
+        if self.loss_aggregation == "seq_sum_constant" and not self.loss_aggregation_constant:
+            raise ValueError(
+                "loss_aggregation='seq_sum_constant' needs loss_aggregation_constant (e.g. max response length)"
+            )
+
+    @property
+    def needs_ref(self) -> bool:
+        """Whether a reference model's log-probs are needed."""
+        return self.use_kl_loss or self.kl_coef != 0
+
+    @property
+    def mode(self) -> str:
+        """standard (old = recompute) | bypass (old = rollout) | decoupled (recompute + IS on old/rollout)."""
+        if self.use_rollout_logprobs:
+            return "bypass"
+        return "decoupled" if self.use_tis else "standard"

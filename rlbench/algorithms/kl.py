@@ -1,0 +1,80 @@
+"""Per-token KL estimators between the current policy and a base (reference) policy.
+
+With d = logπ − logπ_ref (current first, base second), sampled from the current policy:
+    k1          d
+    k2          d² / 2
+    k3          exp(−d) − 1 + d            (≥ 0, exactly 0 when logπ == logπ_ref)
+    low_var_kl  k3 clamped to [−10, 10]    (clamp applied after the optional importance ratio)
+Optional "unbiased" KL (DeepSeek-V3.2, `use_unbiased_kl`): multiply by the importance ratio
+exp(logπ − logπ_old), NOT detached (as in slime), so the estimate is of KL(π_θ‖π_ref) under samples
+from π_old.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+
+
+def _k1(d: torch.Tensor) -> torch.Tensor:
+    return d
+
+
+def _k2(d: torch.Tensor) -> torch.Tensor:
+    return 0.5 * d * d
+
+
+def _k3(d: torch.Tensor) -> torch.Tensor:
+    return torch.expm1(-d) + d
+
+
+_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "k1": _k1,
+    "k2": _k2,
+    "k3": _k3,
+    "low_var_kl": _k3,
+}
+
+
+def approx_kl(
+    log_probs: torch.Tensor,
+    ref_log_probs: torch.Tensor,
+    kl_type: str = "k1",
+    *,
+    old_log_probs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token KL estimate `[R]`.
+
+    Args:
+        log_probs: `[R]` current policy log-probs (gradient flows through them).
+        ref_log_probs: `[R]` base policy log-probs.
+        kl_type: one of `KL_TYPES`.
+        old_log_probs: `[R]` sampling-policy log-probs; when given, multiply by exp(logπ − logπ_old)
+            (the unbiased KL).
+    """
+    if kl_type not in _ESTIMATORS:
+        raise ValueError(f"kl_type={kl_type!r} is not one of {KL_TYPES}")
+    kl = _ESTIMATORS[kl_type](log_probs - ref_log_probs)
+    if old_log_probs is not None:
+        kl = kl * torch.exp(log_probs - old_log_probs)
+    if kl_type == "low_var_kl":
+        kl = kl.clamp(-10.0, 10.0)
+    return kl
+
+
+def make_kl_fn(kl_type: str, unbiased: bool) -> Callable[..., torch.Tensor]:
+    """Pick the estimator once: returns `fn(log_probs, ref_log_probs, old_log_probs) -> [R]`."""
+    if kl_type not in _ESTIMATORS:
+        raise ValueError(f"kl_loss_type={kl_type!r} is not one of {KL_TYPES}")
+    est, clamp = _ESTIMATORS[kl_type], kl_type == "low_var_kl"
+
+    def kl_fn(log_probs, ref_log_probs, old_log_probs):
+        kl = est(log_probs - ref_log_probs)
+        if unbiased:
+            kl = kl * torch.exp(log_probs - old_log_probs)
+        return kl.clamp(-10.0, 10.0) if clamp else kl
+
+    return kl_fn
