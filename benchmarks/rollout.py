@@ -1,0 +1,147 @@
+"""Rollout throughput: the torch engine vs Hugging Face `generate`, same model, prompts and lengths.
+
+    python benchmarks/rollout.py --device cpu --preset small
+    python benchmarks/rollout.py --device cuda --preset qwen3-0.6b-shape --batch-sizes 1 16 64 256 \\
+        --prompt-len 512 --new-tokens 1024 --out bench_rollout.json
+
+Both sides sample at T=1 (no top-k/top-p) and ignore EOS, so every sample has exactly the requested length.
+Tokens/s counts generated tokens over the wall time of the whole call (prefill included). On CUDA it
+also measures the batch-1 decode step against the memory-bandwidth floor (weight bytes / bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from rlbench.models import build_model
+from rlbench.rollout.base import SamplingParams
+from rlbench.rollout.torch_engine import TorchEngine, TorchEngineConfig, _bucket
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=g).tolist()
+
+
+def bench_engine(engine: TorchEngine, prompts, new_tokens: int, device: str) -> float:
+    """Generated tokens per second of one `generate` call."""
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
+    _sync(device)
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, sampling)
+    _sync(device)
+    assert all(len(g.token_ids) == new_tokens for g in out)
+    return len(prompts) * new_tokens / (time.perf_counter() - t0)
+
+
+@torch.inference_mode()
+def bench_hf(model, prompts, new_tokens: int, device: str) -> float:
+    ids = torch.tensor(prompts, device=device)
+    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+                  min_new_tokens=new_tokens, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    _sync(device)
+    t0 = time.perf_counter()
+    out = model.generate(ids, **kwargs)
+    _sync(device)
+    assert out.shape[1] == ids.shape[1] + new_tokens
+    return len(prompts) * new_tokens / (time.perf_counter() - t0)
+
+
+def decode_step_ms(engine: TorchEngine, prompt_len: int, new_tokens: int, steps: int = 200) -> float:
+    """Batch-1 decode step time (ms) at kv-length bucket of the mid-generation position."""
+    runner = engine.runner
+    b = _bucket(1, engine.cache.shape.num_slots, 2 if runner.compiled else 1)
+    kv = _bucket(prompt_len + new_tokens // 2, engine.cache.shape.max_seq_len, 64)
+    for _ in range(3):
+        runner.decode(b, kv, False)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        runner.decode(b, kv, False)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--hf-new-tokens", type=int, default=None,
+                    help="cap HF generate's length to save time (its tok/s only rises when shorter)")
+    ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on cuda, fp32 on cpu)")
+    ap.add_argument("--no-cuda-graph", action="store_true")
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--mem-fraction", type=float, default=0.5)
+    ap.add_argument("--bandwidth-tbs", type=float, default=4.3, help="HBM bandwidth for the floor (H200: 4.3)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cuda = args.device.startswith("cuda")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
+    hf_new = args.hf_new_tokens or args.new_tokens
+    seq_len = args.prompt_len + args.new_tokens
+    cfg = TorchEngineConfig(max_seq_len=seq_len, num_slots=max(args.batch_sizes), mem_fraction=args.mem_fraction,
+                            cuda_graphs=not args.no_cuda_graph, compile=not args.no_compile)
+    engine = TorchEngine(build_model(args.preset, device=args.device, dtype=dtype), cfg)
+    t0 = time.perf_counter()
+    n_graphs = engine.warm_up() if cuda and cfg.cuda_graphs else 0
+    warm_s = time.perf_counter() - t0
+    engine.generate(_prompts(2, args.prompt_len, engine.model.config.vocab_size, 99), SamplingParams(max_new_tokens=8))
+    hf_model = None if args.skip_hf else build_model(args.preset, device=args.device, dtype=dtype)
+    rows = []
+    for b in args.batch_sizes:
+        prompts = _prompts(b, args.prompt_len, engine.model.config.vocab_size, seed=b)
+        ours = bench_engine(engine, prompts, args.new_tokens, args.device)
+        hf = None if hf_model is None else bench_hf(hf_model, prompts, hf_new, args.device)
+        rows.append(dict(batch=b, engine_tok_s=ours, hf_tok_s=hf, speedup=None if hf is None else ours / hf))
+    result = dict(device=torch.cuda.get_device_name() if cuda else "cpu", preset=args.preset, dtype=str(dtype),
+                  prompt_len=args.prompt_len, new_tokens=args.new_tokens, hf_new_tokens=hf_new,
+                  cuda_graphs=engine.runner.cuda_graphs, compiled=engine.runner.compiled,
+                  graphs_captured=n_graphs, warm_up_s=warm_s, threads=torch.get_num_threads(), rows=rows)
+    if cuda:
+        step = decode_step_ms(engine, args.prompt_len, args.new_tokens)
+        floor = weight_bytes(engine.model) / (args.bandwidth_tbs * 1e12) * 1e3
+        result.update(decode_b1_ms=step, floor_ms=floor, decode_over_floor=step / floor)
+    _print(result)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def _print(r: dict) -> None:
+    print(f"{r['preset']} {r['dtype']} on {r['device']}: prompt {r['prompt_len']}, new {r['new_tokens']} "
+          f"(HF new {r['hf_new_tokens']}), graphs={r['cuda_graphs']} compiled={r['compiled']}")
+    print(f"{'batch':>6} {'engine tok/s':>14} {'HF tok/s':>12} {'speedup':>8}")
+    for row in r["rows"]:
+        hf = "-" if row["hf_tok_s"] is None else f"{row['hf_tok_s']:.1f}"
+        sp = "-" if row["speedup"] is None else f"{row['speedup']:.1f}x"
+        print(f"{row['batch']:>6} {row['engine_tok_s']:>14.1f} {hf:>12} {sp:>8}")
+    if "decode_b1_ms" in r:
+        print(f"batch-1 decode step {r['decode_b1_ms']:.3f} ms; floor {r['floor_ms']:.3f} ms "
+              f"({r['decode_over_floor']:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()

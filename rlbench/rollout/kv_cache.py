@@ -1,0 +1,102 @@
+"""A preallocated, slot-based KV cache: one fixed-length row per running sequence.
+
+Layout per layer: `k[l], v[l]` of shape `[S, n_kv, L_max, head_dim]` (S slots, L_max = max sequence length),
+the layout SDPA reads directly. Slots are handed out lowest-first, so a decode batch over slots `[0, B)`
+covers every running sequence with little waste; a finished sequence frees its slot for a waiting prompt.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """Geometry of the cache."""
+
+    num_layers: int
+    """Decoder layers (one K and one V tensor each)."""
+    num_kv_heads: int
+    """Key/value heads per layer."""
+    head_dim: int
+    """Channels per head."""
+    num_slots: int
+    """Sequences that can run at once."""
+    max_seq_len: int
+    """Prompt + response tokens per slot (a multiple of 16, for the attention kernels)."""
+
+    def __post_init__(self) -> None:
+        if self.num_slots < 1:
+            raise ValueError(f"num_slots={self.num_slots} must be >= 1; give more memory or a smaller max_seq_len")
+        if self.max_seq_len < 16 or self.max_seq_len % 16:
+            raise ValueError(f"max_seq_len={self.max_seq_len} must be a positive multiple of 16")
+
+    def bytes_per_slot(self, dtype: torch.dtype) -> int:
+        return slot_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.max_seq_len, dtype)
+
+
+def slot_bytes(num_layers: int, num_kv_heads: int, head_dim: int, max_seq_len: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V for one slot."""
+    return 2 * num_layers * num_kv_heads * head_dim * max_seq_len * torch.empty((), dtype=dtype).element_size()
+
+
+def slots_for_memory(free_bytes: int, fraction: float, per_slot: int, cap: int) -> int:
+    """How many slots fit in `fraction` of `free_bytes`, at most `cap`."""
+    return max(0, min(cap, int(free_bytes * fraction) // per_slot))
+
+
+class KVCache:
+    """The K/V tensors plus a lowest-first slot allocator."""
+
+    def __init__(self, shape: CacheShape, dtype: torch.dtype, device: torch.device | str):
+        self.shape, self.dtype, self.device = shape, dtype, torch.device(device)
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self._free: list[int] = []
+        self.allocate()
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self.k)
+
+    def allocate(self) -> None:
+        """(Re-)create the tensors (zeros, so masked-out garbage is never NaN) and free every slot."""
+        s = self.shape
+        dims = (s.num_slots, s.num_kv_heads, s.max_seq_len, s.head_dim)
+        self.k = [torch.zeros(dims, dtype=self.dtype, device=self.device) for _ in range(s.num_layers)]
+        self.v = [torch.zeros(dims, dtype=self.dtype, device=self.device) for _ in range(s.num_layers)]
+        self.reset()
+
+    def release(self) -> None:
+        """Drop the tensors (`sleep`); `allocate` brings them back."""
+        self.k, self.v = [], []
+        self._free = []
+
+    def reset(self) -> None:
+        """Mark every slot free (the contents stay; they are masked by length)."""
+        self._free = list(range(self.shape.num_slots))
+        heapq.heapify(self._free)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self) -> int:
+        """The lowest free slot."""
+        if not self._free:
+            raise RuntimeError("no free KV-cache slot (scheduler bug: check num_free first)")
+        return heapq.heappop(self._free)
+
+    def give_back(self, slot: int) -> None:
+        heapq.heappush(self._free, slot)
+
+    def copy_prefix(self, src: int, dst: list[int], length: int) -> None:
+        """Copy the first `length` positions of slot `src` into slots `dst` (n samples share a prefill)."""
+        if not dst:
+            return
+        index = torch.tensor(dst, device=self.device)
+        for cache in (*self.k, *self.v):
+            cache[index, :, :length] = cache[src, :, :length].unsqueeze(0)

@@ -1,0 +1,113 @@
+"""Seeded, batch-invariant token sampling (pure tensor functions, no host syncs, CUDA-graph safe).
+
+A sample's random numbers depend only on its own `(seed, step, token id)`: Gumbel-max sampling with
+noise from a counter-based integer hash. So a sample is reproducible whatever else is in the batch and
+whichever slot it sits in. Log-probs follow the trainer's definition: `log_softmax(logits / T)` of the
+full (untruncated) tempered distribution, gathered at the sampled token; greedy rows (T = 0) report T = 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+# Multipliers below 2**31, so a 32-bit value times one fits a signed int64 (no overflow on any backend).
+_M1 = 0x7FEB352D
+_M2 = 0x5BD1E995
+_GOLDEN = 0x9E3779B9
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (lowbias32-style) on int64 tensors holding values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * _M1) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _M2) & _MASK32
+    return x ^ (x >> 16)
+
+
+def token_hash(vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Per-token-id hash `[V]` int64, computed once per engine."""
+    return mix32(torch.arange(vocab_size, device=device, dtype=torch.int64) * 2 + 1)
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
+    """Uniform numbers in (0, 1) for every (row, token): `[B]`, `[B]`, `[V]` -> `[B, V]` float32.
+
+    Row b's numbers depend only on `(seeds[b], steps[b])`. 23 bits: `k + 0.5` is then exact in float32, so
+    `u` is strictly inside (0, 1) (with 24 bits the top value rounds to 1.0 and the Gumbel noise to inf).
+    """
+    row = mix32((mix32(seeds & _MASK32) + (steps & 0xFFFFFF) * _GOLDEN) & _MASK32)  # [B]
+    h = mix32(row[:, None] ^ vocab_hash[None, :])  # [B, V]
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+
+
+def truncate_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k then top-p (nucleus) on tempered logits `[B, V]`; removed tokens get -inf.
+
+    `top_k[b] == 0` and `top_p[b] == 1` disable the filters for row b. Top-p keeps the smallest prefix of
+    the top-k-renormalised distribution whose mass reaches `top_p` (the most likely token always stays).
+    """
+    vocab = scaled.shape[-1]
+    sorted_vals, order = scaled.sort(dim=-1, descending=True)  # [B, V]
+    rank = torch.arange(vocab, device=scaled.device)
+    k = torch.where(top_k > 0, top_k, vocab)
+    keep = rank[None, :] < k[:, None]
+    sorted_vals = sorted_vals.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(sorted_vals, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    keep = keep & (mass_before < top_p[:, None])
+    sorted_vals = sorted_vals.masked_fill(~keep, float("-inf"))
+    return torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_vals)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    vocab_hash: torch.Tensor,
+    truncate: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row.
+
+    Args:
+        logits: `[B, V]` raw logits (any float dtype; upcast to float32 here).
+        temperature: `[B]` float; 0 = greedy.
+        top_k: `[B]` long (0 = off). top_p: `[B]` float (1 = off). Ignored unless `truncate`.
+        seeds, steps: `[B]` long; the noise of row b depends only on (seeds[b], steps[b]).
+        vocab_hash: `[V]` from `token_hash`.
+        truncate: apply top-k/top-p (a full-vocab sort; skip it when no row needs it).
+
+    Returns:
+        tokens `[B]` long, log_probs `[B]` float32 = log_softmax(logits / T)[token] (T = 1 for greedy rows).
+    """
+    logits = logits.float()
+    greedy = temperature <= 0
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature)
+    scaled = logits / temp[:, None]  # [B, V]
+    log_probs = torch.log_softmax(scaled, dim=-1)
+    candidates = truncate_logits(scaled, top_k, top_p) if truncate else scaled
+    gumbel = -torch.log(-torch.log(uniform_noise(seeds, steps, vocab_hash)))
+    sampled = (candidates + gumbel).argmax(dim=-1)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
+    return tokens, log_probs.gather(1, tokens[:, None])[:, 0]
+
+
+def reference_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """The exact sampling distribution `[V]` float64 for one row (test reference; plain loops, no tricks)."""
+    scaled = logits.double() / temperature
+    order = torch.argsort(scaled, descending=True).tolist()
+    kept = order[: top_k or len(order)]
+    probs = torch.softmax(scaled[kept], dim=0).tolist()
+    nucleus, mass = [], 0.0
+    for tok, p in zip(kept, probs):
+        if mass >= top_p:
+            break
+        nucleus.append(tok)
+        mass += p
+    out = torch.zeros_like(scaled)
+    out[nucleus] = torch.softmax(scaled[nucleus], dim=0)
+    return out
