@@ -1,0 +1,232 @@
+"""The FSDP2 TrainBackend: packed forwards, global-batch-normalised gradient accumulation, AdamW.
+
+One code path for every world size and device. Micro-batches are packs (`tokens [T]`,
+`position_ids [T]`, `response_index [R]`); the model sees `input_ids [1, T]`, `position_ids [1, T]`,
+`use_cache=False`, which makes transformers build the per-document causal mask from the position ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlbench.algorithms.logprobs import token_logprobs
+from rlbench.backends.base import LossFn, PackOutputs
+from rlbench.backends.fsdp.attention import document_block_mask
+from rlbench.backends.fsdp.checkpoint import load_checkpoint, save_checkpoint
+from rlbench.backends.fsdp.config import FSDPConfig
+from rlbench.backends.fsdp.model import build_sharded_model
+from rlbench.backends.fsdp.offload import HostStash, state_tensors
+from rlbench.backends.fsdp.optim import build_optimizer, build_scheduler, init_optimizer_state
+from rlbench.backends.fsdp.weights import export_hf, named_weight_buckets
+from rlbench.distributed.mesh import DistEnv, barrier, init_distributed
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """Move a tensor, or the tensor fields of a dataclass / dict, to `device` (other values unchanged)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+class FSDPBackend:
+    """FSDP2 actor (+ optional CPU-offloaded reference model) implementing `TrainBackend`."""
+
+    def __init__(self, cfg: FSDPConfig, *, env: DistEnv | None = None, loss_fn: LossFn | None = None):
+        self.cfg = cfg
+        self.env = env
+        self.loss_fn = loss_fn
+        self.step = 0  # optimizer steps taken (skipped steps do not count)
+        self.model = self.ref = self.optimizer = self.scheduler = self.hf_config = None
+        self._stash = HostStash()
+        self._asleep = False
+
+    # ---------------------------------------------------------------- build
+    def init(self) -> int:
+        cfg = self.cfg
+        if self.env is None:
+            self.env = init_distributed(cfg.device, cp_size=cfg.cp_size, cpu_offload=cfg.cpu_offload)
+        torch.manual_seed(cfg.seed)
+        self.model, self.hf_config = build_sharded_model(cfg.model, cfg, self.env, offload=cfg.cpu_offload)
+        if cfg.ref_model is not None:
+            # Same precision policy and kernels as the actor, params streamed from CPU per layer.
+            self.ref, _ = build_sharded_model(cfg.ref_model, cfg, self.env, offload=True)
+            self.ref.requires_grad_(False)
+        fused = self.env.device.type == "cuda" and not cfg.cpu_offload
+        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, fused=fused)
+        init_optimizer_state(self.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim)
+        self.step = 0
+        return self.step
+
+    # ---------------------------------------------------------------- forward
+    def forward_pack(self, model, pack, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Response-space `(logp [R], entropy [R] | None)` of one packed micro-batch."""
+        if self._asleep:
+            raise ValueError("the backend is asleep (its device memory is released); call wake_up() first")
+        dev = self.env.device
+        tokens = pack.tokens.to(dev, non_blocking=True)  # [T]
+        positions = pack.position_ids.to(dev, non_blocking=True)  # [T]
+        # flex on CUDA: our document BlockMask. On CPU (inductor's CPU flex template fails to compile a
+        # captured-tensor mask_mod) transformers builds the BlockMask from position_ids itself.
+        use_mask = self.cfg.attn_implementation == "flex_attention" and positions.is_cuda
+        mask = document_block_mask(positions) if use_mask else None
+        out = model(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask, use_cache=False)
+        logits = out.logits[0]  # [T, V]
+        targets = torch.roll(tokens, -1)  # [T]: logp[t] scores tokens[t+1]; the last position is unused
+        logp, ent = token_logprobs(
+            logits, targets, self.cfg.temperature, chunk_size=self.cfg.logprob_chunk_size, with_entropy=with_entropy
+        )
+        index = pack.response_index.to(dev, non_blocking=True)  # [R]
+        return logp[index], (ent[index] if ent is not None else None)
+
+    @torch.no_grad()
+    def compute_log_prob(
+        self, packs: Sequence[Any], *, model: str = "actor", with_entropy: bool = False
+    ) -> list[PackOutputs]:
+        if model not in ("actor", "ref"):
+            raise ValueError(f"model={model!r}; use 'actor' or 'ref'")
+        if model == "ref" and self.ref is None:
+            raise ValueError("model='ref' but no reference model was configured (set FSDPConfig.ref_model)")
+        net = self.model if model == "actor" else self.ref
+        outs = []
+        for pack in packs:
+            logp, ent = self.forward_pack(net, pack, with_entropy)
+            outs.append(PackOutputs(logp.cpu(), ent.cpu() if ent is not None else None, list(pack.response_lengths)))
+        net.reshard()  # the root is kept gathered after forward (for backward); without backward, free it
+        return outs
+
+    # ---------------------------------------------------------------- train
+    def train(self, packs: Sequence[Any], loss_inputs: Sequence[Any], loss_fn: LossFn | None = None) -> dict:
+        """One optimizer step: accumulate over `packs`, sync grads once, clip, AdamW, schedule.
+
+        The loss of each micro-batch must already carry global-batch weights (a weighted *sum*), so
+        gradients are summed over micro-batches and ranks. A step whose loss or grad norm is not finite
+        is skipped: no parameter, optimizer or scheduler change, `train/skipped = 1`.
+        """
+        loss_fn = loss_fn or self.loss_fn
+        if loss_fn is None:
+            raise ValueError("train() needs a loss_fn (pass one here or to FSDPBackend(loss_fn=...))")
+        if len(packs) != len(loss_inputs):
+            raise ValueError(f"{len(packs)} packs but {len(loss_inputs)} loss inputs; pass one per pack")
+        self._check_same_count(len(packs))
+        t0 = time.perf_counter()
+        self.model.train()
+        loss_sum, metric_sums = self._accumulate(packs, loss_inputs, loss_fn)
+        keys = sorted(metric_sums)
+        totals = torch.stack([loss_sum] + [metric_sums[k] for k in keys]).double()
+        dist.all_reduce(totals)
+        grad_norm = self._clip_grad_norm()
+        ok = bool(torch.isfinite(totals[0])) and bool(torch.isfinite(grad_norm))
+        lr = self.scheduler.get_last_lr()[0]
+        if ok:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.step += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = {(k if "/" in k else f"train/{k}"): float(v) for k, v in zip(keys, totals[1:])}
+        metrics |= {
+            "train/loss": float(totals[0]),
+            "train/grad_norm": float(grad_norm),
+            "train/lr": lr,
+            "train/skipped": 0.0 if ok else 1.0,
+            "train/step": float(self.step),
+            "perf/train_time": time.perf_counter() - t0,
+        }
+        return metrics
+
+    def _accumulate(self, packs, loss_inputs, loss_fn) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        # FSDP averages gradients over the shard group; the loss is a global weighted sum, so undo the mean.
+        scale = float(self.env.shard_mesh.size())
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        sums: dict[str, torch.Tensor] = {}
+        for i, (pack, inputs) in enumerate(zip(packs, loss_inputs)):
+            if self.cfg.no_sync_accumulation:
+                self.model.set_requires_gradient_sync(i == len(packs) - 1)
+            logp, ent = self.forward_pack(self.model, pack, self.cfg.with_entropy)
+            loss, metrics = loss_fn(logp, ent, to_device(inputs, self.env.device))
+            (loss * scale).backward()
+            loss_sum += loss.detach().double()
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0) + torch.as_tensor(v, device=self.env.device).detach().double()
+        return loss_sum, sums
+
+    def _clip_grad_norm(self) -> torch.Tensor:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.cfg.optim.clip_grad or float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def _check_same_count(self, n: int) -> None:
+        counts = torch.tensor([n, -n], device=self.env.device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+        if counts[0] != -counts[1]:
+            raise ValueError(
+                f"ranks have different micro-batch counts (min {-int(counts[1])}, max {int(counts[0])}); "
+                "make_packs must use the DP-wide max count (num_micro_batches(reduce_max=...))"
+            )
+
+    # ---------------------------------------------------------------- state
+    def _checkpoint_root(self) -> str:
+        if not self.cfg.checkpoint_dir:
+            raise ValueError("FSDPConfig.checkpoint_dir is not set; set it to save or load checkpoints")
+        return self.cfg.checkpoint_dir
+
+    def save(self, step: int | None = None) -> str:
+        step = self.step if step is None else step
+        args = (self.model, self.optimizer, self.scheduler, self.env)
+        return save_checkpoint(self._checkpoint_root(), step, *args, fmt=self.cfg.checkpoint_format)
+
+    def load(self, step: int | None = None) -> int:
+        root = self._checkpoint_root()
+        self.step = load_checkpoint(root, self.model, self.optimizer, self.scheduler, self.env, step)
+        return self.step
+
+    def export_hf(self, path: str, dtype: torch.dtype | None = None) -> None:
+        """A plain HF directory of the current actor weights (from_pretrained loads it)."""
+        export_hf(self.model, self.hf_config, path, self.env, dtype=dtype)
+
+    def named_weights_for_sync(
+        self, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = torch.bfloat16
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        return named_weight_buckets(self.model, bucket_bytes, dtype)
+
+    # ---------------------------------------------------------------- memory
+    def sleep(self) -> dict:
+        """Park params, grads and optimizer state in host memory; the device copies are freed."""
+        if self._asleep:
+            raise ValueError("sleep() called twice; call wake_up() first")
+        t0 = time.perf_counter()
+        self.model.reshard()  # registered params must be the sharded ones
+        allocated = self._allocated()
+        moved = self._stash.offload(state_tensors(self.model, self.optimizer), self.env.device)
+        self._asleep = True
+        gc.collect()
+        if self.env.device.type == "cuda":
+            torch.cuda.empty_cache()
+        barrier(self.env)
+        return {
+            "memory/sleep_moved_bytes": float(moved),
+            "memory/freed_bytes": float(allocated - self._allocated()) if allocated is not None else float(moved),
+            "perf/sleep_time": time.perf_counter() - t0,
+        }
+
+    def wake_up(self) -> dict:
+        t0 = time.perf_counter()
+        restored = self._stash.restore()
+        self._asleep = False
+        barrier(self.env)
+        return {"memory/wake_restored_bytes": float(restored), "perf/wake_up_time": time.perf_counter() - t0}
+
+    def _allocated(self) -> int | None:
+        return torch.cuda.memory_allocated(self.env.device) if self.env.device.type == "cuda" else None

@@ -1,0 +1,129 @@
+"""Atomic checkpoints of an FSDP2 run: model, optimizer, LR scheduler, per-rank RNG and step counter.
+
+Layout under `root/`:
+    iter_0000007/            one finished checkpoint
+        dcp/                 torch.distributed.checkpoint shards (format "sharded"), or
+        full.pt              rank-0 full model + optimizer state dicts (format "full")
+        trainer_state.pt     scheduler state, step, world size (rank 0)
+        rng_rank{r}.pt       each rank's torch (+CUDA) RNG state
+    latest_checkpointed_iteration.txt
+
+Atomicity: everything is written to `iter_XXXXXXX.tmp/`; only after every rank finished does rank 0
+rename it to `iter_XXXXXXX/` and then atomically replace the tracker file. A crash at any earlier point
+leaves the previous checkpoint and tracker untouched (and a stale `.tmp` dir that the next save clears).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from rlbench.distributed.mesh import DistEnv, barrier
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def iter_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"iter_{step:07d}")
+
+
+def latest_step(root: str) -> int | None:
+    """The step named by the tracker file, or None when there is no finished checkpoint."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return int(f.read().strip())
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _write_state(path: str, fmt: str, model: nn.Module, optimizer, env: DistEnv) -> None:
+    if fmt == "sharded":
+        msd, osd = get_state_dict(model, optimizer)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(path, "dcp"))
+        return
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd, osd = get_state_dict(model, optimizer, options=options)
+    if env.is_main:
+        torch.save({"model": msd, "optim": osd}, os.path.join(path, "full.pt"))
+
+
+def save_checkpoint(
+    root: str, step: int, model: nn.Module, optimizer, scheduler, env: DistEnv, fmt: str = "sharded"
+) -> str:
+    """Write checkpoint `step` atomically (collective: every rank calls it). Returns its directory."""
+    final, tmp = iter_dir(root, step), iter_dir(root, step) + ".tmp"
+    if env.is_main:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    barrier(env)
+    _write_state(tmp, fmt, model, optimizer, env)
+    torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{env.rank}.pt"))
+    if env.is_main:
+        meta = {"scheduler": scheduler.state_dict(), "step": step, "world_size": env.world_size, "format": fmt}
+        torch.save(meta, os.path.join(tmp, "trainer_state.pt"))
+    barrier(env)
+    if env.is_main:
+        _commit(root, tmp, final, step)
+    barrier(env)
+    return final
+
+
+def _commit(root: str, tmp: str, final: str, step: int) -> None:
+    """Rename tmp -> final, then point the tracker at it (each an atomic filesystem operation)."""
+    if os.path.isdir(final):
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    tracker_tmp = os.path.join(root, TRACKER + ".tmp")
+    with open(tracker_tmp, "w") as f:
+        f.write(str(step))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tracker_tmp, os.path.join(root, TRACKER))
+
+
+def load_checkpoint(
+    root: str, model: nn.Module, optimizer, scheduler, env: DistEnv, step: int | None = None
+) -> int:
+    """Restore model, optimizer, scheduler and RNG from `step` (default: the tracker). Returns the step."""
+    step = latest_step(root) if step is None else step
+    if step is None or not os.path.isdir(iter_dir(root, step)):
+        raise ValueError(f"no finished checkpoint {step} under {root!r}; save one first or pass a valid step")
+    path = iter_dir(root, step)
+    meta = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+    if meta["format"] == "sharded":
+        msd, osd = get_state_dict(model, optimizer)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        _load_full(path, model, optimizer, env)
+    scheduler.load_state_dict(meta["scheduler"])
+    rng_file = os.path.join(path, f"rng_rank{env.rank}.pt")
+    if os.path.isfile(rng_file):  # absent when resuming on a larger world
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return meta["step"]
+
+
+def _load_full(path: str, model: nn.Module, optimizer, env: DistEnv) -> None:
+    # Every rank reads the full file (CPU memory) and keeps its shards; simple and collective-free.
+    # (broadcast_from_rank0 for optimizer state issues rank-dependent collectives in some torch versions.)
+    full = torch.load(os.path.join(path, "full.pt"), weights_only=False, map_location="cpu")
+    options = StateDictOptions(full_state_dict=True)
+    set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optim"], options=options)
+    barrier(env)
