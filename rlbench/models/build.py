@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -31,15 +32,25 @@ def build_model(
         attn_implementation: passed to transformers ("sdpa", "eager", "flex_attention", ...).
         overrides: config fields for a preset (e.g. `vocab_size=`).
     """
-    config = build_config(preset_or_config, **overrides) if isinstance(preset_or_config, str) else preset_or_config
+    if isinstance(preset_or_config, str):
+        config = build_config(preset_or_config, **overrides)
+    elif overrides:
+        raise ValueError(
+            f"overrides {sorted(overrides)} only apply to a preset name; set them on the config object instead"
+        )
+    else:
+        config = copy.deepcopy(preset_or_config)  # never mutate the caller's config
     config._attn_implementation = attn_implementation
     if meta:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-    with torch.random.fork_rng(devices=[]):
+    # Initialise directly on the target device: random init of a 0.6B model on the host CPU takes ~30 s.
+    # The same seed gives the same weights on the same device type (CPU and CUDA generators differ).
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-    return model.to(device)
+    return model
 
 
 def load_model(
@@ -62,7 +73,17 @@ def load_tokenizer(path: str | os.PathLike):
 
 
 def save_pretrained(model: PreTrainedModel, tokenizer, path: str | os.PathLike) -> None:
-    """Write a standard HF directory (safetensors) that `from_pretrained` loads."""
+    """Write a standard HF directory (safetensors) that `from_pretrained` loads.
+
+    Tied embeddings are stored once (`lm_head.weight` is not written) and re-tied on load. A
+    model vocabulary larger than the tokenizer is fine (as in Qwen's padded embedding); a smaller
+    one raises.
+    """
+    if tokenizer is not None and len(tokenizer) > model.config.vocab_size:
+        raise ValueError(
+            f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {model.config.vocab_size}; "
+            "build the model with vocab_size=len(tokenizer)"
+        )
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     if tokenizer is not None:
