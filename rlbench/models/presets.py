@@ -13,6 +13,8 @@ _QWEN3_COMMON = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
 )
 
+# The CPU presets' vocab_size=128 is exactly `len(rlbench.data.build_tokenizer())` (char-level ASCII,
+# Qwen special tokens, reserved tokens up to 128), so `build_model("small")` lines up with it.
 PRESETS: dict[str, dict] = {
     # < 1 M parameters with a small vocabulary: unit tests on CPU.
     "tiny": dict(
