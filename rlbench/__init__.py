@@ -1,1 +1,29 @@
-"""rlbench: a notebook-first workbench for RL post-training of language models."""
+"""rlbench: a notebook-first workbench for RL post-training of language models.
+
+    import rlbench
+    trainer = rlbench.Trainer(rlbench.presets.cpu_demo())
+    trainer.step()
+
+`import rlbench` stays light: `Trainer`, `RunConfig` and `presets` load on first access.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__all__ = ["RunConfig", "Trainer", "presets"]
+
+_LAZY = {"Trainer": ("rlbench.trainer", "Trainer"), "RunConfig": ("rlbench.config", "RunConfig"),
+         "presets": ("rlbench.presets", None)}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'rlbench' has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    value = importlib.import_module(module)
+    return getattr(value, attr) if attr else value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)
