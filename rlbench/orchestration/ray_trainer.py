@@ -1,0 +1,191 @@
+"""`RayTrainer`: the `rlbench.Trainer` loop with its process-bound sub-steps running on Ray actors.
+
+    cfg = rlbench.presets.cpu_test(model="tiny")
+    trainer = RayTrainer(cfg, cluster=ClusterConfig(backend="ray", actor_num_gpus_per_node=2))
+    trainer.step()          # same loop, same metric keys; trainer ranks and engines are Ray actors
+
+The driver keeps everything light: the prompt dataset, the rollout manager (its engine is an `EngineGroup`
+that splits prompts over the engine actors), scoring/advantages, metrics and checkpoint bookkeeping.
+The heavy parts are fanned out: `pack` splits each global batch by DP rank (balanced) and `ray.put`s one
+shard per rank; `compute_log_probs` / `train_step` run collectively on the trainer ranks; `sync_weights`
+pushes trainer -> engines directly (CUDA IPC colocated, broadcast group disaggregated).
+
+Async (`cluster.async_rollout`, disaggregated only): `rollout()` returns the batch generated during the
+previous step and immediately starts the next generation on a driver thread, so generation of rollout
+r+1 overlaps training on rollout r; `sync_weights()` first waits for that generation (weights never
+change mid-generation). Every sample records `metadata["staleness"]` (= policy updates since the weights
+that generated it: 0 synchronous, 1 async); `rollout/staleness_*` summarise it. TIS/MIS (`LossConfig`)
+correct for the off-policy gap exactly as in a synchronous run.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+
+import numpy as np
+import torch
+
+from rlbench.data import PromptDataset
+from rlbench.orchestration.local import Components, build_tokenizer_for, check_lengths, materialize_task
+from rlbench.orchestration.ray_cluster import RayCluster, _max_merge
+from rlbench.orchestration.ray_config import ClusterConfig, check_batch_layout
+from rlbench.orchestration.ray_dp import split_steps_by_dp
+from rlbench.rollout.manager import RolloutBatch
+from rlbench.trainer import Trainer
+
+
+def build_ray_components(cfg, cluster: ClusterConfig) -> tuple[Components, RayCluster]:
+    """Driver-side data (tokenizer, prompts, eval items) plus the Ray actors standing in for backend and engine."""
+    eval_path = cfg.eval.data_path
+    if cfg.task is not None:
+        eval_path = eval_path or materialize_task(cfg.task)[1]
+    tokenizer = build_tokenizer_for(cfg.backend.model)
+    dataset = PromptDataset(cfg.data, tokenizer)
+    eval_items = []
+    if cfg.eval.interval is not None:
+        eval_cfg = dataclasses.replace(cfg.data, path=eval_path, shuffle=False)
+        eval_items = PromptDataset(eval_cfg, tokenizer).items[: cfg.eval.max_prompts]
+    check_lengths(cfg, dataset.items + eval_items)
+    ray_cluster = RayCluster(cfg, cluster, tokenizer)
+    parts = Components(tokenizer, dataset, eval_items, ray_cluster.train_group(), ray_cluster.engine_group(),
+                       torch.device("cpu"), ray_cluster.num_params)
+    return parts, ray_cluster
+
+
+class RayTrainer(Trainer):
+    """`Trainer` whose backend and engine are Ray actors (see the module docstring).
+
+    Args:
+        cfg: the run config (`cfg.cluster` is used when present).
+        cluster: overrides `cfg.cluster`; must have backend "ray".
+        components: must be None (the actors are built here); the argument exists for `Trainer(cfg, ...)` dispatch.
+        sinks: metric sinks (default from `cfg.logging`).
+    """
+
+    def __init__(self, cfg, *, cluster: ClusterConfig | None = None, components=None, sinks=None) -> None:
+        cluster = cluster or getattr(cfg, "cluster", None) or ClusterConfig(backend="ray")
+        if cluster.backend != "ray":
+            raise ValueError(f"RayTrainer needs cluster.backend='ray', got {cluster.backend!r}")
+        self.dp_size = check_batch_layout(cfg, cluster)
+        self.cluster_cfg = cluster
+        self.async_rollout = cluster.async_rollout
+        self._packed: RolloutBatch | None = None
+        self._fit_target: int | None = None  # fit()'s last rollout: no generation is started beyond it
+        self._log_probs_of: RolloutBatch | None = None
+        self._pending: concurrent.futures.Future | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlbench-rollout")
+        if components is not None:
+            raise ValueError("RayTrainer builds its components on Ray actors; do not pass components= (use backend 'local')")
+        components, self.cluster = build_ray_components(cfg, cluster)
+        try:
+            super().__init__(cfg, components=components, sinks=sinks)
+        except BaseException:
+            self.cluster.shutdown()
+            raise
+        offload = cfg.offload if cfg.offload is not None else cfg.backend.device == "cuda"
+        self.offload = offload and cluster.colocate  # disaggregated engines never share a device
+
+    def fit(self, num_rollout: int | None = None) -> list[dict]:
+        """`Trainer.fit`; async mode generates nothing past the last rollout of this call."""
+        self._fit_target = self.cfg.batch.num_rollout if num_rollout is None else num_rollout
+        try:
+            return super().fit(num_rollout)
+        finally:
+            self._fit_target = None
+
+    # ------------------------------------------------------------------ sub-steps on the actors
+    def rollout(self) -> RolloutBatch:
+        """This step's batch; in async mode the one generated during the last step, and the next one is started."""
+        self._enter("rollout")
+        batch = self._take_pending() if self._pending is not None else self.rollouts.generate(self.rollout_id)
+        last = self._fit_target if self._fit_target is not None else self.cfg.batch.num_rollout
+        if self.async_rollout and self.rollout_id + 1 < last:
+            self._pending = self._pool.submit(self.rollouts.generate, self.rollout_id + 1)
+        batch.metrics |= self._staleness(batch)
+        self.last_rollout = batch
+        return batch
+
+    def pack(self, batch: RolloutBatch) -> list[dict]:
+        """Split each global batch over the DP ranks (balanced), `ray.put` one shard per rank, pack on the ranks.
+
+        Returns (and sets `batch.packs` to) one summary per rank: micro-batches per optimizer step, tokens.
+        The packs themselves live on the trainer ranks.
+        """
+        b = self.cfg.batch
+        shards = split_steps_by_dp(batch.samples, b.global_batch_size, self.dp_size, b.balance_data)
+        ranks = [shards[r // self.cfg.backend.cp_size] for r in range(self.cluster_cfg.world_size)]
+        batch.packs = self.cluster.call_trainers_with_shards("pack", self.cluster.put_shards(ranks))
+        self._packed, self._log_probs_of = batch, None  # the ranks hold this batch's packs, no log-probs yet
+        return batch.packs
+
+    def compute_log_probs(self, batch: RolloutBatch) -> dict[str, float]:
+        """Old (and ref) log-probs on every rank; returns the same `rollout/*log_probs` means as one process."""
+        self._enter("train")
+        if self._packed is not batch:
+            self.pack(batch)
+        per_rank = self.cluster.call_trainers("compute_log_probs")
+        out = {k: max(r[k] for r in per_rank) for k in per_rank[0] if k.startswith("perf/")}
+        for key, name in (("old", "rollout/log_probs"), ("ref", "rollout/ref_log_probs"), ("rollout", "rollout/rollout_log_probs")):
+            values = [v for r in per_rank for v in r[key]]
+            if values or key == "rollout":
+                out[name] = float(np.mean(values)) if values else float("nan")
+        self._log_probs_of = batch  # the log-probs themselves stay on the trainer ranks
+        return out
+
+    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+        """One optimizer step per global batch on every rank; `train/*` are global, `perf/*` the slowest rank's."""
+        self._enter("train")
+        if self._log_probs_of is not batch:
+            self.compute_log_probs(batch)
+        per_rank = self.cluster.call_trainers("train")
+        metrics = dict(per_rank[0]) | {k: v for k, v in _max_merge(per_rank).items() if k.startswith("perf/")}
+        self.policy_version += 1
+        return metrics
+
+    def sync_weights(self) -> dict[str, float]:
+        """Push trainer weights into every engine, stamped `policy_version`. Async: waits for the running generation."""
+        self._drain()
+        self._enter("train")
+        if self.async_rollout and self.policy_version % self.cluster_cfg.update_weights_interval:
+            return {}  # async with --update-weights-interval: not this step
+        self.version = self.policy_version
+        return self.cluster.sync_weights(self.version)
+
+    def evaluate(self) -> dict[str, float]:
+        self._drain()
+        return super().evaluate()
+
+    def close(self) -> None:
+        """Stop the rollout thread, kill the actors, remove the placement group, close the sinks."""
+        if self._pending is not None:
+            self._pending.cancel()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.cluster.shutdown()
+        super().close()
+
+    # ------------------------------------------------------------------ async helpers
+    def _take_pending(self) -> RolloutBatch:
+        self._drain()
+        batch, self._pending = self._pending.result(), None
+        return batch
+
+    def _drain(self) -> None:
+        """Wait (at most `cluster.timeout_s`) for the generation started by the last `rollout()`."""
+        if self._pending is None:
+            return
+        done, _ = concurrent.futures.wait([self._pending], timeout=self.cluster_cfg.timeout_s)
+        if not done:
+            raise RuntimeError(
+                f"async rollout {self.rollout_id + 1} did not finish within timeout_s={self.cluster_cfg.timeout_s:g}s "
+                "(a dead or hung engine?); call trainer.close() and restart"
+            )
+        self._pending.result()  # re-raise a generation error here, on the driver's main thread
+
+    def _staleness(self, batch: RolloutBatch) -> dict[str, float]:
+        """Per-sample policy lag (updates since the generating weights) into metadata, summarised."""
+        lags = []
+        for s in batch.samples:
+            s.metadata["staleness"] = self.policy_version - s.weight_version
+            lags.append(s.metadata["staleness"])
+        return {"rollout/staleness_mean": float(np.mean(lags)), "rollout/staleness_max": float(max(lags))}

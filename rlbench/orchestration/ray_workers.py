@@ -1,0 +1,219 @@
+"""What runs inside the Ray actors: a trainer rank (`TrainWorker`) and a rollout engine (`EngineWorker`).
+
+Plain classes (Ray wraps them with `ray.remote` in `ray_cluster`), so each method is an ordinary call.
+A TrainWorker owns one FSDP rank (torch.distributed is set up from the rank/world/master the driver hands
+it) and its part of every RL step (`ShardStep`); an EngineWorker owns one `TorchEngine`. Weights go from
+trainer ranks to engines directly (CUDA IPC or a broadcast group), never through the driver.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import time
+
+import torch
+
+from rlbench.orchestration.ray_config import ClusterConfig
+from rlbench.orchestration.ray_dp import ShardStep
+from rlbench.orchestration.ray_placement import gather, local_gpu_index
+from rlbench.orchestration.ray_weights import (
+    BroadcastGroup,
+    load_ipc_payload,
+    push_broadcast,
+    push_ipc,
+    receive_broadcast,
+    use_shared_memory_files,
+)
+from rlbench.weights import checksum, engine_named_weights
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def _setup_process(cfg, cwd: str, env_vars: dict) -> torch.device:
+    """Same working directory as the driver (relative paths), extra env vars, and this actor's device."""
+    os.chdir(cwd)
+    os.environ.update({k: str(v) for k, v in env_vars.items()})
+    if cfg.backend.device != "cuda":
+        torch.set_num_threads(1)  # CPU "GPUs" share the host's cores
+        use_shared_memory_files()
+        return torch.device("cpu")
+    index = local_gpu_index()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _peak_memory_gb(device: torch.device) -> float:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+
+
+class TrainWorker:
+    """Trainer rank `rank` of `world_size`: an FSDP2 backend plus its share of each RL step."""
+
+    def __init__(self, cfg, rank: int, world_size: int, cluster: ClusterConfig, cwd: str) -> None:
+        self.cfg, self.rank, self.world_size, self.cluster = cfg, rank, world_size, cluster
+        self.device = _setup_process(cfg, cwd, cluster.env_vars)
+        self.backend = self.step = None
+        self.engines: list = []
+        self.group: BroadcastGroup | None = None
+
+    def master_address(self) -> tuple[str, int]:
+        """(IP, free port) of this rank's node: rank 0's is the rendezvous of the trainer group."""
+        return _node_ip(), _free_port()
+
+    def init(self, master_addr: str, master_port: int, pad_token_id: int) -> dict:
+        """Join the trainer process group and build the FSDP backend; returns `num_params`."""
+        from rlbench.backends.fsdp.actor import FSDPBackend
+        from rlbench.distributed.mesh import init_distributed
+
+        local_rank = self.device.index if self.device.type == "cuda" else 0
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(local_rank),
+                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        b = self.cfg.backend
+        env = init_distributed(b.device, cp_size=b.cp_size, cpu_offload=b.cpu_offload,
+                               timeout_minutes=self.cluster.collective_timeout_s / 60)
+        if self.cfg.checkpoint.save_dir and not b.checkpoint_dir:
+            b = dataclasses.replace(b, checkpoint_dir=self.cfg.checkpoint.save_dir)
+        self.backend = FSDPBackend(b, env=env)
+        self.backend.init()
+        self.step = ShardStep(self.cfg, self.backend, pad_token_id)
+        return {"num_params": sum(p.numel() for p in self.backend.model.parameters())}
+
+    # ---------------------------------------------------------------- the RL step (collective)
+    def pack(self, steps: list) -> dict:
+        """Pack this rank's samples (`[step] -> list[Sample]`, fetched from the object store by Ray)."""
+        packs = self.step.pack(steps)
+        return {"micro_batches": [len(p) for p in packs], "tokens": sum(p.num_tokens for s in packs for p in s)}
+
+    def compute_log_probs(self) -> dict:
+        return self.step.compute_log_probs()
+
+    def train(self) -> dict:
+        metrics = self.step.train()
+        metrics["perf/peak_memory_gb"] = _peak_memory_gb(self.device)
+        return metrics
+
+    # ---------------------------------------------------------------- weights
+    def connect_engines(self, engines: list) -> None:
+        """Colocated: `engines` = [the engine on this rank's bundle]; disaggregated rank 0: all engines."""
+        self.engines = list(engines)
+
+    def init_weight_group(self, host: str, port: int, world_size: int) -> None:
+        """Disaggregated, rank 0: join the broadcast group as its rank 0 (engines join concurrently)."""
+        self.group = BroadcastGroup(host, port, 0, world_size, self.device, self.cluster.collective_timeout_s)
+
+    def sync_weights(self, version: int, verify: bool | None = None) -> dict:
+        """Push this rank's part of the weights (a collective over trainer ranks); returns `weights/*`.
+
+        `verify` (default `cfg.weights.verify`): compare bit checksums of what was sent with the engines' weights.
+        """
+        w = self.cfg.weights
+        verify = w.verify if verify is None else verify
+        sums: dict | None = {} if verify and self.engines else None
+        buckets = self.backend.named_weights_for_sync(w.bucket_bytes, w.torch_dtype)
+
+        def wait(refs):
+            refs = refs if isinstance(refs, list) else [refs]
+            return gather(refs, self.cluster.timeout_s, f"weight sync v{version}", [f"engine {i}" for i in range(len(refs))])
+
+        start = time.perf_counter()
+        if self.cluster.colocate:
+            tally = push_ipc(buckets, self.engines[0], version, wait, sums)
+            if self.device.type == "cuda":
+                torch.cuda.ipc_collect()  # free the flat buffers the engine has released
+        else:
+            tally = push_broadcast(buckets, self.engines, self.group, version, wait, sums)
+        metrics = tally.metrics() | {"perf/update_weights_rank_time": time.perf_counter() - start}
+        if sums:
+            self._verify(sums, wait)
+            metrics["weights/verified"] = 1.0
+        return metrics
+
+    def _verify(self, sent: dict, wait) -> None:
+        names = sorted(sent)
+        for i, got in enumerate(wait([e.checksums.remote(names) for e in self.engines])):
+            bad = [n for n in names if got.get(n) != sent[n]]
+            if bad:
+                raise RuntimeError(
+                    f"weight sync verify: engine {i} differs from trainer rank {self.rank} in {len(bad)} tensors, "
+                    f"e.g. {bad[:3]} (missing from the engine, or a wrong dtype/name mapping)"
+                )
+
+    # ---------------------------------------------------------------- memory and state
+    def sleep(self) -> dict:
+        return self.backend.sleep()
+
+    def wake_up(self) -> dict:
+        return self.backend.wake_up()
+
+    def save(self, checkpoint_dir: str, step: int | None = None) -> str:
+        self.backend.cfg = dataclasses.replace(self.backend.cfg, checkpoint_dir=checkpoint_dir)
+        return self.backend.save(step)
+
+    def load(self, checkpoint_dir: str, step: int | None) -> int:
+        self.backend.cfg = dataclasses.replace(self.backend.cfg, checkpoint_dir=checkpoint_dir)
+        return self.backend.load(step)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class EngineWorker:
+    """Rollout engine `index`: a TorchEngine on this actor's device, fed weights by the trainer ranks."""
+
+    def __init__(self, cfg, index: int, cluster: ClusterConfig, cwd: str, tokenizer) -> None:
+        from rlbench.orchestration.local import build_engine
+
+        self.index, self.cluster = index, cluster
+        self.device = _setup_process(cfg, cwd, cluster.env_vars)
+        self.engine = build_engine(cfg, self.device, tokenizer)
+        self.group: BroadcastGroup | None = None
+
+    def generate(self, prompts, sampling, seeds=None):
+        return self.engine.generate(prompts, sampling, seeds=seeds)
+
+    def load_ipc(self, payload: list, version: int) -> int:
+        """Colocated: load one bucket from IPC handles (one call per bucket)."""
+        return load_ipc_payload(self.engine, payload, version)
+
+    def init_weight_group(self, host: str, port: int, rank: int, world_size: int) -> None:
+        self.group = BroadcastGroup(host, port, rank, world_size, self.device, self.cluster.collective_timeout_s)
+
+    def receive_weights(self, metas: list[dict], version: int) -> int:
+        """Disaggregated: receive one bucket from the broadcast group."""
+        if self.group is None:
+            raise RuntimeError(f"engine {self.index} has no weight-broadcast group; call init_weight_group first")
+        return receive_broadcast(self.engine, self.group, metas, version)
+
+    def checksums(self, names: list[str]) -> dict:
+        weights = dict(engine_named_weights(self.engine))
+        return {n: checksum(weights[n]) for n in names if n in weights}
+
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def flush_cache(self) -> None:
+        self.engine.flush_cache()
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.engine.model.parameters())
+
+    def pid(self) -> int:
+        return os.getpid()
