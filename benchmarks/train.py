@@ -2,6 +2,9 @@
 
 Reports tokens/s/GPU, MFU = (6 * N_params * tokens + attention FLOPs) / step_time / peak_flops, peak
 memory, the old-log-prob (forward only) time, and sleep / wake_up times with the bytes they free.
+Warm-up steps (compilation with `--compile`) are reported apart from the steady state: `first_train_s`,
+`first_logprob_s`, `warmup_total_s`, and dynamo's `dynamo_unique_graphs` / `dynamo_compile_s` (a graph
+count that grows with the layer count means per-layer recompiles).
 
     python benchmarks/train.py --preset qwen3-0.6b-shape --attn flex_attention          # 1 GPU
     torchrun --nproc_per_node 2 benchmarks/train.py --preset qwen3-4b-shape --attn flex_attention
@@ -22,10 +25,12 @@ import time
 import torch
 
 from rlbench.backends.fsdp.actor import FSDPBackend
+from rlbench.backends.fsdp.attention import document_block_mask
 from rlbench.backends.fsdp.config import FSDPConfig, OptimConfig
 from rlbench.packing.pack import pack_samples
 from rlbench.types import Sample
 
+_COMPILE_KEYS = ("_compile.compile_inner", "backward._backward_impl")  # dynamo+forward, lazy backward compile
 PEAK_FLOPS = {"cuda": 780e12, "cpu": 1e12}  # H200 dense bf16 (the issue's convention); CPU: nominal
 
 
@@ -96,6 +101,39 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def timed_step(backend: FSDPBackend, packs: list, inputs: list, device: str) -> tuple[float, float, dict]:
+    """(no-grad log-prob seconds, train-step seconds, train metrics) of one step."""
+    sync(device)
+    t = time.perf_counter()
+    backend.compute_log_prob(packs)
+    sync(device)
+    t_fwd = time.perf_counter()
+    metrics = backend.train(packs, inputs)
+    sync(device)
+    return t_fwd - t, time.perf_counter() - t_fwd, metrics
+
+
+def mask_build_s(packs: list, device: str) -> float:
+    """Seconds to build the document BlockMask of the first pack (flex only; includes no compile)."""
+    sync(device)
+    t = time.perf_counter()
+    document_block_mask(packs[0].position_ids.to(device))
+    sync(device)
+    return time.perf_counter() - t
+
+
+def compile_report(warm: list[tuple[float, float]]) -> dict:
+    """Warm-up (compile) time apart from steady state, and dynamo's graph / compile counts."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    return {
+        "first_train_s": warm[0][0] if warm else None, "first_logprob_s": warm[0][1] if warm else None,
+        "warmup_total_s": sum(a + b for a, b in warm), "dynamo_unique_graphs": int(counters["stats"]["unique_graphs"]),
+        "dynamo_graph_breaks": int(sum(counters["graph_break"].values())),
+        "dynamo_compile_s": sum(sum(compilation_time_metrics.get(k, [])) for k in _COMPILE_KEYS),
+    }
+
+
 def main() -> None:
     args = parse_args()
     if args.device == "cuda":
@@ -110,21 +148,14 @@ def main() -> None:
     backend.init()
     init_time = time.perf_counter() - t0
     env, vocab = backend.env, backend.hf_config.vocab_size
-    times, fwd_times, metrics = [], [], {}
+    times, fwd_times, warm, metrics = [], [], [], {}
     for step in range(args.warmup + args.steps):
         packs, inputs = make_step(args, vocab, env.rank, step)
-        sync(args.device)
-        t = time.perf_counter()
-        backend.compute_log_prob(packs)
-        sync(args.device)
-        t_fwd = time.perf_counter()
-        metrics = backend.train(packs, inputs)
-        sync(args.device)
-        if step >= args.warmup:
-            times.append(time.perf_counter() - t_fwd)
-            fwd_times.append(t_fwd - t)
+        t_fwd, t_train, metrics = timed_step(backend, packs, inputs, args.device)
+        (times if step >= args.warmup else warm).append((t_train, t_fwd))
         if env.is_main:
-            print(f"step {step}: train {time.perf_counter() - t_fwd:.3f}s  logprob {t_fwd - t:.3f}s  loss {metrics['train/loss']:.4f}", flush=True)
+            print(f"step {step}: train {t_train:.3f}s  logprob {t_fwd:.3f}s  loss {metrics['train/loss']:.4f}", flush=True)
+    times, fwd_times = [t for t, _ in times], [f for _, f in times]
     flops, n_params = model_flops(backend, packs)
     step_time = sum(times) / len(times)
     peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else 0
@@ -134,7 +165,7 @@ def main() -> None:
     after_sleep = torch.cuda.memory_allocated() if args.device == "cuda" else 0
     wake = backend.wake_up()
     again = backend.train(*make_step(args, vocab, env.rank, 999))
-    result = {
+    result = compile_report(warm) | {
         "preset": args.preset, "attn": args.attn, "world_size": env.world_size, "ac": not args.no_ac, "ac_every": args.ac_every,
         "compile": args.compile, "micro_batches": args.micro_batches, "tokens_per_gpu": sum(p.num_tokens for p in packs),
         "seq_len": args.seq_len, "random_lengths": args.random_lengths, "n_params": n_params,
@@ -146,6 +177,7 @@ def main() -> None:
         "sleep_s": sleep["perf/sleep_time"], "sleep_freed_gib": sleep["memory/freed_bytes"] / 2**30,
         "allocated_after_sleep_gib": after_sleep / 2**30, "wake_up_s": wake["perf/wake_up_time"],
         "step_after_wake_finite": again["train/skipped"] == 0.0, "init_s": init_time,
+        "mask_build_s": mask_build_s(packs, args.device) if args.attn == "flex_attention" else None,
         "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
     }
     if env.is_main:

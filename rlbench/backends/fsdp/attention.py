@@ -5,11 +5,17 @@ and no KV cache are given (`use_cache=False`); nothing to do here. flex_attentio
 document-causal `BlockMask` ourselves from the pack's position ids and pass it as `attention_mask`
 (transformers forwards a ready 4-D BlockMask untouched, in every 5.x version we support). Fully masked
 128x128 blocks (other documents) are skipped by the kernel, so attention costs O(Σ len_i²), not O(T²).
+
+The block structure is computed directly from per-block document ranges (O((T/128)²) small tensor ops,
+no `torch.compile`): `create_block_mask(_compile=True)` compiled a mask kernel on every new `T`, and its
+cold compile can take minutes at some lengths (pytorch/pytorch#182060).
 """
 
 from __future__ import annotations
 
 import torch
+
+BLOCK = 128  # flex_attention's default (and only tuned) block size
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -18,13 +24,40 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return (step != 1).cumsum(0)
 
 
+def document_block_tables(docs: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(partial [nb, nb], full [nb, nb])` bool block tables of the document-causal mask, nb = ceil(T / block).
+
+    A block (q-block i, kv-block j) is *full* when every query may see every key (j < i, one document, a
+    complete q block) and *partial* when some but not all pairs are allowed (evaluated by `mask_mod`).
+    `docs` is non-decreasing, so block i spans documents [docs[i*block], docs[last of block i]].
+    """
+    T = docs.numel()
+    starts = torch.arange(0, T, block, device=docs.device)  # [nb]
+    first = docs[starts]  # [nb] document of each block's first token
+    last = docs[torch.clamp(starts + block - 1, max=T - 1)]  # [nb] ... and of its last token
+    i, j = first[:, None], last[None, :]  # q-block first doc [nb, 1], kv-block last doc [1, nb]
+    below = torch.ones(len(starts), len(starts), dtype=torch.bool, device=docs.device).tril()  # j <= i
+    any_allowed = below & (j >= i)  # kv block reaches the q block's first document
+    complete = (starts + block <= T)[:, None]  # [nb, 1]
+    one_doc = (first == last)[:, None] & (first == last)[None, :] & (first[:, None] == first[None, :])
+    full = below.tril(-1) & one_doc & complete
+    return any_allowed & ~full, full
+
+
+def _ordered(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(num [1, 1, nb] int32, indices [1, 1, nb, nb] int32)`: per row, the True columns first, ascending."""
+    num = table.sum(-1, dtype=torch.int32)
+    idx = torch.argsort(table.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return num[None, None], idx[None, None]
+
+
 def document_block_mask(position_ids: torch.Tensor):
     """Causal, same-document `BlockMask` of shape `[1, 1, T, T]` for one packed micro-batch.
 
     Args:
         position_ids: `[T]` on the compute device; positions restart (or jump) at document boundaries.
     """
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import BlockMask
 
     docs = document_ids(position_ids)  # [T]
     T = docs.numel()
@@ -32,7 +65,9 @@ def document_block_mask(position_ids: torch.Tensor):
     def mask_mod(b, h, q, kv):
         return (docs[q] == docs[kv]) & (kv <= q)
 
-    # `_compile=True` (as transformers does) builds the mask with a compiled kernel: ms instead of s at 16k.
-    return create_block_mask(
-        mask_mod, B=1, H=None, Q_LEN=T, KV_LEN=T, device=position_ids.device, _compile=position_ids.is_cuda
+    partial, full = document_block_tables(docs)
+    kv_num, kv_idx = _ordered(partial)
+    full_num, full_idx = _ordered(full)
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=mask_mod, seq_lengths=(T, T)
     )

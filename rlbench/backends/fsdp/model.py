@@ -26,6 +26,9 @@ from rlbench.backends.fsdp.config import FSDPConfig
 from rlbench.distributed.mesh import DistEnv
 from rlbench.models.presets import build_config
 
+_RECOMPILE_LIMIT = 64  # compiled variants kept per decoder-layer code object (grad modes x pack lengths)
+_COMPILE_OPTIONS: dict = {"dynamic": False}  # `torch.compile` kwargs of every decoder layer (tests swap the backend)
+
 
 def model_config(name: str, overrides: dict | None = None) -> PretrainedConfig:
     """The HF config of a local model directory or of a preset name."""
@@ -100,14 +103,16 @@ def build_sharded_model(
         kwargs["offload_policy"] = policy
     layers = decoder_layers(model)
     if cfg.compile:
-        # Each layer is compiled on its own; identical layers must not exhaust dynamo's recompile limit.
+        # All layers share one code object, so they share dynamo's cache entries: one graph per (grad mode,
+        # pack length T) whatever the layer count (tests/test_fsdp_unit.py). `dynamic=False` specialises on
+        # T, so leave room for many distinct padded lengths before dynamo falls back to eager.
         dynamo_config = torch._dynamo.config
-        dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 2 * len(layers))
+        dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, _RECOMPILE_LIMIT)
     for i, layer in enumerate(layers):
         if cfg.gradient_checkpointing and i % cfg.checkpoint_every == 0:
             _checkpoint_forward(layer)
         if cfg.compile:
-            layer.compile(dynamic=False)
+            layer.compile(**_COMPILE_OPTIONS)
         fully_shard(layer, **kwargs)
     # The root (embeddings, final norm, lm_head) is needed again right at the start of backward: keep it gathered.
     fully_shard(model, **(kwargs | {"reshard_after_forward": False}))
