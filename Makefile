@@ -25,12 +25,14 @@ run: $(STAMP)
 	$(VPY) -m rlbench.cli demo
 
 test: $(STAMP)
-	$(VPY) -m ruff check rlbench tests benchmarks
-	$(VPY) -m pytest -q -m "not gpu" tests
+	$(VPY) -m ruff check rlbench tests benchmarks tools
+	$(VPY) tools/strip_notebooks.py --check notebooks/*.ipynb
+	$(VPY) -m pytest -q -m "not gpu and not browser" tests
 	$(VPY) -m pytest -q --nbval-lax notebooks
+	$(VPY) -m pytest -q -m browser tests/test_browser.py
 
 lint: $(STAMP)
-	$(VPY) -m ruff check rlbench tests benchmarks
+	$(VPY) -m ruff check rlbench tests benchmarks tools
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/
