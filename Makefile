@@ -26,7 +26,6 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(VPY) -m ruff check rlbench tests benchmarks tools
-	$(VPY) tools/strip_notebooks.py --check notebooks/*.ipynb
 	$(VPY) -m pytest -q -m "not gpu and not browser" tests
 	$(VPY) -m pytest -q --nbval-lax notebooks
 	$(VPY) -m pytest -q -m browser tests/test_browser.py

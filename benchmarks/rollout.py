@@ -19,7 +19,7 @@ import torch
 
 from rlbench.models import build_model
 from rlbench.rollout.base import SamplingParams
-from rlbench.rollout.torch_engine import TorchEngine, TorchEngineConfig, _bucket
+from rlbench.rollout.torch_engine import KV_FLOOR, TorchEngine, TorchEngineConfig, _bucket
 
 
 def _sync(device: str) -> None:
@@ -60,17 +60,33 @@ def decode_step_ms(engine: TorchEngine, prompt_len: int, new_tokens: int, steps:
     """Batch-1 decode step time (ms) at kv-length bucket of the mid-generation position."""
     runner = engine.runner
     b = _bucket(1, engine.cache.shape.num_slots, 2 if runner.compiled else 1)
-    kv = _bucket(prompt_len + new_tokens // 2, engine.cache.shape.max_seq_len, 64)
+    kv = _bucket(prompt_len + new_tokens // 2, engine.cache.shape.max_seq_len, KV_FLOOR)
     for _ in range(3):
-        runner.decode(b, kv, False)
+        runner.decode(b, kv, "sample")
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(steps):
-        runner.decode(b, kv, False)
+        runner.decode(b, kv, "sample")
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / steps
+
+
+def profile_step(engine: TorchEngine, b: int, kv: int, steps: int = 10) -> str:
+    """CUDA kernel table of `steps` compiled (not graph-replayed) decode steps: where a step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = engine.runner
+    runner.decode(b, kv, "sample")  # compiled + captured already; the eager call below reuses the compile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.inference_mode():
+        for _ in range(steps):
+            runner._decode_eager(b, kv, "sample")
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    kernels = sum(e.count for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA"))
+    return f"batch {b}, kv {kv}: {kernels / steps:.0f} kernels per step\n{table}"
 
 
 def weight_bytes(model) -> int:
@@ -93,6 +109,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--mem-fraction", type=float, default=0.5)
     ap.add_argument("--bandwidth-tbs", type=float, default=4.3, help="HBM bandwidth for the floor (H200: 4.3)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--profile", type=int, nargs="*", default=None,
+                    help="CUDA: print the kernel table of the decode step at these batch sizes (default: 1)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.threads:
@@ -105,8 +123,9 @@ def main(argv=None) -> dict:
                             cuda_graphs=not args.no_cuda_graph, compile=not args.no_compile)
     engine = TorchEngine(build_model(args.preset, device=args.device, dtype=dtype), cfg)
     t0 = time.perf_counter()
-    n_graphs = engine.warm_up() if cuda and cfg.cuda_graphs else 0
+    n_buckets = engine.warm_up() if cuda and cfg.cuda_graphs else 0
     warm_s = time.perf_counter() - t0
+    n_graphs = len(engine.runner._graphs)  # what was really captured (a failed capture warns and runs eager)
     engine.generate(_prompts(2, args.prompt_len, engine.model.config.vocab_size, 99), SamplingParams(max_new_tokens=8))
     hf_model = None if args.skip_hf else build_model(args.preset, device=args.device, dtype=dtype)
     rows = []
@@ -118,7 +137,7 @@ def main(argv=None) -> dict:
     result = dict(device=torch.cuda.get_device_name() if cuda else "cpu", preset=args.preset, dtype=str(dtype),
                   prompt_len=args.prompt_len, new_tokens=args.new_tokens, hf_new_tokens=hf_new,
                   cuda_graphs=engine.runner.cuda_graphs, compiled=engine.runner.compiled,
-                  graphs_captured=n_graphs, warm_up_s=warm_s, threads=torch.get_num_threads(), rows=rows)
+                  buckets_warmed=n_buckets, graphs_captured=n_graphs, warm_up_s=warm_s, threads=torch.get_num_threads(), rows=rows)
     if cuda:
         step = decode_step_ms(engine, args.prompt_len, args.new_tokens)
         floor = weight_bytes(engine.model) / (args.bandwidth_tbs * 1e12) * 1e3
@@ -127,6 +146,11 @@ def main(argv=None) -> dict:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
+    if cuda and args.profile is not None:
+        kv = _bucket(args.prompt_len + args.new_tokens // 2, engine.cache.shape.max_seq_len, KV_FLOOR)
+        for b in args.profile or [1]:
+            print(profile_step(engine, _bucket(b, engine.cache.shape.num_slots, 2 if engine.runner.compiled else 1),
+                               kv))
     return result
 
 
@@ -138,6 +162,8 @@ def _print(r: dict) -> None:
         hf = "-" if row["hf_tok_s"] is None else f"{row['hf_tok_s']:.1f}"
         sp = "-" if row["speedup"] is None else f"{row['speedup']:.1f}x"
         print(f"{row['batch']:>6} {row['engine_tok_s']:>14.1f} {hf:>12} {sp:>8}")
+    print(f"warm_up_s {r['warm_up_s']:.1f} ({r['graphs_captured']} graphs captured of "
+          f"{r['buckets_warmed']} buckets)")
     if "decode_b1_ms" in r:
         print(f"batch-1 decode step {r['decode_b1_ms']:.3f} ms; floor {r['floor_ms']:.3f} ms "
               f"({r['decode_over_floor']:.2f}x)")

@@ -164,6 +164,8 @@ def test_errors_are_actionable():
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="one seed per prompt"):
         engine.generate([[1], [2]], SamplingParams(max_new_tokens=4), seeds=[1])
+    with pytest.raises(ValueError, match="SAMPLE_MODES|one of"):
+        engine.runner.decode(2, 96, "nucleus")
 
 
 def test_abort_returns_partial_and_waiting_samples():

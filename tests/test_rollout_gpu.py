@@ -87,3 +87,22 @@ def test_qwen3_06b_bf16_greedy_and_logprobs():
     print(f"bf16 0.6b sampled (T=0.8, top_p=0.9, n=2): logprob |diff| max {d.max():.3e} mean {d.mean():.3e}")
     assert all(len(g.token_ids) == new for g in sampled)
     assert d.mean() < 0.05 and d.max() < 1.0
+
+
+def test_warm_up_one_compile_per_mode_and_a_graph_per_bucket():
+    """Every (batch, kv_len) bucket, b == num_slots and kv_len == max_seq_len included, shares one compile."""
+    from torch._dynamo.utils import counters
+
+    from rlbench.rollout.torch_engine import KV_FLOOR, _all_buckets
+
+    model = build_model("small", device="cuda", dtype=torch.bfloat16)
+    engine = TorchEngine(model, TorchEngineConfig(max_seq_len=1024, num_slots=16, compile=True, cuda_graphs=True))
+    before = counters["stats"]["unique_graphs"]
+    n = engine.warm_up()
+    assert engine.runner.cuda_graphs and engine.runner.compiled, "compile/graph capture fell back (see warnings)"
+    assert n == len(engine.runner._graphs) == len(_all_buckets(16, 2)) * len(_all_buckets(1024, KV_FLOOR))
+    assert counters["stats"]["unique_graphs"] - before == 1, "a bucket recompiled the decode step"
+    greedy = engine.generate(_prompts([5, 300], model.config.vocab_size), SamplingParams(temperature=0.0,
+                                                                                       max_new_tokens=8))
+    assert all(len(g.token_ids) == 8 for g in greedy)
+    assert counters["stats"]["unique_graphs"] - before == 2  # + the greedy variant, once

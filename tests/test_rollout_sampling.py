@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlbench.rollout.sampling import reference_probs, sample_tokens, token_hash, uniform_noise
+from rlbench.rollout.sampling import greedy_tokens, reference_probs, sample_tokens, token_hash, uniform_noise
 
 V, N = 12, 40_000
 LOGITS = torch.tensor([2.0, 1.5, 1.2, 0.9, 0.5, 0.3, 0.0, -0.4, -0.8, -1.2, -2.0, -3.0])
@@ -87,3 +87,15 @@ def test_uniform_noise_in_open_interval_and_flat():
     counts = torch.histc(u.flatten(), bins=16, min=0, max=1).double()
     expected = u.numel() / 16
     assert float(((counts - expected) ** 2 / expected).sum()) < 40  # df 15, p ~ 5e-4
+
+
+def test_greedy_variant_equals_sampler_at_t0():
+    """The noise-free greedy step (all rows T = 0) == the sampler's greedy rows, tokens and log-probs exactly."""
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(3)) * 4
+    tok, lp = greedy_tokens(logits)
+    want_tok, want_lp = sample_tokens(logits, torch.zeros(6), torch.zeros(6, dtype=torch.long), torch.ones(6),
+                                      torch.arange(6), torch.zeros(6, dtype=torch.long), token_hash(1000),
+                                      truncate=False)
+    assert torch.equal(tok, want_tok) and torch.equal(lp, want_lp)
+    ref = torch.log_softmax(logits.double(), -1).gather(1, tok[:, None])[:, 0]
+    torch.testing.assert_close(lp.double(), ref, atol=2e-6, rtol=0)

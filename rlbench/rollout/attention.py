@@ -31,9 +31,9 @@ class KVContext:
     """Per-forward state the attention function needs (all tensors preallocated by the engine)."""
 
     k_cache: list[torch.Tensor]
-    """Per layer `[S, n_kv, L_max, hd]`."""
+    """Per layer `[S, n_kv, L_max + KV_PAD, hd]`."""
     v_cache: list[torch.Tensor]
-    """Per layer `[S, n_kv, L_max, hd]`."""
+    """Per layer `[S, n_kv, L_max + KV_PAD, hd]`."""
     slots: torch.Tensor
     """`[B]` long: the cache slot of each batch row (decode: `arange(B)`)."""
     decode: bool

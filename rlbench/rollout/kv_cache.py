@@ -1,6 +1,7 @@
 """A preallocated, slot-based KV cache: one fixed-length row per running sequence.
 
-Layout per layer: `k[l], v[l]` of shape `[S, n_kv, L_max, head_dim]` (S slots, L_max = max sequence length),
+Layout per layer: `k[l], v[l]` of shape `[S, n_kv, L_max + KV_PAD, head_dim]` (S slots, L_max = max sequence
+length; the pad keeps every decode slice `[:kv_len]` a strict one),
 the layout SDPA reads directly. Slots are handed out lowest-first, so a decode batch over slots `[0, B)`
 covers every running sequence with little waste; a finished sequence frees its slot for a waiting prompt.
 """
@@ -11,6 +12,11 @@ import heapq
 from dataclasses import dataclass
 
 import torch
+
+KV_PAD = 16
+"""Extra positions allocated past `max_seq_len` (never written or read). The decode attention reads the
+slice `[:kv_len]` with kv_len <= max_seq_len, so the slice is never the whole (contiguous) dimension;
+otherwise a kv_len bucket equal to the full length is a special case that recompiles the whole model."""
 
 
 @dataclass(frozen=True)
@@ -40,7 +46,8 @@ class CacheShape:
 
 def slot_bytes(num_layers: int, num_kv_heads: int, head_dim: int, max_seq_len: int, dtype: torch.dtype) -> int:
     """Bytes of K and V for one slot."""
-    return 2 * num_layers * num_kv_heads * head_dim * max_seq_len * torch.empty((), dtype=dtype).element_size()
+    positions = max_seq_len + KV_PAD
+    return 2 * num_layers * num_kv_heads * head_dim * positions * torch.empty((), dtype=dtype).element_size()
 
 
 def slots_for_memory(free_bytes: int, fraction: float, per_slot: int, cap: int) -> int:
@@ -65,7 +72,7 @@ class KVCache:
     def allocate(self) -> None:
         """(Re-)create the tensors (zeros, so masked-out garbage is never NaN) and free every slot."""
         s = self.shape
-        dims = (s.num_slots, s.num_kv_heads, s.max_seq_len, s.head_dim)
+        dims = (s.num_slots, s.num_kv_heads, s.max_seq_len + KV_PAD, s.head_dim)
         self.k = [torch.zeros(dims, dtype=self.dtype, device=self.device) for _ in range(s.num_layers)]
         self.v = [torch.zeros(dims, dtype=self.dtype, device=self.device) for _ in range(s.num_layers)]
         self.reset()

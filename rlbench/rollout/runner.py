@@ -1,5 +1,6 @@
 """Forward passes of the engine over the HF model: prefill, and a decode step that can be compiled and
-captured in CUDA graphs (one graph per (batch bucket, kv-length bucket, truncation) key, captured lazily).
+captured in CUDA graphs (one graph per (batch bucket, kv-length bucket, sampling mode) key, captured lazily;
+one dynamic-shape compile per sampling mode serves every bucket).
 
 The decoder layers are the model's own `nn.Module`s (shared code with the trainer); only the attention
 function ("rlbench_kv", see `attention.py`) and the KV cache are the engine's. All per-slot decode state
@@ -12,10 +13,14 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.fx.experimental._config as fx_config
 
 from rlbench.rollout.attention import KVContext, decode_mask
 from rlbench.rollout.kv_cache import KVCache
-from rlbench.rollout.sampling import sample_tokens, token_hash
+from rlbench.rollout.sampling import greedy_tokens, sample_tokens, token_hash
+
+SAMPLE_MODES = ("greedy", "sample", "truncate")
+"""Decode-step variants, chosen once per `SamplingParams`: argmax only; Gumbel noise; noise + top-k/top-p."""
 
 
 class SlotState:
@@ -52,7 +57,7 @@ def forward_last(model: torch.nn.Module, input_ids, position_ids, ctx: KVContext
     Args:
         input_ids, position_ids: `[B, T]` long.
         ctx: the KV context the attention function reads.
-        last_index: `[B]` long position of the row's last real token.
+        last_index: `[B]` long position of the row's last real token; None = the last position (decode).
     Returns:
         `[B, V]` logits in the model dtype.
     """
@@ -61,6 +66,8 @@ def forward_last(model: torch.nn.Module, input_ids, position_ids, ctx: KVContext
     pos_emb = base.rotary_emb(hidden, position_ids)
     for layer in base.layers:
         hidden = layer(hidden, attention_mask=None, position_ids=position_ids, position_embeddings=pos_emb, rl_kv=ctx)
+    if last_index is None:
+        return model.lm_head(base.norm(hidden[:, -1]))  # [B, V]; a view, no gather kernel
     rows = torch.arange(hidden.shape[0], device=hidden.device)
     return model.lm_head(base.norm(hidden[rows, last_index]))  # [B, V]
 
@@ -74,17 +81,28 @@ class ModelRunner:
         self.state = SlotState(cache.shape.num_slots, model.config.vocab_size, self.device)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.compiled = compile and self.device.type == "cuda"
-        self._step_fn = self._logits_and_sample
-        if self.compiled:
-            # one dynamic compile should serve every (batch, kv_len) bucket; a few specialisations
-            # (truncation on/off) must not hit dynamo's default limit of 8 and silently fall back
-            import torch._dynamo
-
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            self._step_fn = torch.compile(self._logits_and_sample, dynamic=True)
-        self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self._step_fn = self._compiled_step() if self.compiled else self._logits_and_sample
+        self._graphs: dict[tuple[int, int, str], torch.cuda.CUDAGraph] = {}
         self._pool = None
-        self._warmed: set[tuple[int, int, bool]] = set()
+        self._warmed: set[tuple[int, int, str]] = set()
+
+    def _compiled_step(self):
+        """`torch.compile(dynamic=True)` of the step, traced without duck sizing.
+
+        Duck sizing gives equal sizes one symbol, so a batch of 8 (= KV heads), 128 (= head_dim) or 256
+        (= slots), or kv_len 1024 (= hidden) or L_max, each specialised and recompiled: ~8 compiles of the
+        whole unrolled model. Without it one compile per sampling mode serves every (batch, kv_len) bucket.
+        """
+        import torch._dynamo
+
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        compiled = torch.compile(self._logits_and_sample, dynamic=True)
+
+        def step(*args):
+            with fx_config.patch(use_duck_shape=False):
+                return compiled(*args)
+
+        return step
 
     # ---- prefill (eager; matmul-bound) ----
     @torch.inference_mode()
@@ -102,19 +120,21 @@ class ModelRunner:
 
     # ---- decode ----
     def _logits_and_sample(self, tokens, positions, temperature, top_k, top_p, seeds, steps, kv_len: int,
-                           truncate: bool):
-        """One decode step for slots `[0, B)`: `[B]` inputs -> (tokens `[B]`, log_probs `[B]`)."""
+                           mode: str):
+        """One decode step for slots `[0, B)`: `[B]` inputs -> (tokens `[B]`, log_probs `[B]`); see SAMPLE_MODES."""
         b = tokens.shape[0]
         ctx = KVContext(self.cache.k, self.cache.v, self.state.slot_ids[:b], decode=True, positions=positions,
                         kv_len=kv_len, mask=decode_mask(positions, kv_len))
-        logits = forward_last(self.model, tokens[:, None], positions[:, None], ctx,
-                              torch.zeros(b, dtype=torch.long, device=tokens.device))
-        return sample_tokens(logits, temperature, top_k, top_p, seeds, steps, self.state.vocab_hash, truncate)
+        logits = forward_last(self.model, tokens[:, None], positions[:, None], ctx, None)
+        if mode == "greedy":
+            return greedy_tokens(logits)
+        return sample_tokens(logits, temperature, top_k, top_p, seeds, steps, self.state.vocab_hash,
+                             mode == "truncate")
 
-    def _decode_eager(self, b: int, kv_len: int, truncate: bool) -> None:
+    def _decode_eager(self, b: int, kv_len: int, mode: str) -> None:
         s = self.state
         tok, lp = self._step_fn(s.tokens[:b], s.positions[:b], s.temperature[:b], s.top_k[:b], s.top_p[:b],
-                                s.seeds[:b], s.steps[:b], kv_len, truncate)
+                                s.seeds[:b], s.steps[:b], kv_len, mode)
         s.out_tokens[:b].copy_(tok)
         s.out_log_probs[:b].copy_(lp)
         s.tokens[:b].copy_(tok)
@@ -122,9 +142,14 @@ class ModelRunner:
         s.steps[:b].add_(1)
 
     @torch.inference_mode()
-    def decode(self, b: int, kv_len: int, truncate: bool) -> None:
-        """Advance slots `[0, b)` by one token; results land in `state.out_tokens/out_log_probs[:b]`."""
-        key = (b, kv_len, truncate)
+    def decode(self, b: int, kv_len: int, mode: str) -> None:
+        """Advance slots `[0, b)` by one token; results land in `state.out_tokens/out_log_probs[:b]`.
+
+        `mode` (one of SAMPLE_MODES) must hold for every row in `[0, b)`: "greedy" ignores temperatures.
+        """
+        if mode not in SAMPLE_MODES:
+            raise ValueError(f"mode={mode!r} must be one of {SAMPLE_MODES}")
+        key = (b, kv_len, mode)
         graph = self._graphs.get(key)
         if graph is not None:
             graph.replay()
@@ -139,7 +164,7 @@ class ModelRunner:
             self._warmed.add(key)
         self._decode_eager(*key)
 
-    def _warm_up(self, key: tuple[int, int, bool]) -> None:
+    def _warm_up(self, key: tuple[int, int, str]) -> None:
         """Run the step twice on a side stream (this compiles on first use); a failed compile falls back."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -155,7 +180,7 @@ class ModelRunner:
                     self._step_fn, self.compiled = self._logits_and_sample, False
         torch.cuda.current_stream().wait_stream(stream)
 
-    def _capture(self, key: tuple[int, int, bool]) -> None:
+    def _capture(self, key: tuple[int, int, str]) -> None:
         """Warm up, capture the step into a graph and replay it once; the state is restored in between."""
         saved = self.state.snapshot()
         self._warm_up(key)

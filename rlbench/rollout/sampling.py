@@ -61,6 +61,18 @@ def truncate_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     return torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_vals)
 
 
+def log_prob_at(scaled: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """`log_softmax(scaled)[b, tokens[b]]` `[B]` without writing the `[B, V]` log-softmax (one logsumexp)."""
+    return scaled.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(scaled, dim=-1)
+
+
+def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Argmax per row `[B, V]` -> tokens `[B]`, log-probs `[B]` at T = 1 (no noise: every row is greedy)."""
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)
+    return tokens, log_prob_at(logits, tokens)
+
+
 def sample_tokens(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -88,12 +100,11 @@ def sample_tokens(
     greedy = temperature <= 0
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)
     scaled = logits / temp[:, None]  # [B, V]
-    log_probs = torch.log_softmax(scaled, dim=-1)
     candidates = truncate_logits(scaled, top_k, top_p) if truncate else scaled
     gumbel = -torch.log(-torch.log(uniform_noise(seeds, steps, vocab_hash)))
     sampled = (candidates + gumbel).argmax(dim=-1)
-    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
-    return tokens, log_probs.gather(1, tokens[:, None])[:, 0]
+    tokens = torch.where(greedy, scaled.argmax(dim=-1), sampled)  # T = 1 on greedy rows: scaled == logits
+    return tokens, log_prob_at(scaled, tokens)
 
 
 def reference_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:

@@ -71,6 +71,11 @@ class _Seq:
     finish_reason: str | None = None
 
 
+KV_FLOOR = 256
+"""Smallest kv-length bucket: attention over <= 256 cached positions costs little next to the GEMVs, and a
+higher floor means fewer (batch, kv_len) graphs to capture (4 kv buckets for L_max = 1536, not 6)."""
+
+
 def _bucket(x: int, cap: int, floor: int) -> int:
     """Smallest power of two >= x (at least `floor`), capped at `cap`."""
     return min(cap, max(floor, 1 << max(0, x - 1).bit_length()))
@@ -141,16 +146,19 @@ class TorchEngine:
         return [Generation(s.prompt_index, s.tokens, s.log_probs, s.finish_reason, self.weight_version,
                            s.sample_index) for s in done]
 
-    def warm_up(self, truncate: bool = False) -> int:
+    def warm_up(self, truncate: bool = False, greedy: bool = False) -> int:
         """Compile and capture every decode graph now (GPU with cuda_graphs) instead of on first use.
 
+        One sampling mode per call: top-k/top-p (`truncate`), greedy (`greedy`, T = 0) or plain sampling.
         Returns the number of (batch, kv-length) buckets run. Idle slots are decoded, which is harmless.
         """
         shape = self.cache.shape
         floor = 2 if self.runner.compiled else 1
-        keys = [(b, kv) for b in _all_buckets(shape.num_slots, floor) for kv in _all_buckets(shape.max_seq_len, 64)]
+        mode = "greedy" if greedy else "truncate" if truncate else "sample"
+        keys = [(b, kv) for b in _all_buckets(shape.num_slots, floor)
+                for kv in _all_buckets(shape.max_seq_len, KV_FLOOR)]
         for b, kv in keys:
-            self.runner.decode(b, kv, truncate)
+            self.runner.decode(b, kv, mode)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return len(keys)
@@ -229,12 +237,13 @@ class TorchEngine:
         top = max(s.slot for s in running) + 1
         b = _bucket(top, self.cache.shape.num_slots, 1 if not self.runner.compiled else 2)
         longest = max(s.prompt_len + len(s.tokens) for s in running) + k
-        kv_len = _bucket(longest, self.cache.shape.max_seq_len, 64)
+        kv_len = _bucket(longest, self.cache.shape.max_seq_len, KV_FLOOR)
         st = self.runner.state
         out_tok = torch.empty(k, b, dtype=torch.long, device=self.device)
         out_lp = torch.empty(k, b, dtype=torch.float32, device=self.device)
+        mode = _mode(sampling)
         for step in range(k):
-            self.runner.decode(b, kv_len, _truncates(sampling))
+            self.runner.decode(b, kv_len, mode)
             out_tok[step].copy_(st.out_tokens[:b])
             out_lp[step].copy_(st.out_log_probs[:b])
         toks, lps = out_tok.T.tolist(), out_lp.T.tolist()  # the one host sync of the window
@@ -319,3 +328,10 @@ class TorchEngine:
 
 def _truncates(sampling: SamplingParams) -> bool:
     return sampling.temperature > 0 and (sampling.top_k > 0 or sampling.top_p < 1)
+
+
+def _mode(sampling: SamplingParams) -> str:
+    """The decode-step variant (`runner.SAMPLE_MODES`), chosen once per `SamplingParams`."""
+    if sampling.temperature <= 0:
+        return "greedy"
+    return "truncate" if _truncates(sampling) else "sample"
