@@ -1,0 +1,295 @@
+"""`rlbench train|sft|demo|bench ...`: slime-named flags generated from the config dataclasses.
+
+    python -m rlbench.cli demo                          # SFT warm start (cached) + GRPO on arithmetic (make run)
+    rlbench train --preset cpu_demo --hf-checkpoint runs/sft-small-arith3 --num-rollout 5 --lr 1e-4
+    rlbench train --preset cpu_demo --print-config      # the resolved RunConfig as JSON
+    rlbench bench --hf-checkpoint DIR                   # qwen3-0.6b-shape loop on one GPU, per-phase times
+    rlbench sft --preset small --task arithmetic --out runs/sft
+
+Every config field has one flag. Its name is slime's where slime has that setting (`FLAG_NAMES`), otherwise
+`--{field}` (or `--{section}-{field}` when the bare name is ambiguous). Flags only override fields of
+the chosen preset; `build_parser()` and `FLAG_NAMES` are the single source, so names never drift.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import sys
+import types
+import typing
+from typing import Any
+
+# (section path, field) -> flag. Sections: data, backend, backend.optim, loss, rollout, batch, engine,
+# weights, eval, logging, checkpoint, task, and "" for RunConfig's own scalar fields.
+FLAG_NAMES: dict[tuple[str, str], str] = {
+    ("backend", "model"): "--hf-checkpoint",
+    ("backend", "ref_model"): "--ref-load",
+    ("backend", "seed"): "--model-seed",
+    ("backend", "temperature"): "--logprob-temperature",
+    ("backend", "cp_size"): "--context-parallel-size",
+    ("backend", "cpu_offload"): "--fsdp-cpu-offload",
+    ("backend", "checkpoint_dir"): "--backend-checkpoint-dir",
+    ("backend.optim", "lr_schedule"): "--lr-decay-style",
+    ("backend.optim", "warmup_steps"): "--lr-warmup-iters",
+    ("backend.optim", "warmup_init_lr"): "--lr-warmup-init",
+    ("backend.optim", "decay_steps"): "--lr-decay-iters",
+    ("backend.optim", "eps"): "--adam-eps",
+    ("data", "path"): "--prompt-data",
+    ("data", "max_prompt_length"): "--rollout-max-prompt-len",
+    ("data", "shuffle"): "--rollout-shuffle",
+    ("data", "seed"): "--rollout-seed",
+    ("rollout", "max_response_len"): "--rollout-max-response-len",
+    ("rollout", "temperature"): "--rollout-temperature",
+    ("rollout", "top_p"): "--rollout-top-p",
+    ("rollout", "top_k"): "--rollout-top-k",
+    ("rollout", "seed"): "--sampling-seed",
+    ("eval", "interval"): "--eval-interval",
+    ("eval", "data_path"): "--eval-prompt-data",
+    ("eval", "n_samples_per_prompt"): "--n-samples-per-eval-prompt",
+    ("eval", "skip_before_train"): "--skip-eval-before-train",
+    ("eval", "max_prompts"): "--eval-max-prompts",
+    ("weights", "bucket_bytes"): "--update-weight-buffer-size",
+    ("weights", "verify"): "--check-weight-update-equal",
+    ("checkpoint", "save_dir"): "--save",
+    ("checkpoint", "load_dir"): "--load",
+    ("checkpoint", "save_interval"): "--save-interval",
+    ("logging", "tensorboard_dir"): "--tensorboard-dir",
+    ("logging", "wandb_run_name"): "--wandb-run-name",
+    ("logging", "console"): "--console",
+    ("logging", "jsonl_path"): "--metrics-jsonl",
+    ("logging", "wandb_project"): "--wandb-project",
+    ("task", "name"): "--task",
+}
+# Sections whose field names are used bare (`--eps-clip`, `--global-batch-size`, `--lr`).
+BARE_SECTIONS = ("loss", "batch", "backend.optim", "rollout", "backend", "data", "")
+SKIP = {("loss", "extra"), ("loss", "mis"), ("backend", "model_overrides"), ("backend", "optim"),
+        ("logging", "console_keys"), ("backend.optim", "betas"), ("", "task")}
+
+PRESETS = ("cpu_demo", "cpu_test", "qwen3_0p6b_gpu")
+
+
+def _section_types() -> dict[str, type]:
+    from rlbench.backends.fsdp.config import OptimConfig
+    from rlbench.config import RunConfig
+
+    hints = typing.get_type_hints(RunConfig)
+    out = {"": RunConfig, "backend.optim": OptimConfig}
+    for f in dataclasses.fields(RunConfig):
+        cls = _dataclass_of(hints[f.name])
+        if cls is not None:
+            out[f.name] = cls
+    return out
+
+
+def _dataclass_of(tp) -> type | None:
+    """The dataclass in `tp` (unwrapping `X | None`), or None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if len(args) == 1 and dataclasses.is_dataclass(args[0]) else None
+
+
+@functools.lru_cache(maxsize=1)
+def config_flags() -> dict[str, tuple[str, str, Any, str]]:
+    """flag -> (section, field, type, help) for every configurable field."""
+    sections = _section_types()
+    raw: list[tuple[str, str, Any, str]] = []
+    for section, cls in sections.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if (section, f.name) in SKIP or (section == "" and _dataclass_of(hints[f.name])):
+                continue
+            raw.append((section, f.name, hints[f.name], _field_doc(cls, f.name)))
+    bare_count: dict[str, int] = {}
+    for section, name, _, _ in raw:
+        if section in BARE_SECTIONS and (section, name) not in FLAG_NAMES:
+            bare_count[name] = bare_count.get(name, 0) + 1
+    flags = {}
+    for section, name, tp, doc in raw:
+        flag = FLAG_NAMES.get((section, name))
+        if flag is None:
+            bare = section in BARE_SECTIONS and bare_count.get(name) == 1
+            flag = "--" + (name if bare else f"{section.replace('.', '-')}-{name}").replace("_", "-")
+        assert flag not in flags, f"duplicate flag {flag} for {section}.{name} and {flags[flag][:2]}"
+        flags[flag] = (section, name, tp, doc)
+    return flags
+
+
+@functools.cache
+def _source_lines(cls) -> tuple[str, ...]:
+    import inspect
+
+    try:
+        return tuple(inspect.getsource(cls).splitlines())
+    except (OSError, TypeError):
+        return ()
+
+
+def _field_doc(cls, name: str) -> str:
+    """The one-line docstring under a dataclass field (read from the source), or ''."""
+    lines = _source_lines(cls)
+    for i, line in enumerate(lines[:-1]):
+        if line.strip().startswith(f"{name}:"):
+            doc = lines[i + 1].strip()
+            return doc.strip('"').replace("%", "%%") if doc.startswith('"""') else ""
+    return ""
+
+
+def _argparse_kwargs(tp) -> dict:
+    """argparse options for a field type: bools get --x/--no-x, tuples take several values."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    base = args[0] if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1 else tp
+    if base is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if typing.get_origin(base) is tuple:
+        return {"nargs": "+", "type": typing.get_args(base)[0]}
+    if base in (int, float, str):
+        return {"type": base}
+    return {"type": json.loads}  # dicts and anything else: JSON
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `rlbench` parser with its sub-commands."""
+    parser = argparse.ArgumentParser(prog="rlbench", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_ in (("train", "GRPO/PPO training from a preset + flags"),
+                        ("demo", "SFT warm start (cached) then GRPO on arithmetic; what `make run` runs"),
+                        ("bench", "a few colocated GRPO steps with per-phase times (GPU)")):
+        p = sub.add_parser(name, help=help_, argument_default=argparse.SUPPRESS)
+        default_preset = "qwen3_0p6b_gpu" if name == "bench" else "cpu_demo"
+        p.add_argument("--preset", choices=PRESETS, default=default_preset, help="base configuration")
+        p.add_argument("--print-config", action="store_true", default=False, help="print the RunConfig and exit")
+        p.add_argument("--train-backend", choices=["fsdp"], default="fsdp", help="training backend")
+        p.add_argument("--adam-beta1", type=float, help="AdamW beta1")
+        p.add_argument("--adam-beta2", type=float, help="AdamW beta2")
+        p.add_argument("--sft-steps", type=int, default=None, help="SFT warm-start max steps (demo/bench)")
+        p.add_argument("--sft-dir", default=None, help="where the SFT warm start is cached (demo/bench)")
+        for flag, (_, _, tp, doc) in config_flags().items():
+            p.add_argument(flag, help=doc, **_argparse_kwargs(tp))
+    sft = sub.add_parser("sft", help="SFT warm start (see python -m rlbench.sft --help)", add_help=False)
+    sft.add_argument("rest", nargs=argparse.REMAINDER)
+    return parser
+
+
+def apply_flags(cfg, args: argparse.Namespace):
+    """A copy of `cfg` with every given flag applied (sections re-validated), plus slime's couplings."""
+    given = vars(args)
+    updates: dict[str, dict] = {}
+    for flag, (section, name, _, _) in config_flags().items():
+        dest = flag[2:].replace("-", "_")
+        if dest in given:
+            updates.setdefault(section, {})[name] = given[dest]
+    if "rollout_temperature" in given and "logprob_temperature" not in given:
+        updates.setdefault("backend", {})["temperature"] = given["rollout_temperature"]  # log-probs use it
+    if "adam_beta1" in given or "adam_beta2" in given:
+        b1, b2 = cfg.backend.optim.betas
+        updates.setdefault("backend.optim", {})["betas"] = (given.get("adam_beta1", b1), given.get("adam_beta2", b2))
+    backend = cfg.backend
+    if "backend.optim" in updates:
+        backend = dataclasses.replace(backend, optim=dataclasses.replace(backend.optim, **updates.pop("backend.optim")))
+    if "backend" in updates:
+        backend = dataclasses.replace(backend, **updates.pop("backend"))
+    sections = {"backend": backend}
+    for section, fields in updates.items():
+        if section:
+            sections[section] = dataclasses.replace(getattr(cfg, section), **fields)
+    return dataclasses.replace(cfg, **sections, **updates.get("", {}))
+
+
+def preset_config(args: argparse.Namespace, model: str | None = None):
+    """The preset's RunConfig (built with `model` as the checkpoint when given) with the flags applied."""
+    from rlbench import presets
+
+    fn = getattr(presets, args.preset)
+    base = fn(model=model) if model is not None else (fn() if args.preset != "qwen3_0p6b_gpu" else fn(model="qwen3-0.6b-shape"))
+    return apply_flags(base, args)
+
+
+def ensure_sft(args: argparse.Namespace, out: str) -> str:
+    """Run the demo's SFT warm start (`presets.DEMO_SFT`) into `out` unless a finished one is there."""
+    if os.path.isfile(os.path.join(out, "config.json")):
+        print(f"[rlbench] reusing SFT warm start {out}", flush=True)
+        return out
+    from rlbench.presets import DEMO_SFT
+    from rlbench.sft import SFTConfig, run_sft
+
+    print(f"[rlbench] SFT warm start -> {out}", flush=True)
+    steps = {"max_steps": args.sft_steps} if getattr(args, "sft_steps", None) else {}
+    run_sft(SFTConfig(**(DEMO_SFT | steps), out=out))
+    return out
+
+
+def run_train(cfg) -> dict:
+    """Build the Trainer, train `num_rollout` steps, print a summary; returns the last metrics."""
+    from rlbench.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    trainer.fit()
+    summary = summarize_run(trainer)
+    print(json.dumps(summary, indent=1), flush=True)
+    trainer.close()
+    return summary
+
+
+def summarize_run(trainer) -> dict:
+    """Start/end eval and mean per-phase times of a finished run."""
+    out: dict[str, float] = {}
+    if trainer.eval_history:
+        first, last = trainer.eval_history[0], trainer.eval_history[-1]
+        for key in [k for k in first if k.startswith("eval/pass@") or k == "eval/reward"]:
+            out[f"{key}/start"], out[f"{key}/end"] = first[key], last[key]
+    for key in ("perf/rollout_time", "perf/log_probs_time", "perf/train_time", "perf/update_weights_time",
+                "perf/step_time", "perf/peak_memory_gb", "weights/bytes"):
+        vals = [h[key] for h in trainer.history if key in h]
+        if vals:
+            out[f"{key}/mean"] = sum(vals) / len(vals)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["sft"]:
+        from rlbench.sft import main as sft_main
+
+        sft_main(argv[1:])
+        return 0
+    args = build_parser().parse_args(argv)
+    if args.command == "demo":
+        import torch
+
+        torch.set_num_threads(min(2, os.cpu_count() or 1))
+        from rlbench.presets import DEMO_SFT_DIR
+
+        model = getattr(args, "hf_checkpoint", None) or ensure_sft(args, args.sft_dir or DEMO_SFT_DIR)
+        cfg = preset_config(args, model=model)
+    elif args.command == "bench":
+        model = getattr(args, "hf_checkpoint", None) or ensure_device_sft(args, "qwen3-0.6b-shape")
+        cfg = preset_config(args, model=model)
+    else:
+        cfg = preset_config(args)
+    if args.print_config:
+        print(json.dumps(cfg.to_dict(), indent=1, default=str))
+        return 0
+    run_train(cfg)
+    return 0
+
+
+def ensure_device_sft(args: argparse.Namespace, preset: str) -> str:
+    """A short SFT warm start of `preset` on the GPU (cached in --sft-dir); returns the HF dir."""
+    out = args.sft_dir or os.path.join("runs", f"sft-{preset}")
+    if os.path.isfile(os.path.join(out, "config.json")):
+        print(f"[rlbench] reusing SFT warm start {out}", flush=True)
+        return out
+    from rlbench.orchestration.warm_start import warm_start
+
+    print(f"[rlbench] SFT warm start of {preset!r} on cuda -> {out}", flush=True)
+    print(json.dumps(warm_start(preset, out, device="cuda", steps=args.sft_steps or 150)), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,303 @@
+"""The run configuration: one small dataclass per component, composed by `RunConfig`.
+
+Each component receives only its own config (`cfg.rollout`, `cfg.loss`, `cfg.backend`, ...).
+`RunConfig.__post_init__` checks the rules that span components (batch-size arithmetic, the
+reference model the KL needs, the temperature shared by sampling and log-probs, ...) and raises
+`ValueError` naming the values and what to change. Presets (`rlbench.presets`) are functions
+returning a `RunConfig`; the CLI (`rlbench.cli`) maps slime-named flags onto these fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+from rlbench.algorithms.config import LossConfig
+from rlbench.backends.fsdp.config import FSDPConfig, OptimConfig
+from rlbench.data.datasets import DataConfig
+from rlbench.metrics import LoggingConfig
+from rlbench.rollout.torch_engine import TorchEngineConfig
+from rlbench.weights import WeightSyncConfig
+
+__all__ = [
+    "BatchConfig", "CheckpointConfig", "DataConfig", "EvalConfig", "FSDPConfig",
+    "LoggingConfig", "LossConfig", "OptimConfig", "RolloutConfig", "RunConfig", "TaskConfig",
+    "TorchEngineConfig", "WeightSyncConfig",
+]
+
+
+@dataclass
+class TaskConfig:
+    """A synthetic task whose train/eval jsonl files are generated before the run (if missing)."""
+
+    name: str = "arithmetic"
+    """Task name in `rlbench.data.tasks.TASKS` ("arithmetic" or "countdown")."""
+    level: int | None = 1
+    """Arithmetic difficulty level 1..4 (ignored by countdown)."""
+    n_train: int = 20000
+    """Rows drawn for training (held-out prompts are removed from them; = SFTConfig.num_train)."""
+    n_eval: int = 128
+    """Held-out prompts (= SFTConfig.num_eval: the same split as the SFT warm start)."""
+    seed: int = 0
+    """Generation seed (= SFTConfig.seed)."""
+    out_dir: str = "runs/data"
+    """Where the jsonl files are written."""
+
+    def __post_init__(self) -> None:
+        if self.name not in ("arithmetic", "countdown"):
+            raise ValueError(f"task name={self.name!r}; use 'arithmetic' or 'countdown'")
+        if self.n_train < 1 or self.n_eval < 1:
+            raise ValueError(f"n_train={self.n_train}, n_eval={self.n_eval} must both be >= 1")
+
+    def _stem(self) -> str:
+        level = f"-l{self.level}" if self.name == "arithmetic" else ""
+        return os.path.join(self.out_dir, f"{self.name}{level}-s{self.seed}")
+
+    @property
+    def train_path(self) -> str:
+        return f"{self._stem()}-train{self.n_train}.jsonl"
+
+    @property
+    def eval_path(self) -> str:
+        return f"{self._stem()}-eval{self.n_eval}.jsonl"
+
+
+@dataclass
+class RolloutConfig:
+    """How prompts become scored samples: sampling, group size, dynamic sampling, truncation."""
+
+    rollout_batch_size: int = 8
+    """Prompts (groups) per rollout (slime's --rollout-batch-size)."""
+    n_samples_per_prompt: int = 4
+    """Responses sampled per prompt: the GRPO group size."""
+    max_response_len: int = 32
+    """Maximum new tokens per response (slime's --rollout-max-response-len)."""
+    temperature: float = 1.0
+    """Sampling temperature; log-probs and entropy in training use the same one."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1 = off)."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    rm_type: str = "math"
+    """Reward function name in `rlbench.rewards.REWARDS` or "module:function" (per-row metadata wins)."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal (zero advantage) and sample more prompts to refill."""
+    over_sampling_batch_size: int | None = None
+    """Prompts pulled per refill round when dynamic sampling (None: rollout_batch_size)."""
+    max_sampling_rounds: int = 8
+    """Give up refilling after this many generate rounds and keep the groups found so far."""
+    mask_truncated: bool = False
+    """Zero the loss mask of responses cut at max_response_len (they still count in normalisation)."""
+    seed: int = 0
+    """Base sampling seed: rollout r, prompt i, sample j use a seed derived from (seed, r, i, j)."""
+
+    def __post_init__(self) -> None:
+        for name in ("rollout_batch_size", "n_samples_per_prompt", "max_response_len", "max_sampling_rounds"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.{name}={getattr(self, name)} must be >= 1")
+        if self.temperature <= 0:
+            raise ValueError(f"rollout temperature={self.temperature} must be > 0 for RL (greedy has no log-probs)")
+        obs = self.over_sampling_batch_size
+        if obs is not None and obs < self.rollout_batch_size:
+            raise ValueError(
+                f"over_sampling_batch_size={obs} must be >= rollout_batch_size={self.rollout_batch_size} (or None)"
+            )
+        if self.dynamic_sampling and self.n_samples_per_prompt < 2:
+            raise ValueError("dynamic_sampling needs n_samples_per_prompt >= 2 (a group of 1 always has equal rewards)")
+
+
+@dataclass
+class BatchConfig:
+    """Optimizer steps per rollout and micro-batching (slime's batch flags)."""
+
+    global_batch_size: int = 32
+    """Samples per optimizer step; rollout_batch_size x n_samples_per_prompt must be a multiple of it."""
+    micro_batch_size: int = 1
+    """Samples per micro-batch per DP rank (static mode; ignored with use_dynamic_batch_size)."""
+    use_dynamic_batch_size: bool = False
+    """Pack micro-batches by token budget (first-fit count, Karmarkar-Karp) instead of a fixed count."""
+    max_tokens_per_gpu: int | None = None
+    """Token budget of one packed micro-batch (needed by use_dynamic_batch_size)."""
+    balance_data: bool = False
+    """Split samples over DP ranks by balanced token counts (Karmarkar-Karp) instead of round-robin."""
+    dp_size: int = 1
+    """Data-parallel ranks (1 for a single-process run)."""
+    num_rollout: int = 10
+    """Rollouts (= RL steps) in the run."""
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch_size", "micro_batch_size", "dp_size", "num_rollout"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"batch.{name}={getattr(self, name)} must be >= 1")
+        if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
+            raise ValueError("use_dynamic_batch_size=True needs max_tokens_per_gpu (e.g. --max-tokens-per-gpu 4096)")
+        if self.max_tokens_per_gpu is not None and self.max_tokens_per_gpu < 1:
+            raise ValueError(f"max_tokens_per_gpu={self.max_tokens_per_gpu} must be >= 1")
+        step = self.dp_size * (1 if self.use_dynamic_batch_size else self.micro_batch_size)
+        if self.global_batch_size % step:
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} must be divisible by dp_size={self.dp_size} x "
+                f"micro_batch_size={1 if self.use_dynamic_batch_size else self.micro_batch_size} = {step}; "
+                "change global_batch_size or micro_batch_size"
+            )
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation: mean reward and unbiased pass@k."""
+
+    interval: int | None = None
+    """Evaluate every this many rollouts (and before training); None: never."""
+    data_path: str | None = None
+    """Held-out prompts (.jsonl/.parquet, same keys as the training data); None: the task's eval split."""
+    max_prompts: int | None = None
+    """Use at most this many eval prompts (None: all)."""
+    n_samples_per_prompt: int = 1
+    """Samples per eval prompt (pass@k needs k <= this)."""
+    temperature: float | None = None
+    """Eval sampling temperature (None: the rollout temperature)."""
+    max_response_len: int | None = None
+    """Eval max new tokens (None: the rollout's)."""
+    pass_k: tuple[int, ...] = (1,)
+    """The k values reported as eval/pass@k."""
+    skip_before_train: bool = False
+    """Do not evaluate at rollout 0 before training."""
+    seed: int = 12345
+    """Eval sampling seed (fixed, so every eval sees the same random draws)."""
+
+    def __post_init__(self) -> None:
+        self.pass_k = tuple(self.pass_k)
+        if self.interval is not None and self.interval < 1:
+            raise ValueError(f"eval interval={self.interval} must be >= 1 or None (off)")
+        if self.n_samples_per_prompt < 1:
+            raise ValueError(f"eval n_samples_per_prompt={self.n_samples_per_prompt} must be >= 1")
+        bad = [k for k in self.pass_k if not 1 <= k <= self.n_samples_per_prompt]
+        if bad:
+            raise ValueError(
+                f"eval pass_k={self.pass_k} has k={bad} outside [1, n_samples_per_prompt={self.n_samples_per_prompt}]; "
+                "raise n_samples_per_prompt or drop those k"
+            )
+        if self.temperature is not None and self.temperature < 0:
+            raise ValueError(f"eval temperature={self.temperature} must be >= 0 (0 = greedy)")
+
+
+@dataclass
+class CheckpointConfig:
+    """Where and when to save; where to resume from."""
+
+    save_dir: str | None = None
+    """Directory for checkpoints (slime's --save); None: no periodic saves."""
+    save_interval: int | None = None
+    """Save every this many rollouts and at the last one (needs save_dir)."""
+    load_dir: str | None = None
+    """Resume from this trainer checkpoint directory (slime's --load)."""
+
+    def __post_init__(self) -> None:
+        if self.save_interval is not None and self.save_interval < 1:
+            raise ValueError(f"save_interval={self.save_interval} must be >= 1 or None")
+        if self.save_interval is not None and self.save_dir is None:
+            raise ValueError(f"save_interval={self.save_interval} needs save_dir (--save DIR)")
+
+
+@dataclass
+class RunConfig:
+    """One RL run: every component's config, plus the rules that tie them together."""
+
+    data: DataConfig
+    """Training prompts (slime's --prompt-data, --input-key, --label-key, ...)."""
+    backend: FSDPConfig = field(default_factory=FSDPConfig)
+    """The training backend (model, precision, optimizer, schedule)."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """Advantages, policy loss, KL and entropy terms."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Sampling and rewards."""
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    """Batch sizes and the number of rollouts."""
+    engine: TorchEngineConfig = field(default_factory=TorchEngineConfig)
+    """The embedded rollout engine (sequence length, slots, CUDA graphs, compile)."""
+    weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """Trainer-to-engine weight sync."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metric sinks."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Saving and resuming."""
+    task: TaskConfig | None = None
+    """Synthetic task to generate data for before the run (None: data.path already exists)."""
+    colocate: bool = True
+    """Trainer and engine share the device(s) (the only mode for now)."""
+    offload: bool | None = None
+    """Colocated: park the trainer state in host memory during rollout and free the engine's KV cache
+    during training (None: on for CUDA, off on CPU)."""
+    seed: int = 1234
+    """Global seed (torch/numpy/python RNG at start)."""
+
+    def __post_init__(self) -> None:
+        self._check_batch()
+        self._check_algorithm()
+        if self.eval.interval is not None and self.eval.data_path is None and self.task is None:
+            raise ValueError("eval.interval is set but there is no eval data; set eval.data_path or task")
+        if self.data.max_prompt_length is not None and self.data.max_prompt_length + self.rollout.max_response_len > self.engine.max_seq_len:
+            raise ValueError(
+                f"max_prompt_length={self.data.max_prompt_length} + max_response_len={self.rollout.max_response_len} "
+                f"exceeds engine.max_seq_len={self.engine.max_seq_len}; raise engine.max_seq_len"
+            )
+        if not self.colocate:
+            raise ValueError("colocate=False (disaggregated engine) is not available yet; set colocate=True")
+
+    def _check_batch(self) -> None:
+        r, b = self.rollout, self.batch
+        total = r.rollout_batch_size * r.n_samples_per_prompt
+        if total % b.global_batch_size:
+            raise ValueError(
+                f"rollout_batch_size={r.rollout_batch_size} x n_samples_per_prompt={r.n_samples_per_prompt} = {total} "
+                f"samples is not a multiple of global_batch_size={b.global_batch_size}; change one of them"
+            )
+        if b.max_tokens_per_gpu is not None and b.max_tokens_per_gpu * self.backend.cp_size < r.max_response_len + 1:
+            raise ValueError(
+                f"max_tokens_per_gpu={b.max_tokens_per_gpu} cannot hold one sequence of max_response_len="
+                f"{r.max_response_len} + prompt tokens; raise max_tokens_per_gpu"
+            )
+
+    def _check_algorithm(self) -> None:
+        loss, r = self.loss, self.rollout
+        if loss.needs_ref and self.backend.ref_model is None:
+            raise ValueError(
+                f"use_kl_loss={loss.use_kl_loss}/kl_coef={loss.kl_coef} need a reference model; "
+                "set backend.ref_model (--ref-load) to the starting checkpoint"
+            )
+        if abs(self.backend.temperature - r.temperature) > 0:
+            raise ValueError(
+                f"backend.temperature={self.backend.temperature} differs from rollout.temperature={r.temperature}; "
+                "log-probs must use the sampling temperature, set both to the same value"
+            )
+        if loss.entropy_coef > 0 and not self.backend.with_entropy:
+            raise ValueError(f"entropy_coef={loss.entropy_coef} needs backend.with_entropy=True")
+        group_estimators = ("grpo", "gspo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
+        if loss.advantage_estimator in group_estimators and r.n_samples_per_prompt < 2:
+            raise ValueError(
+                f"advantage_estimator={loss.advantage_estimator!r} with n_samples_per_prompt=1 gives zero "
+                "advantages (a group of one); use n_samples_per_prompt >= 2"
+            )
+        if loss.kl_coef != 0:
+            raise ValueError(
+                f"kl_coef={loss.kl_coef} (KL reward shaping) is not wired into the Trainer yet; "
+                "use use_kl_loss=True with kl_loss_coef instead"
+            )
+        if loss.advantage_estimator == "ppo":
+            raise ValueError("advantage_estimator='ppo' needs a critic, which rlbench does not have yet; use 'grpo'")
+
+    @property
+    def optimizer_steps_per_rollout(self) -> int:
+        """Optimizer steps per rollout: rollout_batch_size x n_samples_per_prompt / global_batch_size."""
+        return self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt // self.batch.global_batch_size
+
+    def replace(self, **sections) -> RunConfig:
+        """A copy with some sections replaced, re-validated: `cfg.replace(batch=dataclasses.replace(cfg.batch, ...))`."""
+        return dataclasses.replace(self, **sections)
+
+    def to_dict(self) -> dict:
+        """Plain nested dict (for logging / wandb config / checkpoint metadata)."""
+        return dataclasses.asdict(self)

@@ -1,0 +1,222 @@
+"""Flat, namespaced metric dicts and the sinks that record them.
+
+Every metric is one `str -> float` entry whose key names its namespace, as in slime:
+`rollout/raw_reward`, `train/pg_loss`, `perf/step_time`, `eval/pass@1`. A step's metrics are one flat
+dict; sinks (console, jsonl, tensorboard, wandb) receive that dict and a step number. The optional
+sinks import their packages only when built, with a clear error when the package is missing.
+
+    logger = MetricsLogger(build_sinks(LoggingConfig(jsonl_path="runs/x/metrics.jsonl")))
+    logger.log({"rollout/raw_reward": 0.4, "perf/step_time": 1.2}, step=3)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Protocol
+
+# Keys the console sink prints (when present), in this order, with short labels.
+CONSOLE_KEYS: tuple[tuple[str, str], ...] = (
+    ("rollout/raw_reward", "reward"),
+    ("eval/reward", "eval"),
+    ("eval/pass@1", "pass@1"),
+    ("rollout/response_len/mean", "len"),
+    ("rollout/truncated_ratio", "trunc"),
+    ("train/loss", "loss"),
+    ("train/ppo_kl", "ppo_kl"),
+    ("train/kl_loss", "kl"),
+    ("train/entropy", "ent"),
+    ("train/grad_norm", "gnorm"),
+    ("perf/rollout_time", "t_roll"),
+    ("perf/log_probs_time", "t_logp"),
+    ("perf/train_time", "t_train"),
+    ("perf/update_weights_time", "t_sync"),
+    ("perf/step_time", "t_step"),
+)
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go."""
+
+    console: bool = True
+    """Print one line per step with the main metrics."""
+    jsonl_path: str | None = None
+    """Append one JSON object per step to this file (None: off)."""
+    tensorboard_dir: str | None = None
+    """Write TensorBoard scalars here (needs the `tensorboard` package; None: off)."""
+    wandb_project: str | None = None
+    """Log to this Weights & Biases project (needs `wandb`; None: off)."""
+    wandb_run_name: str | None = None
+    """Run name for wandb (None: wandb picks one)."""
+    console_keys: tuple[str, ...] = field(default_factory=tuple)
+    """Extra metric keys the console line prints besides the defaults."""
+
+    def __post_init__(self) -> None:
+        if self.wandb_run_name is not None and self.wandb_project is None:
+            raise ValueError("wandb_run_name is set but wandb_project is None; set wandb_project to log to wandb")
+
+
+class Sink(Protocol):
+    """Receives one flat metric dict per step."""
+
+    def write(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class ConsoleSink:
+    """One short line per step: `step 3 | reward 0.41 | eval 0.52 | loss -0.003 | t_step 4.1s`."""
+
+    def __init__(self, extra_keys: Sequence[str] = (), printer=print) -> None:
+        self.keys = list(CONSOLE_KEYS) + [(k, k) for k in extra_keys]
+        self.printer = printer
+
+    def write(self, metrics: dict[str, float], step: int) -> None:
+        self.printer(format_line(metrics, step, self.keys))
+
+    def close(self) -> None:
+        pass
+
+
+def format_line(metrics: dict[str, float], step: int, keys: Sequence[tuple[str, str]] = CONSOLE_KEYS) -> str:
+    """The console line for one step (only keys present in `metrics`)."""
+    parts = [f"step {step}"]
+    for key, label in keys:
+        if key in metrics:
+            value = metrics[key]
+            unit = "s" if key.endswith("_time") else ""
+            parts.append(f"{label} {value:.4g}{unit}")
+    return " | ".join(parts)
+
+
+class JsonlSink:
+    """Appends `{"step": s, **metrics}` as one line per step (the file is flushed every write)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.file = open(path, "a")  # noqa: SIM115 -- closed by close()
+
+    def write(self, metrics: dict[str, float], step: int) -> None:
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class TensorboardSink:
+    """TensorBoard scalars, one per key (import of `torch.utils.tensorboard` happens here, lazily)."""
+
+    def __init__(self, log_dir: str) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise ImportError(
+                "tensorboard_dir is set but the `tensorboard` package is missing; "
+                "`pip install tensorboard` or set tensorboard_dir=None"
+            ) from exc
+        self.writer = SummaryWriter(log_dir)
+
+    def write(self, metrics: dict[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """Weights & Biases logging (`wandb` imported lazily; `train/step` is the step key, as in slime)."""
+
+    def __init__(self, project: str, run_name: str | None = None, config: dict | None = None) -> None:
+        try:
+            import wandb
+        except ImportError as exc:
+            raise ImportError(
+                "wandb_project is set but the `wandb` package is missing; `pip install wandb` or unset it"
+            ) from exc
+        self.run = wandb.init(project=project, name=run_name, config=config)
+
+    def write(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log({"train/step": step, **metrics}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def build_sinks(cfg: LoggingConfig, run_config: dict | None = None) -> list[Sink]:
+    """The sinks a `LoggingConfig` asks for (optional packages are imported only when asked for)."""
+    sinks: list[Sink] = []
+    if cfg.console:
+        sinks.append(ConsoleSink(cfg.console_keys))
+    if cfg.jsonl_path:
+        sinks.append(JsonlSink(cfg.jsonl_path))
+    if cfg.tensorboard_dir:
+        sinks.append(TensorboardSink(cfg.tensorboard_dir))
+    if cfg.wandb_project:
+        sinks.append(WandbSink(cfg.wandb_project, cfg.wandb_run_name, run_config))
+    return sinks
+
+
+class MetricsLogger:
+    """Fans one flat metric dict out to every sink; checks keys are namespaced and values finite floats."""
+
+    def __init__(self, sinks: Iterable[Sink] = ()) -> None:
+        self.sinks = list(sinks)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for key in metrics:
+            assert "/" in key, f"metric key {key!r} has no namespace (expected e.g. 'train/{key}')"
+        for sink in self.sinks:
+            sink.write(metrics, step)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+def summarize(values: Sequence[float], prefix: str) -> dict[str, float]:
+    """`{prefix/mean, prefix/median, prefix/max, prefix/min}` of a non-empty list (slime's response_len/*)."""
+    if not values:
+        return {}
+    return {
+        f"{prefix}/mean": float(statistics.fmean(values)),
+        f"{prefix}/median": float(statistics.median(values)),
+        f"{prefix}/max": float(max(values)),
+        f"{prefix}/min": float(min(values)),
+    }
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one prompt with `c` correct out of `n` samples: 1 - C(n-c, k) / C(n, k).
+
+    (Chen et al., 2021.) Requires `k <= n`.
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+@contextmanager
+def timer(metrics: dict[str, float], key: str) -> Iterator[None]:
+    """Adds the wall time of the `with` body, in seconds, to `metrics[key]` (accumulates on repeats)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - start
+
+
+def to_floats(metrics: dict) -> dict[str, float]:
+    """Plain Python floats for every value (tensors via `.item()`), so sinks and history hold no tensors."""
+    return {k: float(v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}

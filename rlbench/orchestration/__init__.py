@@ -1,0 +1,1 @@
+"""How the parts are put together: `local` (one process, trainer and engine colocated)."""

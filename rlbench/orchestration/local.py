@@ -1,0 +1,128 @@
+"""Single-process composition: build the tokenizer, datasets, train backend and rollout engine of a run.
+
+This is the only place that names concrete classes (`FSDPBackend`, `TorchEngine`); the Trainer receives
+the built `Components` and talks to them through the TrainBackend / RolloutEngine protocols.
+
+    parts = build_components(cfg)      # what Trainer(cfg) does by default
+    trainer = Trainer(cfg, components=parts)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from rlbench.config import RunConfig, TaskConfig
+from rlbench.data import DataConfig, PromptDataset, build_tokenizer, write_jsonl
+from rlbench.models import build_config, load_tokenizer
+
+
+@dataclass
+class Components:
+    """The built parts of a run (each implements its protocol; any of them can be swapped for a fake)."""
+
+    tokenizer: Any
+    """Tokenizer of the policy (eos = stop token, pad = pack padding)."""
+    dataset: Any
+    """Training prompts (`next_batch(n)`, `state_dict()`, `load_state_dict()`)."""
+    eval_items: list
+    """Held-out `PromptItem`s (empty when eval is off)."""
+    backend: Any
+    """A TrainBackend, already `init()`-ed."""
+    engine: Any
+    """A RolloutEngine on the same device (its weights are overwritten by the first sync)."""
+    device: torch.device
+    """The device both sides run on."""
+    num_params: int
+    """Policy parameter count (for perf/mfu)."""
+
+
+def materialize_task(task: TaskConfig) -> tuple[str, str]:
+    """Write the task's train/eval jsonl files if they are missing; returns their paths.
+
+    The split is `rlbench.sft.split_rows`: with the same (task, level, n_train, n_eval, seed) as the SFT
+    warm start, the eval prompts are exactly the SFT's held-out prompts, and no eval prompt is in either
+    training set.
+    """
+    from rlbench.sft import SFTConfig, split_rows
+
+    if not (os.path.isfile(task.train_path) and os.path.isfile(task.eval_path)):
+        kwargs = {"level": task.level} if task.name == "arithmetic" and task.level is not None else {}
+        sft = SFTConfig(task=task.name, task_kwargs=kwargs, num_train=task.n_train, num_eval=task.n_eval, seed=task.seed)
+        train_rows, eval_rows = split_rows(sft)
+        write_jsonl(train_rows, task.train_path)
+        write_jsonl(eval_rows, task.eval_path)
+    return task.train_path, task.eval_path
+
+
+def build_tokenizer_for(model: str):
+    """The tokenizer saved in an HF directory, or the char-level tokenizer for a preset name."""
+    return load_tokenizer(model) if os.path.isdir(model) else build_tokenizer()
+
+
+def hf_config_for(model: str, overrides: dict) -> PretrainedConfig:
+    """HF config of a model directory or preset (the engine is built with the same architecture)."""
+    return AutoConfig.from_pretrained(model) if os.path.isdir(model) else build_config(model, **overrides)
+
+
+def build_engine(cfg: RunConfig, device: torch.device, tokenizer):
+    """The torch engine with a freshly initialised copy of the architecture, in the backend's param dtype."""
+    from rlbench.rollout.torch_engine import TorchEngine
+
+    hf_config = hf_config_for(cfg.backend.model, cfg.backend.model_overrides)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=cfg.backend.torch_param_dtype)
+    return TorchEngine(model, cfg.engine, tokenizer=tokenizer)
+
+
+def build_backend(cfg: RunConfig):
+    """The FSDP backend, initialised (process group, sharded model, optimizer)."""
+    from rlbench.backends.fsdp.actor import FSDPBackend
+
+    backend_cfg = cfg.backend
+    if cfg.checkpoint.save_dir and not backend_cfg.checkpoint_dir:
+        backend_cfg = dataclasses.replace(backend_cfg, checkpoint_dir=cfg.checkpoint.save_dir)
+    backend = FSDPBackend(backend_cfg)
+    backend.init()
+    return backend
+
+
+def build_components(cfg: RunConfig) -> Components:
+    """Everything a `Trainer` needs for `cfg`, in this process."""
+    eval_path = cfg.eval.data_path
+    if cfg.task is not None:
+        _, task_eval = materialize_task(cfg.task)
+        eval_path = eval_path or task_eval
+    tokenizer = build_tokenizer_for(cfg.backend.model)
+    dataset = PromptDataset(cfg.data, tokenizer)
+    eval_items = []
+    if cfg.eval.interval is not None:
+        eval_cfg = dataclasses.replace(cfg.data, path=eval_path, shuffle=False)
+        eval_items = PromptDataset(eval_cfg, tokenizer).items[: cfg.eval.max_prompts]
+    check_lengths(cfg, dataset.items + eval_items)
+    backend = build_backend(cfg)
+    device = backend.env.device
+    engine = build_engine(cfg, device, tokenizer)
+    num_params = sum(p.numel() for p in engine.model.parameters())
+    return Components(tokenizer, dataset, eval_items, backend, engine, device, num_params)
+
+
+def check_lengths(cfg: RunConfig, items: list) -> None:
+    """Every prompt + the response budget must fit the engine's sequence length."""
+    longest = max(len(it.prompt_token_ids) for it in items)
+    budget = max(cfg.rollout.max_response_len, cfg.eval.max_response_len or 0)
+    if longest + budget > cfg.engine.max_seq_len:
+        raise ValueError(
+            f"longest prompt ({longest} tokens) + max response ({budget}) exceeds engine.max_seq_len="
+            f"{cfg.engine.max_seq_len}; raise max_seq_len or set data.max_prompt_length to drop long prompts"
+        )
+
+
+def data_config(path: str, **kwargs) -> DataConfig:
+    """Shorthand used by presets and the CLI."""
+    return DataConfig(path=path, **kwargs)

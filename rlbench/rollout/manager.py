@@ -1,0 +1,213 @@
+"""The rollout manager: prompt batches -> n samples per prompt -> rewards, with dynamic sampling and eval.
+
+    manager = RolloutManager(cfg.rollout, engine, dataset, tokenizer)
+    batch = manager.generate(rollout_id=0)        # RolloutBatch: samples (rewards set), metrics
+    scores = manager.evaluate(eval_items, cfg.eval)   # eval/reward, eval/pass@k, ...
+
+Only the engine protocol (`generate(prompts, SamplingParams, seeds)`) is used, so any engine works.
+Sampling seeds derive from (rollout seed, rollout id, refill round, prompt), so a resumed run draws
+exactly what the uninterrupted run drew. Advantages are not computed here (the Trainer's `score`
+step does it with the configured estimator); groups stay contiguous and in prompt order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rlbench.metrics import pass_at_k, summarize
+from rlbench.rewards import score_batch
+from rlbench.rollout.base import Generation, SamplingParams
+from rlbench.types import Sample, Status
+
+_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+
+
+@dataclass
+class RolloutBatch:
+    """The samples of one rollout (groups contiguous, `n_samples_per_prompt` each) and its metrics."""
+
+    samples: list[Sample]
+    """All kept samples, group by group; rewards are set, advantages are set by `Trainer.score`."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """`rollout/*` and `perf/rollout_time`."""
+    rollout_id: int = 0
+    """Which rollout produced the batch."""
+    packs: list | None = None
+    """Set by `Trainer.pack`: `[optimizer step][micro-batch] -> Pack`."""
+    old_log_probs: list | None = None
+    """Set by `Trainer.compute_log_probs`: `[step][micro-batch] -> [R]` actor log-probs (None in bypass mode)."""
+    ref_log_probs: list | None = None
+    """Set by `Trainer.compute_log_probs`: `[step][micro-batch] -> [R]` reference log-probs (or None)."""
+
+    @property
+    def groups(self) -> list[list[Sample]]:
+        """Samples grouped by `group_index`, in order."""
+        out: dict[int, list[Sample]] = {}
+        for s in self.samples:
+            out.setdefault(s.group_index, []).append(s)
+        return list(out.values())
+
+    @property
+    def rewards(self) -> list[float]:
+        return [float(s.reward) for s in self.samples]
+
+
+class RolloutManager:
+    """Turns prompts into scored sample groups using a RolloutEngine.
+
+    Args:
+        cfg: `RolloutConfig` (batch size, group size, sampling, reward, dynamic sampling).
+        engine: a `RolloutEngine`.
+        dataset: a `PromptDataset` (or anything with `next_batch(n) -> list[PromptItem]`).
+        tokenizer: decodes responses for the reward and supplies the stop (eos) token.
+    """
+
+    def __init__(self, cfg, engine, dataset, tokenizer) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.dataset = dataset
+        self.tokenizer = tokenizer
+        self.stop_token_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        self.next_group = 0  # global group / sample ids keep increasing over the run
+        self.next_index = 0
+
+    def sampling(self, n: int, temperature: float | None = None, max_new_tokens: int | None = None) -> SamplingParams:
+        """The engine's SamplingParams for `n` samples per prompt."""
+        c = self.cfg
+        return SamplingParams(
+            temperature=c.temperature if temperature is None else temperature,
+            top_p=c.top_p, top_k=c.top_k, n=n,
+            max_new_tokens=max_new_tokens or c.max_response_len,
+            stop_token_ids=list(self.stop_token_ids),
+        )
+
+    def generate(self, rollout_id: int) -> RolloutBatch:
+        """One rollout of `rollout_batch_size` groups (refilled by over-sampling under dynamic sampling)."""
+        c = self.cfg
+        start = time.perf_counter()
+        kept, dropped, all_groups = [], [], []
+        rounds = 0
+        while len(kept) < c.rollout_batch_size and rounds < c.max_sampling_rounds:
+            n_prompts = (c.over_sampling_batch_size or c.rollout_batch_size) if c.dynamic_sampling else c.rollout_batch_size
+            items = self.dataset.next_batch(n_prompts)
+            groups = self._sample_groups(items, c.n_samples_per_prompt, _seeds(c.seed, rollout_id, rounds, len(items), c.n_samples_per_prompt))
+            for group in groups:
+                (dropped if c.dynamic_sampling and _equal_rewards(group) else kept).append(group)
+            all_groups += groups
+            rounds += 1
+        refill = max(0, c.rollout_batch_size - len(kept))
+        kept = (kept + dropped[:refill])[: c.rollout_batch_size]  # out of rounds: keep the shape with dropped groups
+        samples = [s for g in kept for s in g]
+        self._renumber(kept)
+        if c.mask_truncated:
+            for s in samples:
+                if s.status == Status.TRUNCATED:
+                    s.loss_mask = [0] * s.response_length
+        metrics = rollout_metrics(samples, all_groups)
+        metrics |= {
+            "rollout/dynamic_filter/drop_zero_std": float(len(dropped)),
+            "rollout/dynamic_filter/rounds": float(rounds),
+            "rollout/dynamic_filter/refilled_with_dropped": float(refill),
+            "perf/rollout_time": time.perf_counter() - start,
+        }
+        gen_tokens = sum(s.response_length for g in all_groups for s in g)
+        metrics["perf/rollout_tokens_per_sec"] = gen_tokens / max(metrics["perf/rollout_time"], 1e-9)
+        return RolloutBatch(samples=samples, metrics=metrics, rollout_id=rollout_id)
+
+    def _sample_groups(self, items, n: int, seeds: list[int], **sampling) -> list[list[Sample]]:
+        """Generate n samples for each prompt item and score them; one group (list of n Samples) per item."""
+        prompts = [it.prompt_token_ids for it in items]
+        if any(p is None for p in prompts):
+            raise ValueError("prompt items have no prompt_token_ids; build the PromptDataset with a tokenizer")
+        gens = self.engine.generate(prompts, self.sampling(n, **sampling), seeds=seeds)
+        if len(gens) != len(items) * n:
+            raise RuntimeError(f"engine returned {len(gens)} generations for {len(items)} prompts x n={n}")
+        groups = [[self._to_sample(items[g.prompt_index], g) for g in gens[i * n : (i + 1) * n]] for i in range(len(items))]
+        flat = [s for g in groups for s in g]
+        for s, r in zip(flat, score_batch(flat, rm_type=self.cfg.rm_type)):
+            s.reward = r
+        return groups
+
+    def _to_sample(self, item, gen: Generation) -> Sample:
+        """A Sample from a prompt item and one generation (response decoded for the reward)."""
+        return Sample(
+            tokens=list(item.prompt_token_ids) + list(gen.token_ids),
+            response_length=len(gen.token_ids),
+            rollout_log_probs=[float(x) for x in gen.log_probs],
+            weight_version=gen.weight_version,
+            status=_STATUS[gen.finish_reason],
+            prompt=item.prompt,
+            label=item.label,
+            response=self.tokenizer.decode(gen.token_ids, skip_special_tokens=True),
+            metadata=dict(item.metadata),
+        )
+
+    def _renumber(self, groups: list[list[Sample]]) -> None:
+        """Give kept groups consecutive run-global group ids and samples consecutive indices."""
+        for group in groups:
+            for s in group:
+                s.group_index, s.index = self.next_group, self.next_index
+                self.next_index += 1
+            self.next_group += 1
+
+    def evaluate(self, items: Sequence, cfg) -> dict[str, float]:
+        """Mean reward, unbiased pass@k, response lengths and truncation on held-out prompt items.
+
+        Args:
+            items: `PromptItem`s with `prompt_token_ids`.
+            cfg: `EvalConfig` (samples per prompt, temperature, pass_k, seed).
+
+        Returns:
+            `eval/reward`, `eval/pass@{k}`, `eval/response_len/*`, `eval/truncated_ratio`, `perf/eval_time`.
+        """
+        start = time.perf_counter()
+        n = cfg.n_samples_per_prompt
+        temperature = self.cfg.temperature if cfg.temperature is None else cfg.temperature
+        seeds = _seeds(cfg.seed, 0, 0, len(items), n)
+        groups = self._sample_groups(items, n, seeds, temperature=temperature, max_new_tokens=cfg.max_response_len)
+        samples = [s for g in groups for s in g]
+        correct = [sum(s.reward >= 1.0 for s in g) for g in groups]
+        out = {"eval/reward": float(np.mean([s.reward for s in samples]))}
+        for k in cfg.pass_k:
+            out[f"eval/pass@{k}"] = float(np.mean([pass_at_k(n, c, k) for c in correct]))
+        out |= summarize([s.response_length for s in samples], "eval/response_len")
+        out["eval/truncated_ratio"] = float(np.mean([s.status == Status.TRUNCATED for s in samples]))
+        out["perf/eval_time"] = time.perf_counter() - start
+        return out
+
+    def state_dict(self) -> dict:
+        """Sample-id counters (the dataset position is saved by its owner)."""
+        return {"next_group": self.next_group, "next_index": self.next_index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_group, self.next_index = int(state["next_group"]), int(state["next_index"])
+
+
+def rollout_metrics(samples: list[Sample], all_groups: list[list[Sample]]) -> dict[str, float]:
+    """slime's rollout/* metrics: raw reward and lengths of the kept samples, zero-std counts of every group."""
+    lengths = [sum(s.loss_mask) for s in samples]  # effective response length
+    out = {"rollout/raw_reward": float(np.mean([s.reward for s in samples]))}
+    out |= summarize(lengths, "rollout/response_len")
+    out["rollout/truncated_ratio"] = float(np.mean([s.status == Status.TRUNCATED for s in samples]))
+    zero_std = Counter(g[0].reward for g in all_groups if _equal_rewards(g))
+    for reward, count in sorted(zero_std.items()):
+        out[f"rollout/zero_std/count_{reward:g}"] = float(count)
+    out["rollout/zero_std/count"] = float(sum(zero_std.values()))
+    out["rollout/weight_version"] = float(min(s.weight_version for s in samples))
+    return out
+
+
+def _equal_rewards(group: list[Sample]) -> bool:
+    """True when every reward in the group is the same (its group-normalised advantages are all 0)."""
+    return len({s.reward for s in group}) == 1
+
+
+def _seeds(base: int, rollout_id: int, round_: int, n_prompts: int, n: int) -> list[int]:
+    """One seed per prompt, a pure function of (base, rollout, round); sample j adds j (see expand_seeds)."""
+    rng = np.random.default_rng([base, rollout_id, round_])
+    return (rng.integers(0, 2**31 - n - 1, size=n_prompts)).tolist()

@@ -1,0 +1,358 @@
+"""The RL loop: `Trainer(cfg).step()` = rollout -> score -> pack -> log-probs -> train -> sync weights.
+
+    trainer = Trainer(rlbench.presets.cpu_demo())
+    batch = trainer.rollout()            # RolloutBatch: samples with rewards, rollout/* metrics
+    trainer.score(batch)                 # advantages (group-normalised for GRPO)
+    packs = trainer.pack(batch)          # [optimizer step][micro-batch] -> Pack
+    trainer.compute_log_probs(batch)     # old (and ref) log-probs per pack
+    trainer.train_step(batch)            # one optimizer step per global batch
+    trainer.sync_weights()               # trainer -> engine, new policy version
+    trainer.step()                       # all of the above + eval/save when due, logged to history
+
+Every sub-step can be called alone and returns something inspectable. The backend and the engine are
+used only through their protocols (built by `rlbench.orchestration.local`); the Trainer never asks
+what kind they are. Colocated with `offload`, the trainer state and the engine's KV cache take turns
+on the device: `_enter("rollout")` / `_enter("train")` switch between them.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import numpy as np
+import torch
+
+from rlbench.algorithms import ResponseBatch, build_loss, build_loss_inputs, compute_advantages, global_norm
+from rlbench.config import RunConfig
+from rlbench.metrics import MetricsLogger, build_sinks, to_floats
+from rlbench.packing import num_micro_batches
+from rlbench.packing.pack import make_step_packs
+from rlbench.rewards import score_batch
+from rlbench.rollout.manager import RolloutBatch, RolloutManager
+from rlbench.weights import WeightSync
+
+# bf16 dense peak FLOP/s per GPU, for perf/mfu (absent on other devices).
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12}
+
+
+class Trainer:
+    """One colocated RL run (see the module docstring).
+
+    Args:
+        cfg: the run config.
+        components: pre-built parts (tokenizer, dataset, eval items, backend, engine); None builds them
+            with `rlbench.orchestration.local.build_components(cfg)`.
+        sinks: metric sinks; None builds them from `cfg.logging`.
+    """
+
+    def __init__(self, cfg: RunConfig, *, components=None, sinks=None) -> None:
+        seed_everything(cfg.seed)
+        if components is None:
+            from rlbench.orchestration.local import build_components
+
+            components = build_components(cfg)
+        self.cfg = cfg
+        self.tokenizer, self.backend, self.engine = components.tokenizer, components.backend, components.engine
+        self.dataset, self.eval_items = components.dataset, components.eval_items
+        self.rollouts = RolloutManager(cfg.rollout, self.engine, self.dataset, self.tokenizer)
+        self.weight_sync = WeightSync(cfg.weights, self.backend, self.engine)
+        self.loss = build_loss(cfg.loss)
+        self.logger = MetricsLogger(build_sinks(cfg.logging, cfg.to_dict()) if sinks is None else sinks)
+        self.device, self.num_params = components.device, components.num_params
+        self.offload = cfg.offload if cfg.offload is not None else self.device.type == "cuda"
+        self.history: list[dict] = []
+        self.eval_history: list[dict] = []
+        self.last_rollout: RolloutBatch | None = None
+        self.rollout_id = 0  # completed RL steps
+        self.policy_version = 0  # train_step calls so far: the version of the trainer's weights
+        self.version = 0  # policy version held by the engine
+        self._phase = "train"
+        self._micro_metrics: list[dict] = []
+        self.sync_weights()  # the engine always starts from the trainer's weights (version 0)
+        if cfg.checkpoint.load_dir:
+            self.load(cfg.checkpoint.load_dir)
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> dict:
+        """One RL step; returns (and appends to `history`) its flat metric dict."""
+        start = time.perf_counter()
+        _reset_peak_memory()
+        metrics: dict[str, float] = {"rollout/id": float(self.rollout_id)}
+        if self.rollout_id == 0 and self._eval_on and not self.cfg.eval.skip_before_train and not self.eval_history:
+            self.evaluate()  # the starting policy, kept in eval_history
+        batch = self.rollout()
+        metrics |= batch.metrics | self.score(batch)
+        self.pack(batch)
+        metrics |= self.compute_log_probs(batch)
+        metrics |= self.train_step(batch)
+        metrics |= self.sync_weights()
+        self.rollout_id += 1
+        if self._eval_on and self.rollout_id % self.cfg.eval.interval == 0:
+            metrics |= self.evaluate()
+        metrics |= self._perf(batch, metrics, time.perf_counter() - start)
+        self.history.append(metrics)
+        self.logger.log(metrics, step=self.rollout_id)
+        if self._save_due():
+            self.save()
+        return metrics
+
+    def fit(self, num_rollout: int | None = None) -> list[dict]:
+        """Run `step()` until `num_rollout` RL steps are done (default `cfg.batch.num_rollout`)."""
+        target = self.cfg.batch.num_rollout if num_rollout is None else num_rollout
+        while self.rollout_id < target:
+            self.step()
+        return self.history
+
+    # ------------------------------------------------------------------ sub-steps
+    def rollout(self) -> RolloutBatch:
+        """Generate and reward `rollout_batch_size` groups with the engine's current policy."""
+        self._enter("rollout")
+        batch = self.rollouts.generate(self.rollout_id)
+        self.last_rollout = batch
+        return batch
+
+    def score(self, batch: RolloutBatch) -> dict[str, float]:
+        """Rewards (for samples that have none) and advantages; sets `Sample.token_advantages`.
+
+        Returns `rollout/advantages` (mean over trained tokens) and `rollout/raw_reward`.
+        """
+        missing = [s for s in batch.samples if s.reward is None]
+        for s, r in zip(missing, score_batch(missing, rm_type=self.cfg.rollout.rm_type)):
+            s.reward = r
+        lengths = [s.response_length for s in batch.samples]
+        mask = torch.tensor([m for s in batch.samples for m in s.loss_mask], dtype=torch.float32)  # [R]
+        rewards = torch.tensor(batch.rewards, dtype=torch.float32)  # [N]
+        adv = compute_advantages(self.cfg.loss, rewards, lengths, mask, group_size=self.cfg.rollout.n_samples_per_prompt)
+        for s, a in zip(batch.samples, torch.split(adv, lengths)):
+            s.token_advantages = a.tolist()
+            s.advantage = float(a[0]) if len(a) else 0.0
+        mean_adv = float((adv * mask).sum() / mask.sum().clamp(min=1))
+        return {"rollout/advantages": mean_adv, "rollout/raw_reward": float(rewards.mean())}
+
+    def pack(self, batch: RolloutBatch) -> list[list]:
+        """Cut the batch into optimizer steps of `global_batch_size` samples and pack each into micro-batches.
+
+        Returns `batch.packs`: `[optimizer step][micro-batch] -> Pack` (`Pack.sample_ids` index the step's
+        slice of `batch.samples`).
+        """
+        b = self.cfg.batch
+        gbs = b.global_batch_size
+        packs = []
+        for start in range(0, len(batch.samples), gbs):
+            step_samples = batch.samples[start : start + gbs]
+            lengths = [s.total_length for s in step_samples]
+            mode = {"max_tokens": b.max_tokens_per_gpu} if b.use_dynamic_batch_size else {"micro_batch_size": b.micro_batch_size}
+            n_mb = num_micro_batches(lengths, **mode)
+            budget = b.max_tokens_per_gpu if b.use_dynamic_batch_size else None
+            packs.append(make_step_packs(step_samples, n_mb, budget, pad_token_id=self.tokenizer.pad_token_id))
+        batch.packs = packs
+        return packs
+
+    def compute_log_probs(self, batch: RolloutBatch) -> dict[str, float]:
+        """Old (actor) log-probs, and ref log-probs when the loss needs them, for every pack.
+
+        Sets `batch.old_log_probs` / `batch.ref_log_probs` (`[step][micro-batch] -> [R]`, None when not
+        computed: bypass mode has no recompute). Returns `perf/*_time` and `rollout/*log_probs` means.
+        """
+        self._enter("train")
+        if batch.packs is None:
+            self.pack(batch)
+        out: dict[str, float] = {}
+        batch.old_log_probs = batch.ref_log_probs = None
+        if not self.cfg.loss.use_rollout_logprobs:
+            batch.old_log_probs = self._log_probs(batch.packs, "actor", out, "perf/log_probs_time")
+            out["rollout/log_probs"] = _masked_mean(batch.old_log_probs, batch.packs)
+        if self.cfg.loss.needs_ref:
+            batch.ref_log_probs = self._log_probs(batch.packs, "ref", out, "perf/ref_log_probs_time")
+            out["rollout/ref_log_probs"] = _masked_mean(batch.ref_log_probs, batch.packs)
+        rollout_lp = [[p.rollout_log_probs for p in step] for step in batch.packs]
+        out["rollout/rollout_log_probs"] = _masked_mean(rollout_lp, batch.packs)
+        return out
+
+    def _log_probs(self, packs, model: str, out: dict, key: str) -> list[list[torch.Tensor]]:
+        start = time.perf_counter()
+        result = [[o.log_probs for o in self.backend.compute_log_prob(step, model=model)] for step in packs]
+        out[key] = time.perf_counter() - start
+        return result
+
+    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+        """One optimizer step per packed global batch; returns `train/*` averaged over the steps.
+
+        `train/ppo_kl_first_mb` is the weighted |old - new| sum of the very first micro-batch (exactly 0
+        when the old log-probs were recomputed by the same policy and kernels).
+        """
+        self._enter("train")
+        if batch.old_log_probs is None and batch.ref_log_probs is None and not self.cfg.loss.use_rollout_logprobs:
+            self.compute_log_probs(batch)
+        per_step, first_mb = [], None
+        for s, packs in enumerate(batch.packs):
+            self._micro_metrics = []
+            mbs = [self._response_batch(batch, s, i) for i in range(len(packs))]
+            # dp = 1: this step's micro-batches are the whole global batch, so its counts are the global norm.
+            inputs = build_loss_inputs(self.cfg.loss, mbs, norm=global_norm(self.cfg.loss, mbs))
+            per_step.append(self.backend.train(packs, inputs, loss_fn=self._loss_fn))
+            if first_mb is None:
+                first_mb = self._micro_metrics[0]
+        self.policy_version += 1
+        metrics = {k: float(np.mean([m[k] for m in per_step])) for k in per_step[0]}
+        metrics["train/step"] = per_step[-1]["train/step"]
+        metrics["perf/train_time"] = float(sum(m["perf/train_time"] for m in per_step))
+        metrics["train/optimizer_steps"] = float(len(per_step))
+        metrics["train/ppo_kl_first_mb"] = float(first_mb.get("ppo_kl_abs", 0.0))
+        return metrics
+
+    def _response_batch(self, batch: RolloutBatch, s: int, i: int) -> ResponseBatch:
+        """Micro-batch i of optimizer step s in response space (what the loss inputs are built from)."""
+        pack = batch.packs[s][i]
+        return ResponseBatch(
+            loss_mask=pack.loss_mask, advantages=pack.advantages, response_lengths=list(pack.response_lengths),
+            old_log_probs=batch.old_log_probs[s][i] if batch.old_log_probs is not None else None,
+            rollout_log_probs=pack.rollout_log_probs,
+            ref_log_probs=batch.ref_log_probs[s][i] if batch.ref_log_probs is not None else None,
+        )
+
+    def _loss_fn(self, logp, entropy, inputs):
+        """The policy loss, with metric keys un-prefixed (the backend adds `train/`) and per-micro-batch values kept."""
+        loss, metrics = self.loss(logp, entropy, inputs)
+        metrics = {k.removeprefix("train/"): v for k, v in metrics.items()}
+        self._micro_metrics.append({k: float(v) for k, v in metrics.items()})
+        return loss, metrics
+
+    def sync_weights(self) -> dict[str, float]:
+        """Push the trainer's weights into the engine, stamped with `policy_version` (train steps so far)."""
+        self._enter("train")
+        self.version = self.policy_version
+        return self.weight_sync.push(self.version)
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out `eval/*` of the engine's current policy; also appended to `eval_history`."""
+        if not self.eval_items:
+            raise ValueError("no eval prompts: set eval.interval (and eval.data_path or task) in the config")
+        self._enter("rollout")
+        metrics = self.rollouts.evaluate(self.eval_items, self.cfg.eval)
+        self.eval_history.append({"rollout/id": float(self.rollout_id), "weights/version": float(self.version)} | metrics)
+        return metrics
+
+    # ------------------------------------------------------------------ state
+    def save(self, path: str | None = None) -> str:
+        """Checkpoint model, optimizer, scheduler (backend) and loop state (data position, RNG, history)."""
+        path = path or self.cfg.checkpoint.save_dir
+        if path is None:
+            raise ValueError("save() needs a path or cfg.checkpoint.save_dir (--save DIR)")
+        self._enter("train")
+        _point_backend_at(self.backend, path)
+        backend_dir = self.backend.save()  # iter_<optimizer step>/ under path
+        state = self.state_dict() | {"backend_step": int(os.path.basename(backend_dir).removeprefix("iter_"))}
+        torch.save(state, os.path.join(path, f"trainer_{self.rollout_id:07d}.pt"))
+        return path
+
+    def load(self, path: str, rollout_id: int | None = None) -> int:
+        """Resume from `save(path)` (latest by default); the engine gets the restored weights."""
+        rollout_id = _latest(path) if rollout_id is None else rollout_id
+        self._enter("train")
+        _point_backend_at(self.backend, path)
+        state = torch.load(os.path.join(path, f"trainer_{rollout_id:07d}.pt"), weights_only=False)
+        self.backend.load(state["backend_step"])
+        self.load_state_dict(state)
+        self.sync_weights()
+        return self.rollout_id
+
+    def state_dict(self) -> dict:
+        """Loop state (the backend saves model/optimizer/scheduler itself)."""
+        return {
+            "rollout_id": self.rollout_id,
+            "policy_version": self.policy_version,
+            "dataset": self.dataset.state_dict(),
+            "rollouts": self.rollouts.state_dict(),
+            "history": list(self.history),
+            "eval_history": list(self.eval_history),
+            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rollout_id, self.policy_version = int(state["rollout_id"]), int(state["policy_version"])
+        self.dataset.load_state_dict(state["dataset"])
+        self.rollouts.load_state_dict(state["rollouts"])
+        self.history, self.eval_history = list(state["history"]), list(state["eval_history"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        torch.set_rng_state(state["rng"]["torch"])
+
+    def close(self) -> None:
+        self.logger.close()
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def _eval_on(self) -> bool:
+        return self.cfg.eval.interval is not None and bool(self.eval_items)
+
+    def _save_due(self) -> bool:
+        c = self.cfg.checkpoint
+        last = self.rollout_id == self.cfg.batch.num_rollout
+        return c.save_interval is not None and (self.rollout_id % c.save_interval == 0 or last)
+
+    def _enter(self, phase: str) -> None:
+        """Colocated offload: only the active side (engine KV cache or trainer state) holds device memory."""
+        if phase == self._phase:
+            return
+        if self.offload and phase == "train":
+            self.engine.sleep()
+            self.backend.wake_up()
+        elif self.offload:
+            self.backend.sleep()
+            self.engine.wake_up()
+        self._phase = phase
+
+    def _perf(self, batch: RolloutBatch, m: dict, step_time: float) -> dict[str, float]:
+        tokens = sum(s.total_length for s in batch.samples)
+        out = {"perf/step_time": step_time, "perf/tokens_per_sec": tokens / step_time}
+        if self.device.type == "cuda":
+            out["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            peak = next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(self.device)), None)
+            busy = m.get("perf/train_time", 0.0) + m.get("perf/log_probs_time", 0.0) + m.get("perf/ref_log_probs_time", 0.0)
+            if peak and busy > 0:
+                forwards = 2 * ("perf/log_probs_time" in m) + 2 * ("perf/ref_log_probs_time" in m)
+                out["perf/mfu"] = (6 + forwards) * self.num_params * tokens / (busy * peak)
+        return to_floats(out)
+
+
+def _masked_mean(values: list[list[torch.Tensor | None]], packs: list[list]) -> float:
+    """Mean of per-sample masked means (slime's rollout/log_probs-style summaries)."""
+    means = []
+    for step_vals, step_packs in zip(values, packs):
+        for v, p in zip(step_vals, step_packs):
+            if v is None:
+                return float("nan")
+            for vs, ms in zip(torch.split(v, p.response_lengths), torch.split(p.loss_mask, p.response_lengths)):
+                means.append(float((vs * ms).sum() / ms.sum().clamp(min=1)))
+    return float(np.mean(means)) if means else float("nan")
+
+
+def _point_backend_at(backend, path: str) -> None:
+    """Checkpoints go under `path` (the backend's checkpoint root is a config field)."""
+    os.makedirs(path, exist_ok=True)
+    if backend.cfg.checkpoint_dir != path:
+        import dataclasses
+
+        backend.cfg = dataclasses.replace(backend.cfg, checkpoint_dir=path)
+
+
+def _latest(path: str) -> int:
+    ids = [int(f[len("trainer_") : -3]) for f in os.listdir(path) if f.startswith("trainer_") and f.endswith(".pt")]
+    if not ids:
+        raise ValueError(f"{path!r} has no trainer_XXXXXXX.pt checkpoint; pass the directory given to save()")
+    return max(ids)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch RNGs."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _reset_peak_memory() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()

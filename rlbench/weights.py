@@ -1,0 +1,183 @@
+"""Bucketed weight sync from the trainer (TrainBackend) into the rollout engine (RolloutEngine).
+
+The backend yields its full (unsharded) weights as buckets of `(hf_name, tensor)` pairs, each at most
+`bucket_bytes` (a single larger tensor gets a bucket of its own); a transport hands the buckets to the
+engine one at a time, so at most one bucket of gathered weights is alive at once (bounded peak memory).
+Each sync stamps a new policy version on the engine; samples record the version that generated them.
+
+Transports are picked from `TRANSPORTS` by name when the run is built. Only `in_process` exists
+now (trainer and engine in one process, colocated: the engine copies each bucket into its own
+parameters); CUDA IPC / NCCL broadcast / Ray transports register here later.
+
+    sync = WeightSync(WeightSyncConfig(bucket_bytes=256 << 20, verify=True), backend, engine)
+    metrics = sync.push(version=3)   # perf/update_weights_time, weights/bytes, weights/num_buckets, ...
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+Bucket = list[tuple[str, torch.Tensor]]
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class WeightSyncConfig:
+    """How trainer weights reach the rollout engine."""
+
+    transport: str = "in_process"
+    """Transport name in `rlbench.weights.TRANSPORTS` (only "in_process" for now)."""
+    bucket_bytes: int = 512 << 20
+    """Maximum bytes per bucket (slime's --update-weight-buffer-size, default 512 MiB)."""
+    dtype: str | None = None
+    """Cast weights to this dtype before sending ("bfloat16", "float16", "float32"; None: the engine's dtype)."""
+    verify: bool = False
+    """After each sync, compare per-tensor checksums of what was sent with the engine's weights."""
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"weight-sync transport={self.transport!r} is unknown; choose one of {sorted(TRANSPORTS)}")
+        if self.bucket_bytes < 1 << 10:
+            raise ValueError(f"bucket_bytes={self.bucket_bytes} is below 1 KiB; pass e.g. 512 << 20")
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ValueError(f"weight-sync dtype={self.dtype!r} must be None or one of {sorted(_DTYPES)}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        """The `torch.dtype` of `dtype` (None: keep the storage dtype)."""
+        return _DTYPES[self.dtype] if self.dtype else None
+
+
+class InProcessTransport:
+    """Same process, same device: pass the bucket tensors to `engine.update_weights` by reference."""
+
+    def push(self, buckets: Iterable[Bucket], engine, version: int) -> None:
+        engine.update_weights(buckets, version)
+
+
+TRANSPORTS: dict[str, type] = {"in_process": InProcessTransport}
+
+
+@dataclass
+class _Tally:
+    """What went through one sync (filled while the engine consumes the bucket stream)."""
+
+    num_buckets: int = 0
+    num_tensors: int = 0
+    bytes: int = 0
+    max_bucket_bytes: int = 0
+
+
+def bucket_nbytes(bucket: Bucket) -> int:
+    """Total bytes of the tensors in a bucket."""
+    return sum(t.numel() * t.element_size() for _, t in bucket)
+
+
+def _counted(buckets: Iterable[Bucket], tally: _Tally, limit: int, checksums: dict | None) -> Iterator[Bucket]:
+    """Pass buckets through lazily, counting them and checking the size bound (and checksumming)."""
+    for bucket in buckets:
+        nbytes = bucket_nbytes(bucket)
+        assert nbytes <= limit or len(bucket) == 1, f"bucket of {nbytes} B exceeds bucket_bytes={limit}"
+        tally.num_buckets += 1
+        tally.num_tensors += len(bucket)
+        tally.bytes += nbytes
+        tally.max_bucket_bytes = max(tally.max_bucket_bytes, nbytes)
+        if checksums is not None:
+            checksums.update((name, checksum(t)) for name, t in bucket)
+        yield bucket
+
+
+def checksum(t: torch.Tensor) -> tuple[int, int]:
+    """Exact, order-independent fingerprint of a tensor's bits: (Σ v_i, Σ v_i·(i mod 65521)) in wrapping int64.
+
+    `v` is the tensor's raw bit pattern read as int16/int32/int64, so any changed bit changes the sum with
+    overwhelming probability and equal tensors give equal sums on any device.
+    """
+    int_dtype = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    v = t.detach().contiguous().view(-1).view(int_dtype).to(torch.int64)  # [N]
+    pos = torch.arange(v.numel(), device=v.device, dtype=torch.int64) % 65521  # [N]
+    return int(v.sum().item()), int((v * pos).sum().item())
+
+
+def engine_named_weights(engine) -> Iterator[tuple[str, torch.Tensor]]:
+    """The engine's current weights by HF name, for verification.
+
+    Uses `engine.named_weights()` when the engine has it, else the HF names of `engine.model`
+    (tied aliases such as `lm_head.weight` included).
+    """
+    if hasattr(engine, "named_weights"):
+        return iter(engine.named_weights())
+    model = engine.model
+    return itertools.chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
+
+
+class WeightSync:
+    """Pushes the backend's weights into the engine, bucket by bucket, and stamps a version.
+
+    Args:
+        cfg: this component's config.
+        backend: a TrainBackend (`named_weights_for_sync(bucket_bytes, dtype)` yields buckets).
+        engine: a RolloutEngine (`update_weights(buckets, version)`).
+    """
+
+    def __init__(self, cfg: WeightSyncConfig, backend, engine) -> None:
+        self.cfg = cfg
+        self.backend = backend
+        self.engine = engine
+        self.transport = TRANSPORTS[cfg.transport]()
+
+    def push(self, version: int) -> dict[str, float]:
+        """Sync all weights and set the engine's version to `version`.
+
+        Returns:
+            `perf/update_weights_time` (s), `weights/bytes`, `weights/num_buckets`, `weights/num_tensors`,
+            `weights/max_bucket_bytes`, `weights/version` (and `weights/verified` = 1.0 when verify is on).
+
+        Raises:
+            RuntimeError: verify is on and a tensor in the engine differs from what was sent.
+        """
+        tally = _Tally()
+        sums: dict[str, tuple[int, int]] | None = {} if self.cfg.verify else None
+        start = time.perf_counter()
+        dtype = self.cfg.torch_dtype or getattr(self.engine, "dtype", None)  # cast before sending, not after
+        buckets = self.backend.named_weights_for_sync(self.cfg.bucket_bytes, dtype)
+        self.transport.push(_counted(buckets, tally, self.cfg.bucket_bytes, sums), self.engine, version)
+        _synchronize()
+        elapsed = time.perf_counter() - start
+        assert tally.num_buckets > 0, "backend.named_weights_for_sync yielded no buckets"
+        metrics = {
+            "perf/update_weights_time": elapsed,
+            "weights/bytes": float(tally.bytes),
+            "weights/num_buckets": float(tally.num_buckets),
+            "weights/num_tensors": float(tally.num_tensors),
+            "weights/max_bucket_bytes": float(tally.max_bucket_bytes),
+            "weights/version": float(version),
+        }
+        if sums is not None:
+            verify_checksums(sums, dict(engine_named_weights(self.engine)))
+            metrics["weights/verified"] = 1.0
+        return metrics
+
+
+def verify_checksums(sent: dict[str, tuple[int, int]], engine_weights: dict[str, torch.Tensor]) -> None:
+    """Raise if any sent tensor is missing from the engine or differs bitwise from it."""
+    missing = sorted(set(sent) - set(engine_weights))
+    if missing:
+        raise RuntimeError(f"weight sync verify: engine has no weights named {missing[:5]} (of {len(missing)})")
+    bad = [name for name, ref in sent.items() if checksum(engine_weights[name]) != ref]
+    if bad:
+        raise RuntimeError(
+            f"weight sync verify: {len(bad)} tensors differ after sync, e.g. {bad[:5]}; "
+            "the engine did not load what the trainer sent (dtype cast or name mapping?)"
+        )
+
+
+def _synchronize() -> None:
+    """Wait for queued device copies so the sync time is the real time."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()

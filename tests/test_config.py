@@ -1,0 +1,96 @@
+"""RunConfig validation: every cross-field rule raises one clear ValueError naming the values and the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from rlbench.config import (
+    BatchConfig,
+    CheckpointConfig,
+    DataConfig,
+    EvalConfig,
+    FSDPConfig,
+    LossConfig,
+    RolloutConfig,
+    RunConfig,
+    TaskConfig,
+    TorchEngineConfig,
+    WeightSyncConfig,
+)
+from rlbench.presets import cpu_demo, cpu_test, qwen3_0p6b_gpu
+
+
+def _cfg(**sections) -> RunConfig:
+    base = dict(
+        data=DataConfig(path="x.jsonl"),
+        backend=FSDPConfig(model="tiny", device="cpu", param_dtype="fp32"),
+        rollout=RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=4),
+        batch=BatchConfig(global_batch_size=8),
+    )
+    return RunConfig(**(base | sections))
+
+
+def test_presets_validate():
+    for cfg in (cpu_demo(), cpu_test(), qwen3_0p6b_gpu(model="qwen3-0.6b-shape")):
+        assert cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt % cfg.batch.global_batch_size == 0
+        assert cfg.backend.temperature == cfg.rollout.temperature
+    assert cpu_demo().optimizer_steps_per_rollout == 2 and cpu_test().optimizer_steps_per_rollout == 2
+    assert _cfg().optimizer_steps_per_rollout == 2
+
+
+@pytest.mark.parametrize(
+    "sections, match",
+    [
+        ({"batch": BatchConfig(global_batch_size=12)}, r"rollout_batch_size=4 x n_samples_per_prompt=4 = 16 .* global_batch_size=12"),
+        ({"backend": FSDPConfig(model="tiny", device="cpu", temperature=0.7)}, r"backend.temperature=0.7 differs from rollout.temperature=1.0"),
+        ({"loss": LossConfig(use_kl_loss=True, kl_loss_coef=0.1)}, r"need a reference model; set backend.ref_model"),
+        ({"loss": LossConfig(entropy_coef=0.01)}, r"entropy_coef=0.01 needs backend.with_entropy=True"),
+        ({"rollout": RolloutConfig(rollout_batch_size=8, n_samples_per_prompt=1)}, r"n_samples_per_prompt=1 gives zero advantages"),
+        ({"eval": EvalConfig(interval=2)}, r"eval.interval is set but there is no eval data"),
+        ({"colocate": False}, r"colocate=False .* not available"),
+        ({"batch": BatchConfig(global_batch_size=8, use_dynamic_batch_size=True, max_tokens_per_gpu=16)},
+         r"max_tokens_per_gpu=16 cannot hold one sequence of max_response_len=32"),
+        ({"data": DataConfig(path="x.jsonl", max_prompt_length=2040)}, r"max_prompt_length=2040 \+ max_response_len=32 exceeds engine.max_seq_len=2048"),
+    ],
+)
+def test_cross_field_rules(sections, match):
+    with pytest.raises(ValueError, match=match):
+        _cfg(**sections)
+
+
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda: BatchConfig(global_batch_size=6, micro_batch_size=4), r"global_batch_size=6 must be divisible by dp_size=1 x micro_batch_size=4"),
+        (lambda: BatchConfig(global_batch_size=8, dp_size=3), r"divisible by dp_size=3"),
+        (lambda: BatchConfig(use_dynamic_batch_size=True), r"use_dynamic_batch_size=True needs max_tokens_per_gpu"),
+        (lambda: LossConfig(use_rollout_logprobs=True, use_tis=True), r"use_rollout_logprobs=True .* use_tis=True .* exclusive"),
+        (lambda: LossConfig(advantage_estimator="reinforce_plus_plus", normalize_advantages=True, kl_coef=0.1, kl_loss_coef=0.1),
+         r"kl_coef=0.1 .* kl_loss_coef=0.1 .* cannot both be non-zero"),
+        (lambda: RolloutConfig(dynamic_sampling=True, n_samples_per_prompt=1), r"dynamic_sampling needs n_samples_per_prompt >= 2"),
+        (lambda: RolloutConfig(rollout_batch_size=8, over_sampling_batch_size=4), r"over_sampling_batch_size=4 must be >= rollout_batch_size=8"),
+        (lambda: EvalConfig(n_samples_per_prompt=2, pass_k=(1, 4)), r"pass_k=\(1, 4\) has k=\[4\] outside \[1, n_samples_per_prompt=2\]"),
+        (lambda: CheckpointConfig(save_interval=5), r"save_interval=5 needs save_dir"),
+        (lambda: WeightSyncConfig(transport="nccl"), r"transport='nccl' is unknown; choose one of \['in_process'\]"),
+        (lambda: WeightSyncConfig(bucket_bytes=10), r"bucket_bytes=10 is below 1 KiB"),
+        (lambda: TaskConfig(name="chess"), r"task name='chess'"),
+        (lambda: TorchEngineConfig(num_slots=0), r"num_slots=0 must be >= 1"),
+    ],
+)
+def test_component_rules(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+def test_kl_reward_shaping_is_rejected_with_a_fix():
+    loss = LossConfig(advantage_estimator="reinforce_plus_plus_baseline", normalize_advantages=True, kl_coef=0.05)
+    with pytest.raises(ValueError, match=r"kl_coef=0.05 .* use use_kl_loss=True"):
+        _cfg(loss=loss, backend=FSDPConfig(model="tiny", device="cpu", ref_model="tiny"))
+
+
+def test_replace_revalidates():
+    cfg = _cfg()
+    with pytest.raises(ValueError, match="global_batch_size=5"):
+        cfg.replace(batch=dataclasses.replace(cfg.batch, global_batch_size=5))

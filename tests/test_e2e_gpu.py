@@ -1,0 +1,38 @@
+"""GPU: the same loop with the Qwen3-0.6B shape on one GPU, colocated (short SFT warm start, 3 GRPO steps).
+
+Run: .venv/bin/python -m pytest -q -s -m gpu tests/test_e2e_gpu.py   (prints per-phase times and peak memory)
+"""
+
+from __future__ import annotations
+
+import dataclasses as dc
+import json
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_qwen3_0p6b_colocated_loop(tmp_path):
+    from rlbench.orchestration.warm_start import warm_start
+    from rlbench.presets import qwen3_0p6b_gpu
+    from rlbench.trainer import Trainer
+
+    sft = str(tmp_path / "sft")
+    print(json.dumps(warm_start("qwen3-0.6b-shape", sft, device="cuda", steps=100)))
+    cfg = qwen3_0p6b_gpu(model=sft, workdir=str(tmp_path), num_rollout=3)
+    cfg = cfg.replace(weights=dc.replace(cfg.weights, verify=True))
+    trainer = Trainer(cfg)
+    history = trainer.fit()
+    keys = ("perf/rollout_time", "perf/log_probs_time", "perf/train_time", "perf/update_weights_time",
+            "perf/step_time", "perf/peak_memory_gb", "perf/mfu", "weights/bytes", "train/ppo_kl_first_mb",
+            "rollout/raw_reward", "train/train_rollout_logprob_abs_diff")
+    for h in history:
+        print(json.dumps({k: round(h[k], 5) for k in keys if k in h}))
+    print(json.dumps(trainer.eval_history))
+    last = history[-1]
+    assert last["weights/verified"] == 1.0 and last["weights/bytes"] < 1.3e9  # bf16 on the wire
+    assert all(h["train/ppo_kl_first_mb"] < 1e-3 for h in history)
+    assert [h["rollout/weight_version"] for h in history] == [0, 1, 2]

@@ -1,0 +1,102 @@
+"""Trainer sub-steps on the real components (tiny random model, CPU): shapes, versions, exact zero PPO KL,
+weight sync, and one clear error per kind of bad data."""
+
+from __future__ import annotations
+
+import dataclasses as dc
+import json
+
+import pytest
+import torch
+
+from rlbench import presets
+from rlbench.rewards import RewardError
+from rlbench.trainer import Trainer
+from rlbench.types import Status
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    torch.set_num_threads(1)
+    work = tmp_path_factory.mktemp("trainer")
+    cfg = presets.cpu_test(model="tiny", workdir=str(work), level=1, n_eval=16)
+    cfg = cfg.replace(
+        rollout=dc.replace(cfg.rollout, rollout_batch_size=4, n_samples_per_prompt=4, max_response_len=8),
+        batch=dc.replace(cfg.batch, global_batch_size=8, max_tokens_per_gpu=128),
+        eval=dc.replace(cfg.eval, interval=1, max_prompts=8, n_samples_per_prompt=2, pass_k=(1, 2)),
+    )
+    return Trainer(cfg)
+
+
+def test_sub_steps_are_inspectable(trainer):
+    batch = trainer.rollout()
+    assert len(batch.samples) == 16 and len(batch.groups) == 4
+    assert all(s.reward is not None and s.weight_version == 0 for s in batch.samples)
+    score = trainer.score(batch)
+    for group in batch.groups:  # GRPO: advantages sum to zero within a group, constant along a response
+        advs = [s.token_advantages[0] for s in group]
+        assert abs(sum(advs)) < 1e-5
+        assert all(len(set(s.token_advantages)) <= 1 for s in group)
+    assert "rollout/advantages" in score
+    packs = trainer.pack(batch)
+    assert len(packs) == 2  # 16 samples / global_batch_size 8
+    assert sorted(i for p in packs[0] for i in p.sample_ids) == list(range(8))
+    assert all(p.num_tokens <= 128 for step in packs for p in step)
+    lp = trainer.compute_log_probs(batch)
+    assert [len(x) for x in batch.old_log_probs] == [len(p) for p in packs]
+    # The recomputed log-probs are the engine's, to float32 round-off (same weights, same temperature).
+    assert abs(lp["rollout/log_probs"] - lp["rollout/rollout_log_probs"]) < 1e-4
+    metrics = trainer.train_step(batch)
+    assert metrics["train/optimizer_steps"] == 2.0
+    assert metrics["train/ppo_kl_first_mb"] == 0.0  # exactly: same weights, same kernels, same packs
+    sync = trainer.sync_weights()
+    assert sync["weights/bytes"] > 0 and trainer.engine.weight_version == trainer.version == 1
+
+
+def test_step_history_versions_and_engine_weights(trainer):
+    before, version = trainer.rollout_id, trainer.version
+    m = trainer.step()
+    assert trainer.rollout_id == before + 1 and trainer.history[-1] is m
+    assert m["rollout/weight_version"] == version and m["weights/version"] == version + 1
+    assert m["train/ppo_kl_first_mb"] == 0.0
+    for key in ("rollout/raw_reward", "rollout/response_len/mean", "rollout/zero_std/count", "rollout/truncated_ratio",
+                "train/loss", "train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/grad_norm", "train/lr",
+                "train/train_rollout_logprob_abs_diff", "perf/rollout_time", "perf/log_probs_time", "perf/train_time",
+                "perf/update_weights_time", "perf/step_time", "perf/tokens_per_sec", "eval/reward", "eval/pass@1",
+                "eval/pass@2"):
+        assert key in m, key
+    assert all(isinstance(v, float) for v in m.values())
+    engine = dict(trainer.engine.model.named_parameters())
+    for name, p in trainer.backend.model.named_parameters():  # engine holds the trainer's current weights
+        assert torch.equal(engine[name], p.full_tensor() if hasattr(p, "full_tensor") else p), name
+    assert trainer.eval_history[-1]["eval/pass@1"] == m["eval/pass@1"]
+
+
+def _write(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "lines, match",
+    [
+        ([json.dumps({"question": "1+1=?", "label": "2"})], r"row 1: missing key 'prompt'; available keys: \['label', 'question'\]"),
+        ([json.dumps({"prompt": "1+1=?", "label": "2"}), "{not json"], r":2: invalid JSON"),
+        ([json.dumps({"prompt": "1+1=?" * 40, "label": "2"})], r"longest prompt \(\d+ tokens\) \+ max response \(8\) exceeds engine.max_seq_len=48"),
+        ([json.dumps({"prompt": "1+1=?", "label": "2", "metadata": "x"})], r"'metadata' must be a dict"),
+    ],
+)
+def test_bad_data_gives_one_clear_error(trainer, tmp_path, lines, match):
+    cfg = trainer.cfg.replace(data=dc.replace(trainer.cfg.data, path=_write(tmp_path / "bad.jsonl", lines)), task=None,
+                              eval=dc.replace(trainer.cfg.eval, interval=None))
+    with pytest.raises(ValueError, match=match):
+        Trainer(cfg)
+
+
+def test_a_raising_reward_names_the_sample(trainer):
+    batch = trainer.rollout()
+    batch.samples[3].reward = None
+    batch.samples[3].metadata["rm_type"] = "json:loads"  # a user reward that raises (TypeError)
+    with pytest.raises(RewardError, match=r"raised on sample 0: response=.* label="):
+        trainer.score(batch)
+    assert batch.samples[0].status in (Status.COMPLETED, Status.TRUNCATED)
