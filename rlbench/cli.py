@@ -63,9 +63,10 @@ FLAG_NAMES: dict[tuple[str, str], str] = {
     ("logging", "jsonl_path"): "--metrics-jsonl",
     ("logging", "wandb_project"): "--wandb-project",
     ("task", "name"): "--task",
+    ("cluster", "colocate"): "--colocate",
 }
 # Sections whose field names are used bare (`--eps-clip`, `--global-batch-size`, `--lr`).
-BARE_SECTIONS = ("loss", "batch", "backend.optim", "rollout", "backend", "data", "")
+BARE_SECTIONS = ("loss", "batch", "backend.optim", "rollout", "backend", "data", "cluster", "")
 SKIP = {("loss", "extra"), ("loss", "mis"), ("backend", "model_overrides"), ("backend", "optim"),
         ("logging", "console_keys"), ("backend.optim", "betas"), ("", "task")}
 

@@ -17,11 +17,12 @@ from rlbench.algorithms.config import LossConfig
 from rlbench.backends.fsdp.config import FSDPConfig, OptimConfig
 from rlbench.data.datasets import DataConfig
 from rlbench.metrics import LoggingConfig
+from rlbench.orchestration.ray_config import ClusterConfig, check_batch_layout
 from rlbench.rollout.torch_engine import TorchEngineConfig
 from rlbench.weights import WeightSyncConfig
 
 __all__ = [
-    "BatchConfig", "CheckpointConfig", "DataConfig", "EvalConfig", "FSDPConfig",
+    "BatchConfig", "CheckpointConfig", "ClusterConfig", "DataConfig", "EvalConfig", "FSDPConfig",
     "LoggingConfig", "LossConfig", "OptimConfig", "RolloutConfig", "RunConfig", "TaskConfig",
     "TorchEngineConfig", "WeightSyncConfig",
 ]
@@ -226,8 +227,8 @@ class RunConfig:
     """Saving and resuming."""
     task: TaskConfig | None = None
     """Synthetic task to generate data for before the run (None: data.path already exists)."""
-    colocate: bool = True
-    """Trainer and engine share the device(s) (the only mode for now)."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Where the run executes: one process ("local") or Ray actors ("ray": GPUs, colocate, async; docs/distributed.md)."""
     offload: bool | None = None
     """Colocated: park the trainer state in host memory during rollout and free the engine's KV cache
     during training (None: on for CUDA, off on CPU)."""
@@ -244,8 +245,8 @@ class RunConfig:
                 f"max_prompt_length={self.data.max_prompt_length} + max_response_len={self.rollout.max_response_len} "
                 f"exceeds engine.max_seq_len={self.engine.max_seq_len}; raise engine.max_seq_len"
             )
-        if not self.colocate:
-            raise ValueError("colocate=False (disaggregated engine) is not available yet; set colocate=True")
+        if self.cluster.backend == "ray":
+            check_batch_layout(self, self.cluster)  # global_batch_size must split over the DP ranks
 
     def _check_batch(self) -> None:
         r, b = self.rollout, self.batch

@@ -47,6 +47,14 @@ class Trainer:
         sinks: metric sinks; None builds them from `cfg.logging`.
     """
 
+    def __new__(cls, cfg: RunConfig, *args, **kwargs):
+        """`Trainer(cfg)` is a `RayTrainer` when `cfg.cluster.backend == "ray"` (same API, actors underneath)."""
+        if cls is Trainer:
+            from rlbench.orchestration.ray_config import trainer_class
+
+            cls = trainer_class(cfg.cluster.backend)
+        return super().__new__(cls)
+
     def __init__(self, cfg: RunConfig, *, components=None, sinks=None) -> None:
         seed_everything(cfg.seed)
         if components is None:

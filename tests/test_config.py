@@ -9,6 +9,7 @@ import pytest
 from rlbench.config import (
     BatchConfig,
     CheckpointConfig,
+    ClusterConfig,
     DataConfig,
     EvalConfig,
     FSDPConfig,
@@ -49,7 +50,6 @@ def test_presets_validate():
         ({"loss": LossConfig(entropy_coef=0.01)}, r"entropy_coef=0.01 needs backend.with_entropy=True"),
         ({"rollout": RolloutConfig(rollout_batch_size=8, n_samples_per_prompt=1)}, r"n_samples_per_prompt=1 gives zero advantages"),
         ({"eval": EvalConfig(interval=2)}, r"eval.interval is set but there is no eval data"),
-        ({"colocate": False}, r"colocate=False .* not available"),
         ({"batch": BatchConfig(global_batch_size=8, use_dynamic_batch_size=True, max_tokens_per_gpu=16)},
          r"max_tokens_per_gpu=16 cannot hold one sequence of max_response_len=32"),
         ({"data": DataConfig(path="x.jsonl", max_prompt_length=2040)}, r"max_prompt_length=2040 \+ max_response_len=32 exceeds engine.max_seq_len=2048"),
@@ -94,3 +94,8 @@ def test_replace_revalidates():
     cfg = _cfg()
     with pytest.raises(ValueError, match="global_batch_size=5"):
         cfg.replace(batch=dataclasses.replace(cfg.batch, global_batch_size=5))
+
+
+def test_local_backend_refuses_disaggregated():
+    with pytest.raises(ValueError, match=r"backend='local' runs one colocated process .* set cluster.backend='ray'"):
+        ClusterConfig(colocate=False)
