@@ -92,8 +92,8 @@ def build_backend(cfg: RunConfig):
     return backend
 
 
-def build_components(cfg: RunConfig) -> Components:
-    """Everything a `Trainer` needs for `cfg`, in this process."""
+def build_data(cfg: RunConfig) -> tuple[Any, PromptDataset, list]:
+    """The driver-side data of a run: `(tokenizer, training prompts, eval items)`, lengths checked."""
     eval_path = cfg.eval.data_path
     if cfg.task is not None:
         _, task_eval = materialize_task(cfg.task)
@@ -105,6 +105,12 @@ def build_components(cfg: RunConfig) -> Components:
         eval_cfg = dataclasses.replace(cfg.data, path=eval_path, shuffle=False)
         eval_items = PromptDataset(eval_cfg, tokenizer).items[: cfg.eval.max_prompts]
     check_lengths(cfg, dataset.items + eval_items)
+    return tokenizer, dataset, eval_items
+
+
+def build_components(cfg: RunConfig) -> Components:
+    """Everything a `Trainer` needs for `cfg`, in this process."""
+    tokenizer, dataset, eval_items = build_data(cfg)
     backend = build_backend(cfg)
     device = backend.env.device
     engine = build_engine(cfg, device, tokenizer)

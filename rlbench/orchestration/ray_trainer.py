@@ -21,13 +21,11 @@ correct for the off-policy gap exactly as in a synchronous run.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 
 import numpy as np
 import torch
 
-from rlbench.data import PromptDataset
-from rlbench.orchestration.local import Components, build_tokenizer_for, check_lengths, materialize_task
+from rlbench.orchestration.local import Components, build_data
 from rlbench.orchestration.ray_cluster import RayCluster, _max_merge
 from rlbench.orchestration.ray_config import ClusterConfig, check_batch_layout
 from rlbench.orchestration.ray_dp import split_steps_by_dp
@@ -37,16 +35,7 @@ from rlbench.trainer import Trainer
 
 def build_ray_components(cfg, cluster: ClusterConfig) -> tuple[Components, RayCluster]:
     """Driver-side data (tokenizer, prompts, eval items) plus the Ray actors standing in for backend and engine."""
-    eval_path = cfg.eval.data_path
-    if cfg.task is not None:
-        eval_path = eval_path or materialize_task(cfg.task)[1]
-    tokenizer = build_tokenizer_for(cfg.backend.model)
-    dataset = PromptDataset(cfg.data, tokenizer)
-    eval_items = []
-    if cfg.eval.interval is not None:
-        eval_cfg = dataclasses.replace(cfg.data, path=eval_path, shuffle=False)
-        eval_items = PromptDataset(eval_cfg, tokenizer).items[: cfg.eval.max_prompts]
-    check_lengths(cfg, dataset.items + eval_items)
+    tokenizer, dataset, eval_items = build_data(cfg)
     ray_cluster = RayCluster(cfg, cluster, tokenizer)
     parts = Components(tokenizer, dataset, eval_items, ray_cluster.train_group(), ray_cluster.engine_group(),
                        torch.device("cpu"), ray_cluster.num_params)
