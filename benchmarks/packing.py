@@ -90,7 +90,7 @@ def print_cpu(res: dict) -> None:
     r = res["packed"]
     print(f"{'packed (KK)':<16}{r['micro_batches']:>14}{r['padding_fraction']:>10.1%}{r['max_batch_tokens']:>15}"
           f"   imbalance {r['imbalance']:.4f}")
-    print("CPU time (process_time, median):")
+    print(f"CPU time (process_time, median, torch threads {torch.get_num_threads()}):")
     print(f"first_fit {r['first_fit_ms']:.2f} ms, make_step_packs {r['make_step_packs_ms']:.1f} ms")
     for k in (8, 64, 256):
         kk = res[f"kk_8192_into_{k}"]
@@ -192,6 +192,8 @@ def main() -> None:
     ap.add_argument("--pad-multiple", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch.set_num_threads for the CPU part (0 = torch default); 16 mimics a GPU host")
     ap.add_argument("--gpu", action="store_true", help="also time forward+backward on a model")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--preset", default="qwen3-0.6b-shape")
@@ -203,7 +205,9 @@ def main() -> None:
     ap.add_argument("--repeats-gpu", type=int, default=3)
     args = ap.parse_args()
     torch.manual_seed(args.seed)
-    results = {"torch": torch.__version__, "cpu": cpu_part(args)}
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_part(args)}
     print_cpu(results["cpu"])
     if args.gpu:
         results["gpu"] = gpu_part(args)

@@ -136,3 +136,72 @@ def test_empty_pack_is_pad_only_and_report_values():
     assert r.imbalance == pytest.approx(3 / 1.5) and r.padding_fraction == pytest.approx(5 / 8)
     d = r.to_dict()
     assert d["num_packs"] == 2 and d["max_pack_tokens"] == 4 and d["tokens"] == [3, 0]
+
+
+def _reference_pack(samples, ids, pad_multiple, seq_align, pad_token_id, extras):
+    """The layout spelled out token by token (Python lists, one torch.tensor per field at the end)."""
+    tokens, positions, cu, resp_index = [], [], [0], []
+    resp = {"loss_mask": [], "advantages": [], "rollout_log_probs": [], **{k: [] for k in extras}}
+    for i in ids:
+        s, start = samples[i], len(tokens)
+        slot = round_up(s.total_length, seq_align)
+        tokens += s.tokens + [pad_token_id] * (slot - s.total_length)
+        positions += list(range(slot))
+        cu.append(len(tokens))
+        resp_index += [start + s.prompt_length - 1 + k for k in range(s.response_length)]
+        resp["loss_mask"] += s.loss_mask
+        resp["advantages"] += s.token_advantages or [s.advantage or 0.0] * s.response_length
+        resp["rollout_log_probs"] += s.rollout_log_probs or []
+        for k in extras:
+            resp[k] += extras[k][i][: s.response_length]
+    pad = round_up(len(tokens), pad_multiple) - len(tokens) if ids else pad_multiple
+    f32 = {k: torch.tensor(v, dtype=torch.float32) for k, v in resp.items()}
+    logps = f32.pop("rollout_log_probs")
+    return {
+        "tokens": torch.tensor(tokens + [pad_token_id] * pad, dtype=torch.long),
+        "position_ids": torch.tensor(positions + list(range(pad)), dtype=torch.long),
+        "cu_seqlens": torch.tensor(cu, dtype=torch.int32),
+        "seq_lengths": torch.tensor([samples[i].total_length for i in ids], dtype=torch.long),
+        "response_lengths": [samples[i].response_length for i in ids],
+        "response_index": torch.tensor(resp_index, dtype=torch.long),
+        "pad_length": pad, "sample_ids": list(ids),
+        "loss_mask": f32.pop("loss_mask"), "advantages": f32.pop("advantages"),
+        "rollout_log_probs": logps if ids and samples[ids[0]].rollout_log_probs is not None else None,
+        "extras": f32 if ids else {},
+    }
+
+
+def _varied_sample(rng, with_logps):
+    """Scalar or per-token advantages, default / 0-1 / bool loss masks, token ids beyond int32."""
+    prompt, n = rng.randint(1, 15), rng.randint(0, 15)
+    kind = rng.randint(0, 3)
+    return Sample(
+        tokens=[rng.randint(0, 2**40) for _ in range(prompt + n)], response_length=n,
+        loss_mask=None if kind == 0 else [rng.choice([0, 1, True, 1.0]) for _ in range(n)],
+        rollout_log_probs=[rng.uniform(-30, 0) for _ in range(n)] if with_logps else None,
+        advantage=rng.choice([None, rng.gauss(0, 1), 3]),
+        token_advantages=[rng.gauss(0, 1e3) for _ in range(n)] if kind >= 2 else None,
+    )
+
+
+def test_vectorised_builder_matches_reference_exactly():
+    """Every Pack field equals the token-by-token reference: same dtype, same bits (float64 inputs
+    rounded to float32 once), for permuted/partial/empty index lists, alignment and trailing pad."""
+    rng = random.Random(7)
+    for _ in range(300):
+        samples = [_varied_sample(rng, with_logps=rng.random() < 0.5) for _ in range(rng.randint(0, 8))]
+        for s in samples[1:]:
+            s.rollout_log_probs = None if samples[0].rollout_log_probs is None else [-1.5] * s.response_length
+        extras = {"ref": [[rng.gauss(0, 1) for _ in range(s.response_length + rng.randint(0, 2))] for s in samples]}
+        kw = {"pad_multiple": rng.choice([1, 3, 8]), "seq_align": rng.choice([1, 2, 4]),
+              "pad_token_id": rng.randint(0, 9), "extras": extras if rng.random() < 0.5 else {}}
+        ids = rng.sample(range(len(samples)), rng.randint(0, len(samples)))
+        got, want = pack_samples(samples, ids, **kw), _reference_pack(samples, ids, **kw)
+        for name, w in want.items():
+            g = getattr(got, name)
+            if isinstance(w, torch.Tensor):
+                assert g.dtype == w.dtype and torch.equal(g, w), name
+            elif isinstance(w, dict):
+                assert g.keys() == w.keys() and all(torch.equal(g[k], w[k]) for k in w), name
+            else:
+                assert g == w, name
