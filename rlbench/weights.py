@@ -64,13 +64,26 @@ TRANSPORTS: dict[str, type] = {"in_process": InProcessTransport}
 
 
 @dataclass
-class _Tally:
+class SyncTally:
     """What went through one sync (filled while the engine consumes the bucket stream)."""
 
     num_buckets: int = 0
     num_tensors: int = 0
     bytes: int = 0
     max_bucket_bytes: int = 0
+    send_time: float = 0.0
+    """Seconds spent sending (transports that time their sends fill it)."""
+
+    def add(self, bucket: Bucket) -> None:
+        nbytes = bucket_nbytes(bucket)
+        self.num_buckets += 1
+        self.num_tensors += len(bucket)
+        self.bytes += nbytes
+        self.max_bucket_bytes = max(self.max_bucket_bytes, nbytes)
+
+    def metrics(self) -> dict[str, float]:
+        return {"weights/bytes": float(self.bytes), "weights/num_buckets": float(self.num_buckets),
+                "weights/num_tensors": float(self.num_tensors), "weights/max_bucket_bytes": float(self.max_bucket_bytes)}
 
 
 def bucket_nbytes(bucket: Bucket) -> int:
@@ -78,15 +91,12 @@ def bucket_nbytes(bucket: Bucket) -> int:
     return sum(t.numel() * t.element_size() for _, t in bucket)
 
 
-def _counted(buckets: Iterable[Bucket], tally: _Tally, limit: int, checksums: dict | None) -> Iterator[Bucket]:
+def _counted(buckets: Iterable[Bucket], tally: SyncTally, limit: int, checksums: dict | None) -> Iterator[Bucket]:
     """Pass buckets through lazily, counting them and checking the size bound (and checksumming)."""
     for bucket in buckets:
         nbytes = bucket_nbytes(bucket)
         assert nbytes <= limit or len(bucket) == 1, f"bucket of {nbytes} B exceeds bucket_bytes={limit}"
-        tally.num_buckets += 1
-        tally.num_tensors += len(bucket)
-        tally.bytes += nbytes
-        tally.max_bucket_bytes = max(tally.max_bucket_bytes, nbytes)
+        tally.add(bucket)
         if checksums is not None:
             checksums.update((name, checksum(t)) for name, t in bucket)
         yield bucket
@@ -141,7 +151,7 @@ class WeightSync:
         Raises:
             RuntimeError: verify is on and a tensor in the engine differs from what was sent.
         """
-        tally = _Tally()
+        tally = SyncTally()
         sums: dict[str, tuple[int, int]] | None = {} if self.cfg.verify else None
         start = time.perf_counter()
         dtype = self.cfg.torch_dtype or getattr(self.engine, "dtype", None)  # cast before sending, not after
@@ -150,14 +160,7 @@ class WeightSync:
         _synchronize()
         elapsed = time.perf_counter() - start
         assert tally.num_buckets > 0, "backend.named_weights_for_sync yielded no buckets"
-        metrics = {
-            "perf/update_weights_time": elapsed,
-            "weights/bytes": float(tally.bytes),
-            "weights/num_buckets": float(tally.num_buckets),
-            "weights/num_tensors": float(tally.num_tensors),
-            "weights/max_bucket_bytes": float(tally.max_bucket_bytes),
-            "weights/version": float(version),
-        }
+        metrics = {"perf/update_weights_time": elapsed, **tally.metrics(), "weights/version": float(version)}
         if sums is not None:
             verify_checksums(sums, dict(engine_named_weights(self.engine)))
             metrics["weights/verified"] = 1.0

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from rlbench.weights import Bucket, bucket_nbytes, checksum
+from rlbench.weights import SyncTally as _SyncTally
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float64: "float64",
                 torch.int64: "int64", torch.int32: "int32", torch.bool: "bool", torch.uint8: "uint8"}
@@ -153,27 +154,11 @@ def receive_broadcast(engine, group: BroadcastGroup, metas: list[dict], version:
 
 
 # --------------------------------------------------------------------------------------------- sender side
-@dataclass
-class SyncTally:
-    """What one trainer rank pushed in one sync."""
-
-    num_buckets: int = 0
-    num_tensors: int = 0
-    bytes: int = 0
-    max_bucket_bytes: int = 0
-    send_time: float = 0.0
-
-    def add(self, bucket: Bucket) -> None:
-        nbytes = bucket_nbytes(bucket)
-        self.num_buckets += 1
-        self.num_tensors += len(bucket)
-        self.bytes += nbytes
-        self.max_bucket_bytes = max(self.max_bucket_bytes, nbytes)
+class SyncTally(_SyncTally):
+    """What one trainer rank pushed in one sync, with its send time."""
 
     def metrics(self) -> dict[str, float]:
-        return {"weights/bytes": float(self.bytes), "weights/num_buckets": float(self.num_buckets),
-                "weights/num_tensors": float(self.num_tensors), "weights/max_bucket_bytes": float(self.max_bucket_bytes),
-                "perf/update_weights_send_time": self.send_time}
+        return super().metrics() | {"perf/update_weights_send_time": self.send_time}
 
 
 def push_ipc(buckets: Iterable[Bucket], engine, version: int, wait, checksums: dict | None = None) -> SyncTally:
