@@ -26,9 +26,9 @@ from rlbench.config import (
 )
 from rlbench.metrics import LoggingConfig
 
-# The SFT warm start `make run` caches and reuses (tiny preset, arithmetic level 1, 32 held-out prompts).
-DEMO_SFT_DIR = os.path.join("runs", "sft-tiny-arith1")
-DEMO_SFT = dict(preset="tiny", task="arithmetic", task_kwargs={"level": 1}, batch_size=32, eval_every=20,
+# The SFT warm start `make run` caches and reuses (small preset, arithmetic level 1, 32 held-out prompts).
+DEMO_SFT_DIR = os.path.join("runs", "sft-small-arith1")
+DEMO_SFT = dict(preset="small", task="arithmetic", task_kwargs={"level": 1}, batch_size=32, eval_every=20,
                 num_eval=32, max_steps=600, target_pass_at_1=0.3)
 
 
@@ -51,7 +51,7 @@ def _task_run(model: str, task: TaskConfig, *, device: str, param_dtype: str, wo
 
 
 def cpu_demo(model: str = DEMO_SFT_DIR, workdir: str = "runs/demo") -> RunConfig:
-    """GRPO on 1-digit addition from the SFT-warmed `tiny` model (`make run`): 100 steps, ~0.7 s each on 2 CPU cores.
+    """GRPO on 1-digit arithmetic from the SFT-warmed `small` model (`make run`): 60 steps, a few s each on 2 CPU cores.
 
     The eval prompts are the SFT's held-out split (`DEMO_SFT` below uses the same task, level, n_eval, seed).
     """
@@ -59,7 +59,7 @@ def cpu_demo(model: str = DEMO_SFT_DIR, workdir: str = "runs/demo") -> RunConfig
     return _task_run(
         model, task, device="cpu", param_dtype="fp32", workdir=workdir,
         rollout=RolloutConfig(rollout_batch_size=16, n_samples_per_prompt=8, max_response_len=12, temperature=1.0),
-        batch=BatchConfig(global_batch_size=64, use_dynamic_batch_size=True, max_tokens_per_gpu=1024, num_rollout=100),
+        batch=BatchConfig(global_batch_size=64, use_dynamic_batch_size=True, max_tokens_per_gpu=1024, num_rollout=60),
         loss=LossConfig(advantage_estimator="grpo", eps_clip=0.2, eps_clip_high=0.28),
         optim=OptimConfig(lr=2e-4, betas=(0.9, 0.98), clip_grad=1.0),
         engine=TorchEngineConfig(max_seq_len=48, num_slots=128),
