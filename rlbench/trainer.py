@@ -77,7 +77,6 @@ class Trainer:
         self.policy_version = 0  # train_step calls so far: the version of the trainer's weights
         self.version = 0  # policy version held by the engine
         self._phase = "train"
-        self._micro_metrics: list[dict] = []
         self.sync_weights()  # the engine always starts from the trainer's weights (version 0)
         if cfg.checkpoint.load_dir:
             self.load(cfg.checkpoint.load_dir)
@@ -194,22 +193,15 @@ class Trainer:
         self._enter("train")
         if batch.old_log_probs is None and batch.ref_log_probs is None and not self.cfg.loss.use_rollout_logprobs:
             self.compute_log_probs(batch)
-        per_step, first_mb = [], None
-        for s, packs in enumerate(batch.packs):
-            self._micro_metrics = []
-            mbs = [self._response_batch(batch, s, i) for i in range(len(packs))]
-            # dp = 1: this step's micro-batches are the whole global batch, so its counts are the global norm.
-            inputs = build_loss_inputs(self.cfg.loss, mbs, norm=global_norm(self.cfg.loss, mbs))
-            per_step.append(self.backend.train(packs, inputs, loss_fn=self._loss_fn))
-            if first_mb is None:
-                first_mb = self._micro_metrics[0]
+        steps = ((packs, self._step_inputs(batch, s)) for s, packs in enumerate(batch.packs))
+        metrics = train_optimizer_steps(self.backend, self.loss, steps)
         self.policy_version += 1
-        metrics = {k: float(np.mean([m[k] for m in per_step])) for k in per_step[0]}
-        metrics["train/step"] = per_step[-1]["train/step"]
-        metrics["perf/train_time"] = float(sum(m["perf/train_time"] for m in per_step))
-        metrics["train/optimizer_steps"] = float(len(per_step))
-        metrics["train/ppo_kl_first_mb"] = float(first_mb.get("ppo_kl_abs", 0.0))
         return metrics
+
+    def _step_inputs(self, batch: RolloutBatch, s: int) -> list:
+        """Loss inputs of optimizer step s; with dp = 1 its micro-batches are the whole global batch (the norm)."""
+        mbs = [self._response_batch(batch, s, i) for i in range(len(batch.packs[s]))]
+        return build_loss_inputs(self.cfg.loss, mbs, norm=global_norm(self.cfg.loss, mbs))
 
     def _response_batch(self, batch: RolloutBatch, s: int, i: int) -> ResponseBatch:
         """Micro-batch i of optimizer step s in response space (what the loss inputs are built from)."""
@@ -220,13 +212,6 @@ class Trainer:
             rollout_log_probs=pack.rollout_log_probs,
             ref_log_probs=batch.ref_log_probs[s][i] if batch.ref_log_probs is not None else None,
         )
-
-    def _loss_fn(self, logp, entropy, inputs):
-        """The policy loss, with metric keys un-prefixed (the backend adds `train/`) and per-micro-batch values kept."""
-        loss, metrics = self.loss(logp, entropy, inputs)
-        metrics = {k.removeprefix("train/"): v for k, v in metrics.items()}
-        self._micro_metrics.append({k: float(v) for k, v in metrics.items()})
-        return loss, metrics
 
     def sync_weights(self) -> dict[str, float]:
         """Push the trainer's weights into the engine, stamped with `policy_version` (train steps so far)."""
@@ -364,3 +349,26 @@ def seed_everything(seed: int) -> None:
 def _reset_peak_memory() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.reset_peak_memory_stats()
+
+
+def train_optimizer_steps(backend, loss, steps) -> dict[str, float]:
+    """`backend.train` once per `(packs, loss_inputs)` of `steps`; their metrics merged over the optimizer steps.
+
+    `train/ppo_kl_first_mb` is |old − new| on the very first micro-batch: exactly 0.0 while the policy is unchanged.
+    """
+    micro: list[dict[str, float]] = []
+
+    def loss_fn(logp, entropy, inputs):
+        # metric keys un-prefixed: the backend adds `train/`; per-micro-batch values kept for the first-mb check
+        value, metrics = loss(logp, entropy, inputs)
+        metrics = {k.removeprefix("train/"): v for k, v in metrics.items()}
+        micro.append({k: float(v) for k, v in metrics.items()})
+        return value, metrics
+
+    per_step = [backend.train(packs, inputs, loss_fn=loss_fn) for packs, inputs in steps]
+    metrics = {k: float(np.mean([m[k] for m in per_step])) for k in per_step[0]}
+    metrics["train/step"] = per_step[-1]["train/step"]
+    metrics["perf/train_time"] = float(sum(m["perf/train_time"] for m in per_step))
+    metrics["train/optimizer_steps"] = float(len(per_step))
+    metrics["train/ppo_kl_first_mb"] = micro[0].get("ppo_kl_abs", 0.0) if micro else 0.0
+    return metrics

@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -23,6 +22,7 @@ from rlbench.algorithms.aggregation import GlobalNorm
 from rlbench.algorithms.loss import global_norm, is_batch_stats
 from rlbench.packing import num_micro_batches, split_by_dp
 from rlbench.packing.pack import make_step_packs
+from rlbench.trainer import train_optimizer_steps
 from rlbench.types import Sample
 
 
@@ -76,7 +76,6 @@ class ShardStep:
         self.packs: list[list] = []
         self.old: list[list] | None = None
         self.ref: list[list] | None = None
-        self._micro: list[dict] = []
 
     def _reduce_max(self, n: int) -> int:
         return int(_all_reduce([float(n)], self.group, dist.ReduceOp.MAX, self.device)[0])
@@ -132,26 +131,12 @@ class ShardStep:
             stats = torch.tensor(_all_reduce(stats.double().tolist(), self.group, device=self.device), dtype=stats.dtype)
         return build_loss_inputs(self.cfg.loss, mbs, norm=norm, batch_stats=stats)
 
-    def _loss_fn(self, logp, entropy, inputs):
-        loss, metrics = self.loss(logp, entropy, inputs)
-        metrics = {k.removeprefix("train/"): v for k, v in metrics.items()}
-        self._micro.append({k: float(v) for k, v in metrics.items()})
-        return loss, metrics
-
     def train(self) -> dict[str, float]:
         """One optimizer step per global batch; `train/*` are global (the backend all-reduces its sums)."""
         if self.old is None and self.ref is None and not self.cfg.loss.use_rollout_logprobs:
             self.compute_log_probs()
-        per_step, first_mb = [], 0.0
-        for s, packs in enumerate(self.packs):
-            self._micro = []
-            per_step.append(self.backend.train(packs, self._global_inputs(self._response_batches(s)), loss_fn=self._loss_fn))
-            if s == 0:
-                first_mb = self._micro[0].get("ppo_kl_abs", 0.0) if self._micro else 0.0
-        metrics = {k: float(np.mean([m[k] for m in per_step])) for k in per_step[0]}
-        metrics["train/step"] = per_step[-1]["train/step"]
-        metrics["perf/train_time"] = float(sum(m["perf/train_time"] for m in per_step))
-        metrics["train/optimizer_steps"] = float(len(per_step))
+        steps = ((packs, self._global_inputs(self._response_batches(s))) for s, packs in enumerate(self.packs))
+        metrics = train_optimizer_steps(self.backend, self.loss, steps)
         # Summed over ranks: each rank's first micro-batch (exactly 0 when the policy is unchanged).
-        metrics["train/ppo_kl_first_mb"] = _all_reduce([first_mb], self.group, device=self.device)[0]
+        metrics["train/ppo_kl_first_mb"] = _all_reduce([metrics["train/ppo_kl_first_mb"]], self.group, device=self.device)[0]
         return metrics
