@@ -285,10 +285,12 @@ def ensure_device_sft(args: argparse.Namespace, preset: str) -> str:
     if os.path.isfile(os.path.join(out, "config.json")):
         print(f"[rlbench] reusing SFT warm start {out}", flush=True)
         return out
-    from rlbench.orchestration.warm_start import warm_start
+    from rlbench.presets import gpu_sft
+    from rlbench.sft import run_sft
 
     print(f"[rlbench] SFT warm start of {preset!r} on cuda -> {out}", flush=True)
-    print(json.dumps(warm_start(preset, out, device="cuda", steps=args.sft_steps or 150)), flush=True)
+    metrics = run_sft(gpu_sft(preset, out, steps=args.sft_steps or 150))
+    print(json.dumps({k: v for k, v in metrics.items() if k != "history"}), flush=True)
     return out
 
 

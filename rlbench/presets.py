@@ -25,11 +25,20 @@ from rlbench.config import (
     TorchEngineConfig,
 )
 from rlbench.metrics import LoggingConfig
+from rlbench.sft import SFTConfig
 
 # The SFT warm start `make run` caches and reuses (small preset, arithmetic level 1, 32 held-out prompts).
 DEMO_SFT_DIR = os.path.join("runs", "sft-small-arith1")
 DEMO_SFT = dict(preset="small", task="arithmetic", task_kwargs={"level": 1}, batch_size=32, eval_every=20,
                 num_eval=32, max_steps=600, target_pass_at_1=0.3)
+
+
+def gpu_sft(preset: str = "qwen3-0.6b-shape", out: str | None = None, steps: int = 150) -> SFTConfig:
+    """A short SFT warm start of a model shape on one GPU (`rlbench bench`, tests/test_e2e_gpu.py): 3-digit
+    arithmetic, `steps` AdamW steps at 3e-4, the preset's own 152k vocabulary, one pass@1 eval at the end."""
+    return SFTConfig(preset=preset, task="arithmetic", task_kwargs={"level": 3}, out=out, device="cuda",
+                     tokenizer_vocab=False, batch_size=64, lr=3e-4, warmup_steps=max(1, steps // 10),
+                     max_steps=steps, eval_every=steps, target_pass_at_1=None)
 
 
 def _task_run(model: str, task: TaskConfig, *, device: str, param_dtype: str, workdir: str, **sections) -> RunConfig:

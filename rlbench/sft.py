@@ -66,6 +66,11 @@ class SFTConfig:
     """Seed for data, init, batch order and eval sampling."""
     num_threads: int | None = None
     """torch.set_num_threads for the run; None leaves the default."""
+    device: str = "cpu"
+    """Where to train ("cpu", "cuda", "cuda:1"); on CUDA the forward runs under bf16 autocast (fp32 weights)."""
+    tokenizer_vocab: bool = True
+    """True sizes the embedding to the tokenizer (128 ids); False keeps the preset's vocabulary, so a model shape
+    such as qwen3-0.6b-shape keeps its real 152k-row lm-head cost (the ids above 127 are never used)."""
 
     def __post_init__(self) -> None:
         if self.task not in ("arithmetic", "countdown"):
@@ -75,6 +80,8 @@ class SFTConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.target_pass_at_1 is not None and not 0 < self.target_pass_at_1 <= 1:
             raise ValueError(f"target_pass_at_1={self.target_pass_at_1} must be in (0, 1] or None")
+        if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} but CUDA is not available; use device='cpu'")
 
 
 def split_rows(cfg: SFTConfig) -> tuple[list[dict], list[dict]]:
@@ -136,7 +143,7 @@ def evaluate_pass_at_1(model, tokenizer, rows: list[dict], *, greedy: bool, max_
         for r in rows
     ]
     side, tokenizer.padding_side = tokenizer.padding_side, "left"  # generate continues from the right edge
-    enc = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt")
+    enc = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt").to(model.device)
     tokenizer.padding_side = side
     torch.manual_seed(seed)
     was_training = model.training
@@ -173,8 +180,14 @@ def _batches(examples: list[tuple[list[int], int]], batch_size: int, pad_id: int
 
 
 def train_step(model, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> float:
-    """One AdamW step on the response-token loss (grad norm clipped at 1); returns the loss."""
-    loss = sft_loss(model, batch)
+    """One AdamW step on the response-token loss (grad norm clipped at 1); returns the loss.
+
+    The batch is moved to the model's device; on CUDA the forward runs under bf16 autocast.
+    """
+    device = next(model.parameters()).device
+    batch = {k: v.to(device) for k, v in batch.items()}
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        loss = sft_loss(model, batch)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -188,7 +201,8 @@ def run_sft(cfg: SFTConfig) -> dict:
         torch.set_num_threads(cfg.num_threads)
     start, start_cpu = time.perf_counter(), time.process_time()
     tokenizer = build_tokenizer()
-    model = build_model(cfg.preset, vocab_size=len(tokenizer), seed=cfg.seed, **_special_ids(tokenizer))
+    vocab = {"vocab_size": len(tokenizer)} if cfg.tokenizer_vocab else {}
+    model = build_model(cfg.preset, device=cfg.device, seed=cfg.seed, **vocab, **_special_ids(tokenizer))
     train_rows, eval_rows = split_rows(cfg)
     examples = encode_sft(train_rows, tokenizer)
     if len(examples) < cfg.batch_size:

@@ -16,12 +16,13 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_qwen3_0p6b_colocated_loop(tmp_path):
-    from rlbench.orchestration.warm_start import warm_start
-    from rlbench.presets import qwen3_0p6b_gpu
+    from rlbench.presets import gpu_sft, qwen3_0p6b_gpu
+    from rlbench.sft import run_sft
     from rlbench.trainer import Trainer
 
     sft = str(tmp_path / "sft")
-    print(json.dumps(warm_start("qwen3-0.6b-shape", sft, device="cuda", steps=100)))
+    sft_metrics = run_sft(gpu_sft("qwen3-0.6b-shape", sft, steps=100))
+    print(json.dumps({k: v for k, v in sft_metrics.items() if k != "history"}))
     cfg = qwen3_0p6b_gpu(model=sft, workdir=str(tmp_path), num_rollout=3)
     cfg = cfg.replace(weights=dc.replace(cfg.weights, verify=True))
     trainer = Trainer(cfg)

@@ -69,6 +69,24 @@ def test_config_validation():
         SFTConfig(batch_size=0)
     with pytest.raises(ValueError, match="target_pass_at_1=1.5"):
         SFTConfig(target_pass_at_1=1.5)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device='cuda' but CUDA is not available"):
+            SFTConfig(device="cuda")
+
+
+def test_preset_vocab_is_kept_when_asked(tmp_path, monkeypatch):
+    """`tokenizer_vocab=False` (the GPU warm start, `presets.gpu_sft`) keeps the preset's larger vocabulary."""
+    from rlbench.models import presets as model_presets
+    from rlbench.sft import run_sft
+
+    monkeypatch.setitem(model_presets.PRESETS, "tiny-wide", dict(model_presets.PRESETS["tiny"], vocab_size=300))
+    base = dict(preset="tiny-wide", task_kwargs={"level": 1}, max_steps=2, eval_every=2, num_eval=4, batch_size=8,
+                num_train=64, target_pass_at_1=None)
+    out = str(tmp_path / "wide")
+    run_sft(SFTConfig(**base, tokenizer_vocab=False, out=out))
+    assert load_model(out).config.vocab_size == 300
+    run_sft(SFTConfig(**base, out=out))
+    assert load_model(out).config.vocab_size == 128
 
 
 def test_tiny_sft_learns_and_saves_a_loadable_model(tmp_path, tok):
