@@ -1,11 +1,19 @@
-"""Where the batch-1 decode step's time goes: step time (graph replay) vs the HBM floor, and the kernel table.
+"""Where the decode step's time goes: step time (graph replay) vs the HBM floor for each engine variant, the
+first-use (compile + capture) seconds, and optionally the kernel table.
 
-    python benchmarks/decode_profile.py --preset qwen3-0.6b-shape --kv 1024
+    python benchmarks/decode_profile.py --preset qwen3-0.6b-shape --kv 256 1024 --fused 0 1 \\
+        --decode-attention sdpa split
+    python benchmarks/decode_profile.py --preset qwen3-4b-shape --kv 1024 --batch 1 --gemv-batch1 0 1 --profile
+
+Every variant (fused weights x decode attention x batch-1 GEMV graph) gets a fresh engine on the same model;
+`first use` is the wall time of the first decode of a bucket (the compile, if any, plus the CUDA-graph capture).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -16,11 +24,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 from rollout import profile_step, weight_bytes  # noqa: E402
 
 from rlbench.models import build_model  # noqa: E402
-from rlbench.rollout.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
+from rlbench.rollout.torch_engine import TorchEngine, TorchEngineConfig, _bucket  # noqa: E402
 
 
-def step_ms(engine: TorchEngine, b: int, kv: int, mode: str, steps: int = 200) -> float:
+def step_ms(engine: TorchEngine, b: int, kv: int, mode: str, steps: int = 200) -> tuple[float, float]:
+    """(ms per replayed step, seconds of the first use of this bucket)."""
     runner = engine.runner
+    t0 = time.perf_counter()
+    runner.decode(b, kv, mode)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
     for _ in range(3):
         runner.decode(b, kv, mode)
     torch.cuda.synchronize()
@@ -30,30 +43,59 @@ def step_ms(engine: TorchEngine, b: int, kv: int, mode: str, steps: int = 200) -
         runner.decode(b, kv, mode)
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps
+    return start.elapsed_time(end) / steps, first
+
+
+def run_variant(model, args, fused: bool, attention: str, gemv: bool, floor: float) -> list[dict]:
+    cfg = TorchEngineConfig(max_seq_len=args.max_seq_len, num_slots=max(args.batch), fused_weights=fused,
+                            decode_attention=attention, gemv_batch1=gemv)
+    engine = TorchEngine(model, cfg)
+    name = f"fused={int(engine.runner.fused)} attn={attention} gemv1={int(gemv)}"
+    rows = []
+    for b, kv, mode in itertools.product(args.batch, args.kv, args.modes):
+        bucket = _bucket(b, engine.cache.shape.num_slots, engine.runner.min_batch)
+        ms, first = step_ms(engine, bucket, kv, mode, args.steps)
+        rows.append(dict(variant=name, batch=b, bucket=bucket, kv=kv, mode=mode, ms=ms, x_floor=ms / floor,
+                         first_s=first))
+        print(f"{name:32} batch {b} (bucket {bucket}) kv {kv:5} {mode:7}: {ms:7.3f} ms/step "
+              f"({ms / floor:5.2f}x floor); first use {first:6.1f} s", flush=True)
+        if args.profile:
+            print(profile_step(engine, bucket, kv), flush=True)
+    if not (engine.runner.compiled and engine.runner.cuda_graphs):
+        print(f"{name}: compile or capture FELL BACK (see warnings); its times are not the variant's", flush=True)
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3-0.6b-shape")
     ap.add_argument("--kv", type=int, nargs="+", default=[256, 1024])
-    ap.add_argument("--batch", type=int, nargs="+", default=[2])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1])
+    ap.add_argument("--modes", nargs="+", default=["sample"], choices=["greedy", "sample", "truncate"])
+    ap.add_argument("--fused", type=int, nargs="+", default=[1], choices=[0, 1])
+    ap.add_argument("--decode-attention", nargs="+", default=["split"], choices=["sdpa", "split"])
+    ap.add_argument("--gemv-batch1", type=int, nargs="+", default=[0], choices=[0, 1])
     ap.add_argument("--max-seq-len", type=int, default=1536)
-    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--bandwidth-tbs", type=float, default=4.3, help="HBM bandwidth for the floor (H200: 4.3)")
+    ap.add_argument("--profile", action="store_true", help="print the kernel table of each measured bucket")
     args = ap.parse_args()
     model = build_model(args.preset, device="cuda", dtype=torch.bfloat16)
-    engine = TorchEngine(model, TorchEngineConfig(max_seq_len=args.max_seq_len, num_slots=max(args.batch)))
-    floor = weight_bytes(model) / 4.3e12 * 1e3
-    print(f"{args.preset}: weights {weight_bytes(model) / 2**30:.2f} GiB, floor {floor:.3f} ms")
-    for b in args.batch:
-        for kv in args.kv:
-            for mode in ("greedy", "sample"):
-                t0 = time.perf_counter()
-                ms = step_ms(engine, b, kv, mode)
-                print(f"batch {b} kv {kv} {mode}: {ms:.3f} ms/step ({ms / floor:.2f}x floor); "
-                      f"first use + 200 steps {time.perf_counter() - t0:.1f} s", flush=True)
-            if args.profile:
-                print(profile_step(engine, b, kv), flush=True)
+    floor = weight_bytes(model) / (args.bandwidth_tbs * 1e12) * 1e3
+    print(f"{args.preset}: weights {weight_bytes(model) / 2**30:.2f} GiB, floor {floor:.3f} ms "
+          f"({torch.__version__}, {torch.cuda.get_device_name()})", flush=True)
+    rows = []
+    for fused, attention, gemv in itertools.product(args.fused, args.decode_attention, args.gemv_batch1):
+        t0 = time.perf_counter()
+        rows += run_variant(model, args, bool(fused), attention, bool(gemv), floor)
+        print(f"  variant total {time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"\n{'variant':32} {'batch':>5} {'kv':>5} {'mode':>7} {'ms/step':>8} {'x floor':>8} {'first use s':>11}")
+    for r in rows:
+        print(f"{r['variant']:32} {r['batch']:>5} {r['kv']:>5} {r['mode']:>7} {r['ms']:>8.3f} {r['x_floor']:>8.2f} "
+              f"{r['first_s']:>11.1f}")
 
 
 if __name__ == "__main__":

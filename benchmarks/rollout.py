@@ -59,7 +59,7 @@ def bench_hf(model, prompts, new_tokens: int, device: str) -> float:
 def decode_step_ms(engine: TorchEngine, prompt_len: int, new_tokens: int, steps: int = 200) -> float:
     """Batch-1 decode step time (ms) at kv-length bucket of the mid-generation position."""
     runner = engine.runner
-    b = _bucket(1, engine.cache.shape.num_slots, 2 if runner.compiled else 1)
+    b = _bucket(1, engine.cache.shape.num_slots, runner.min_batch)
     kv = _bucket(prompt_len + new_tokens // 2, engine.cache.shape.max_seq_len, KV_FLOOR)
     for _ in range(3):
         runner.decode(b, kv, "sample")
@@ -105,6 +105,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on cuda, fp32 on cpu)")
     ap.add_argument("--no-cuda-graph", action="store_true")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--no-fused", action="store_true", help="run the HF layers' own matmuls (fused_weights=False)")
+    ap.add_argument("--decode-attention", default="split", choices=["split", "sdpa"])
+    ap.add_argument("--gemv-batch1", action="store_true", help="batch 1 in its own GEMV-lowered graph")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--mem-fraction", type=float, default=0.5)
     ap.add_argument("--bandwidth-tbs", type=float, default=4.3, help="HBM bandwidth for the floor (H200: 4.3)")
@@ -120,7 +123,9 @@ def main(argv=None) -> dict:
     hf_new = args.hf_new_tokens or args.new_tokens
     seq_len = args.prompt_len + args.new_tokens
     cfg = TorchEngineConfig(max_seq_len=seq_len, num_slots=max(args.batch_sizes), mem_fraction=args.mem_fraction,
-                            cuda_graphs=not args.no_cuda_graph, compile=not args.no_compile)
+                            cuda_graphs=not args.no_cuda_graph, compile=not args.no_compile,
+                            fused_weights=not args.no_fused, decode_attention=args.decode_attention,
+                            gemv_batch1=args.gemv_batch1)
     engine = TorchEngine(build_model(args.preset, device=args.device, dtype=dtype), cfg)
     t0 = time.perf_counter()
     n_buckets = engine.warm_up() if cuda and cfg.cuda_graphs else 0
@@ -136,7 +141,8 @@ def main(argv=None) -> dict:
         rows.append(dict(batch=b, engine_tok_s=ours, hf_tok_s=hf, speedup=None if hf is None else ours / hf))
     result = dict(device=torch.cuda.get_device_name() if cuda else "cpu", preset=args.preset, dtype=str(dtype),
                   prompt_len=args.prompt_len, new_tokens=args.new_tokens, hf_new_tokens=hf_new,
-                  cuda_graphs=engine.runner.cuda_graphs, compiled=engine.runner.compiled,
+                  cuda_graphs=engine.runner.cuda_graphs, compiled=engine.runner.compiled, fused=engine.runner.fused,
+                  decode_attention=cfg.decode_attention, gemv_batch1=cfg.gemv_batch1,
                   buckets_warmed=n_buckets, graphs_captured=n_graphs, warm_up_s=warm_s, threads=torch.get_num_threads(), rows=rows)
     if cuda:
         step = decode_step_ms(engine, args.prompt_len, args.new_tokens)
@@ -149,8 +155,7 @@ def main(argv=None) -> dict:
     if cuda and args.profile is not None:
         kv = _bucket(args.prompt_len + args.new_tokens // 2, engine.cache.shape.max_seq_len, KV_FLOOR)
         for b in args.profile or [1]:
-            print(profile_step(engine, _bucket(b, engine.cache.shape.num_slots, 2 if engine.runner.compiled else 1),
-                               kv))
+            print(profile_step(engine, _bucket(b, engine.cache.shape.num_slots, engine.runner.min_batch), kv))
     return result
 
 

@@ -196,6 +196,8 @@ class Trainer:
         steps = ((packs, self._step_inputs(batch, s)) for s, packs in enumerate(batch.packs))
         metrics = train_optimizer_steps(self.backend, self.loss, steps)
         self.policy_version += 1
+        if ref_update_due(self.cfg.backend.ref_update_interval, self.rollout_id):
+            metrics |= self.backend.update_ref()
         return metrics
 
     def _step_inputs(self, batch: RolloutBatch, s: int) -> list:
@@ -351,6 +353,12 @@ def _reset_peak_memory() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def ref_update_due(interval: int | None, rollout_id: int) -> bool:
+    """slime's `--ref-update-interval`: the reference model takes the actor's weights after training rollouts
+    N-1, 2N-1, ... (every N completed rollouts); never when `interval` is None."""
+    return interval is not None and (rollout_id + 1) % interval == 0
+
+
 def train_optimizer_steps(backend, loss, steps) -> dict[str, float]:
     """`backend.train` once per `(packs, loss_inputs)` of `steps`; their metrics merged over the optimizer steps.
 
@@ -359,9 +367,8 @@ def train_optimizer_steps(backend, loss, steps) -> dict[str, float]:
     micro: list[dict[str, float]] = []
 
     def loss_fn(logp, entropy, inputs):
-        # metric keys un-prefixed: the backend adds `train/`; per-micro-batch values kept for the first-mb check
+        # per-micro-batch values (bare keys; the backend adds `train/`) kept for the first-mb check
         value, metrics = loss(logp, entropy, inputs)
-        metrics = {k.removeprefix("train/"): v for k, v in metrics.items()}
         micro.append({k: float(v) for k, v in metrics.items()})
         return value, metrics
 

@@ -120,4 +120,4 @@ def test_sample_mean_metric_is_mean_of_sample_means():
     for s in samples:
         d = (s["noise"][0] - s["noise"][1]).abs()  # |old − rollout|
         exp += float((d * s["mask"]).sum() / max(1.0, float(s["mask"].sum()))) / N_SAMPLES
-    assert abs(m["train/train_rollout_logprob_abs_diff"] - exp) < 1e-12
+    assert abs(m["train_rollout_logprob_abs_diff"] - exp) < 1e-12

@@ -1,4 +1,4 @@
-"""FSDP backend on one CUDA device (world of one): flex_attention packing, sleep/wake_up memory, ref KL.
+"""FSDP backend on one CUDA device (world of one): flex_attention packing, sleep/wake_up memory, ref KL, ref update.
 
 Run on the GPU machine: `pytest -m gpu tests/test_fsdp_gpu.py -q -s`.
 """
@@ -95,3 +95,16 @@ def test_sleep_frees_and_wake_up_restores_exactly(env):
     b.wake_up()
     assert all(torch.equal(x, p.to_local()) for x, p in zip(before, b.model.parameters()))
     assert b.train([pack], [{"w": w}])["train/skipped"] == 0.0
+
+
+def test_update_ref_copies_trained_actor_and_ref_stays_on_cpu(env):
+    b = _backend(env, ref_model="small")
+    pack = pack_samples(_samples(), pad_multiple=128)
+    w = torch.full((pack.response_index.numel(),), 1.0 / pack.response_index.numel())
+    assert b.train([pack], [{"w": w}])["train/skipped"] == 0.0
+    actor = b.compute_log_prob([pack])[0].log_probs
+    assert not torch.equal(actor, b.compute_log_prob([pack], model="ref")[0].log_probs)  # the step moved the actor
+    m = b.update_ref()
+    print(m)
+    assert all(p.to_local().device.type == "cpu" for p in b.ref.parameters())  # still CPU-offloaded
+    assert torch.equal(b.compute_log_prob([pack], model="ref")[0].log_probs, actor)

@@ -86,11 +86,31 @@ def test_optim_config_validation(kwargs):
         dict(attn_implementation="flash"),
         dict(checkpoint_format="zip"),
         dict(device="cpu", attn_implementation="flex_attention"),  # wrong packed logits on CPU in torch 2.13
+        dict(device="cpu", attn_implementation="flash_attention_2"),
+        dict(device="cuda", attn_implementation="kernels-community/flash-attn"),
+        dict(ref_model="tiny", ref_update_interval=0),
     ],
 )
 def test_fsdp_config_validation(kwargs):
-    with pytest.raises(ValueError, match=list(kwargs.values())[-1]):
+    with pytest.raises(ValueError, match=str(list(kwargs.values())[-1])):
         FSDPConfig(**kwargs)
+
+
+def test_hub_kernels_refused_with_a_clear_message():
+    with pytest.raises(ValueError, match="Hub kernels .* not supported.*flash_attention_2"):
+        FSDPConfig(device="cuda", attn_implementation="kernels-community/vllm-flash-attn3")
+    assert FSDPConfig(device="cuda", attn_implementation="flash_attention_2").attn_implementation == "flash_attention_2"
+
+
+def test_ref_update_config_and_schedule():
+    from rlbench.trainer import ref_update_due
+
+    with pytest.raises(ValueError, match="needs a reference model; set ref_model"):
+        FSDPConfig(ref_update_interval=2)
+
+    assert [r for r in range(10) if ref_update_due(3, r)] == [2, 5, 8]  # after every 3rd completed rollout
+    assert [r for r in range(3) if ref_update_due(1, r)] == [0, 1, 2]
+    assert not any(ref_update_due(None, r) for r in range(10))
 
 
 def test_host_stash_round_trip_frees_and_restores_shared_storages():
@@ -184,3 +204,36 @@ def test_compiled_layers_compile_once_regardless_of_depth(monkeypatch):
     assert metrics["train/loss"] == pytest.approx(eager_metrics["train/loss"], rel=1e-5)
     assert metrics["train/grad_norm"] == pytest.approx(eager_metrics["train/grad_norm"], rel=1e-4)
     assert not torch.equal(logps[0], logps[1])  # the step changed the weights: the second pass is a real check
+
+
+def test_trainer_copies_actor_into_ref_every_n_rollouts(tmp_path):
+    """ref_update_interval=2 through the Trainer: after rollout 0 the trained actor and the ref differ, after
+    rollout 1 (the 2nd completed) the ref holds the actor's weights: equal log-probs, bit for bit."""
+    import dataclasses as dc
+
+    import torch.distributed as dist
+
+    from rlbench import presets
+    from rlbench.trainer import Trainer
+
+    cfg = presets.cpu_test(model="tiny", workdir=str(tmp_path), level=1, n_eval=16)
+    cfg = cfg.replace(
+        rollout=dc.replace(cfg.rollout, rollout_batch_size=4, n_samples_per_prompt=4, max_response_len=8),
+        batch=dc.replace(cfg.batch, global_batch_size=8, max_tokens_per_gpu=128),
+        eval=dc.replace(cfg.eval, interval=None),
+        backend=dc.replace(cfg.backend, ref_model="tiny", ref_update_interval=2),
+        loss=dc.replace(cfg.loss, use_kl_loss=True, kl_loss_coef=0.01),
+    )
+    trainer = Trainer(cfg)
+    try:
+        for rollout, updated in ((0, False), (1, True)):
+            metrics = trainer.step()
+            packs = trainer.last_rollout.packs[0]
+            actor = [o.log_probs for o in trainer.backend.compute_log_prob(packs)]
+            ref = [o.log_probs for o in trainer.backend.compute_log_prob(packs, model="ref")]
+            assert ("perf/ref_update_time" in metrics) == updated, rollout
+            assert all(torch.equal(a, r) for a, r in zip(actor, ref)) == updated, rollout
+    finally:
+        trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()

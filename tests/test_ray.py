@@ -210,6 +210,25 @@ def test_async_rollout_trains(disaggregated):
     assert history[-1]["weights/version"] == start + 3
 
 
+def test_ref_update_interval_on_every_rank(ray_cluster, tmp_path):
+    """ref_update_interval=2 on 2 ranks: rollout 1's ref/old log-probs differ (the actor trained once), the update
+    after rollout 1 copies every rank's shards, so rollout 2's ref log-probs equal the old ones exactly."""
+    from rlbench.orchestration.ray_trainer import RayTrainer
+
+    cfg = tiny_cfg(str(tmp_path))
+    cfg = cfg.replace(backend=replace(cfg.backend, ref_model="tiny", ref_update_interval=2),
+                      loss=replace(cfg.loss, use_kl_loss=True, kl_loss_coef=0.01))
+    trainer = RayTrainer(cfg, cluster=ClusterConfig(backend="ray", actor_num_gpus_per_node=2, colocate=True,
+                                                    timeout_s=120))
+    try:
+        history = trainer.fit()
+    finally:
+        trainer.close()
+    assert ["perf/ref_update_time" in h for h in history] == [False, True, False]
+    assert history[1]["rollout/ref_log_probs"] != history[1]["rollout/log_probs"]
+    assert history[2]["rollout/ref_log_probs"] == history[2]["rollout/log_probs"]
+
+
 def test_hung_collective_and_dead_actor_surface_within_timeout(disaggregated):
     from rlbench.orchestration.ray_placement import gather
 

@@ -82,8 +82,9 @@ def test_seeded_sampling_independent_of_batch_and_slot():
 
 
 def test_update_weights_equals_fresh_engine():
-    """In-place update (HF names, buckets, tied lm_head alias included) == an engine built on the new weights."""
+    """In-place update (HF names, buckets, tied lm_head alias included, fused weights) == a fresh engine."""
     engine = _engine(seed=0)
+    assert engine.runner.fused  # q/k/v and gate/up are views of the engine's fused tensors
     params = [p.data_ptr() for p in engine.model.parameters()]
     new = build_model("tiny", seed=1)
     named = list(new.state_dict().items())

@@ -89,20 +89,46 @@ def test_qwen3_06b_bf16_greedy_and_logprobs():
     assert d.mean() < 0.05 and d.max() < 1.0
 
 
-def test_warm_up_one_compile_per_mode_and_a_graph_per_bucket():
-    """Every (batch, kv_len) bucket, b == num_slots and kv_len == max_seq_len included, shares one compile."""
+def test_warm_up_one_layer_graph_for_all_layers_and_buckets():
+    """Every (batch, kv_len) bucket, b == num_slots and kv_len == max_seq_len included, shares one compile of
+    (prologue, layer, head); a second mode adds only its head."""
     from torch._dynamo.utils import counters
 
     from rlbench.rollout.torch_engine import KV_FLOOR, _all_buckets
 
     model = build_model("small", device="cuda", dtype=torch.bfloat16)
-    engine = TorchEngine(model, TorchEngineConfig(max_seq_len=1024, num_slots=16, compile=True, cuda_graphs=True))
+    engine = TorchEngine(model, TorchEngineConfig(max_seq_len=1024, num_slots=16, compile=True, cuda_graphs=True,
+                                                  gemv_batch1=False))  # batch-1 graphs: test_rollout_fused.py
     before = counters["stats"]["unique_graphs"]
     n = engine.warm_up()
     assert engine.runner.cuda_graphs and engine.runner.compiled, "compile/graph capture fell back (see warnings)"
     assert n == len(engine.runner._graphs) == len(_all_buckets(16, 2)) * len(_all_buckets(1024, KV_FLOOR))
-    assert counters["stats"]["unique_graphs"] - before == 1, "a bucket recompiled the decode step"
+    assert counters["stats"]["unique_graphs"] - before == 3, "a layer or bucket recompiled the decode step"
     greedy = engine.generate(_prompts([5, 300], model.config.vocab_size), SamplingParams(temperature=0.0,
                                                                                        max_new_tokens=8))
     assert all(len(g.token_ids) == 8 for g in greedy)
-    assert counters["stats"]["unique_graphs"] - before == 2  # + the greedy variant, once
+    assert counters["stats"]["unique_graphs"] - before == 4  # + the greedy head, once
+
+
+@pytest.mark.parametrize("fused,attention,gemv", [(True, "split", False), (True, "sdpa", False),
+                                                  (False, "split", False), (True, "split", True)])
+def test_decode_variants_fp32_equal_eager(fused, attention, gemv):
+    """fp32 (TF32 off): each compiled + captured variant == the eager, unfused engine (greedy tokens, log-probs)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = build_model("small", device="cuda", dtype=torch.float32)
+    cfg = dict(max_seq_len=512, num_slots=4)
+    engine = TorchEngine(model, TorchEngineConfig(**cfg, fused_weights=fused, decode_attention=attention,
+                                                  gemv_batch1=gemv))
+    ref = TorchEngine(build_model("small", device="cuda", dtype=torch.float32),
+                      TorchEngineConfig(**cfg, compile=False, cuda_graphs=False, fused_weights=False))
+    prompts = _prompts([5, 17, 300, 9, 60], model.config.vocab_size)
+    for sampling in (SamplingParams(temperature=0.0, max_new_tokens=24),
+                     SamplingParams(temperature=0.8, max_new_tokens=24, n=2, seed=3)):
+        got, want = engine.generate(prompts, sampling), ref.generate(prompts, sampling)
+        assert engine.runner.compiled and engine.runner.cuda_graphs and engine.runner.fused == fused
+        assert [g.token_ids for g in got] == [g.token_ids for g in want]
+        d = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g.log_probs, w.log_probs))
+        print(f"\nfused={fused} {attention} gemv_batch1={gemv}: logprob |diff| max {d:.2e}")
+        assert d < 1e-4
+    one = engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=16))  # batch bucket 1 or 2
+    assert one[0].token_ids == ref.generate(prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=16))[0].token_ids

@@ -7,7 +7,16 @@ import math
 import pytest
 import torch
 
-from rlbench.rollout.sampling import greedy_tokens, reference_probs, sample_tokens, token_hash, uniform_noise
+from rlbench.rollout.sampling import (
+    argmax_rows,
+    greedy_tokens,
+    logsumexp_rows,
+    reference_probs,
+    sample_tokens,
+    token_hash,
+    truncate_logits,
+    uniform_noise,
+)
 
 V, N = 12, 40_000
 LOGITS = torch.tensor([2.0, 1.5, 1.2, 0.9, 0.5, 0.3, 0.0, -0.4, -0.8, -1.2, -2.0, -3.0])
@@ -99,3 +108,54 @@ def test_greedy_variant_equals_sampler_at_t0():
     assert torch.equal(tok, want_tok) and torch.equal(lp, want_lp)
     ref = torch.log_softmax(logits.double(), -1).gather(1, tok[:, None])[:, 0]
     torch.testing.assert_close(lp.double(), ref, atol=2e-6, rtol=0)
+
+
+def _one_stage_sample(logits, temperature, top_k, top_p, seeds, steps, vocab_hash, truncate):
+    """The sampler before the two-stage reductions (plain `argmax` / `logsumexp` over the vocabulary)."""
+    logits = logits.float()
+    greedy = temperature <= 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    candidates = truncate_logits(scaled, top_k, top_p) if truncate else scaled
+    gumbel = -torch.log(-torch.log(uniform_noise(seeds, steps, vocab_hash)))
+    tokens = torch.where(greedy, scaled.argmax(dim=-1), (candidates + gumbel).argmax(dim=-1))
+    return tokens, scaled.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(scaled, dim=-1)
+
+
+@pytest.mark.parametrize("vocab", [7, 1024, 3000, 151936])
+def test_two_stage_argmax_is_argmax_with_ties(vocab):
+    """Bitwise `argmax` (lowest index of the maximum), incl. ties inside a chunk, across chunk boundaries,
+    in the padded last chunk, and -inf rows."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=g)
+    x[1] = torch.randint(0, 3, (vocab,), generator=g).float()  # many ties
+    x[2, [vocab // 3, vocab // 2, vocab - 1]] = 50.0  # ties in different chunks
+    x[3, -1] = 50.0  # the maximum in the padded tail
+    x[4] = float("-inf")
+    x[5, : vocab // 2] = float("-inf")
+    x[6] = x[6].round()  # coarse values
+    x[7, [0, vocab - 1]] = 50.0
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert argmax_rows(x)[2] == vocab // 3 and argmax_rows(x)[4] == 0
+    finite = x[torch.arange(9) != 4]
+    torch.testing.assert_close(logsumexp_rows(finite), torch.logsumexp(finite, -1), atol=2e-6, rtol=0)
+    assert logsumexp_rows(x)[4] == float("-inf")
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_two_stage_sampler_equals_one_stage(truncate):
+    """Same tokens bitwise as the one-stage sampler for the same seeds (greedy, sampled, truncated rows at a
+    real vocabulary size with tied logits); log-probs within float32 rounding of the logsumexp."""
+    vocab, n = 151936, 12
+    g = torch.Generator().manual_seed(7)
+    logits = (torch.randn(n, vocab, generator=g) * 3).to(torch.bfloat16)  # bf16: many exact ties
+    temp = torch.tensor([0.0, 1.0, 0.7, 1.3] * 3)
+    args = (logits, temp, torch.tensor([0, 50, 0] * 4), torch.tensor([1.0, 1.0, 0.9] * 4),
+            torch.randint(0, 2**31 - 1, (n,), generator=g), torch.randint(0, 9, (n,), generator=g),
+            token_hash(vocab), truncate)
+    tok, lp = sample_tokens(*args)
+    want_tok, want_lp = _one_stage_sample(*args)
+    assert torch.equal(tok, want_tok)
+    print(f"two-stage vs one-stage log-prob max |diff| {(lp - want_lp).abs().max():.2e}")
+    torch.testing.assert_close(lp, want_lp, atol=2e-6, rtol=0)
+    g_tok, _ = greedy_tokens(logits)
+    assert torch.equal(g_tok, logits.float().argmax(-1))

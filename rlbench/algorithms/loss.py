@@ -4,7 +4,8 @@
 
 `w` are the per-token weights of `loss_token_weights` (normalised over the global batch), `is` the detached
 IS weights of the step (1 without TIS/MIS), `pg` the chosen policy loss (OPSM-masked when enabled).
-Metrics are weighted sums too, so summing them over micro-batches and DP ranks gives the global value.
+Metrics are weighted sums too, so summing them over micro-batches and DP ranks gives the global value. Their
+keys are bare names (`pg_loss`, `ppo_kl`, ...): the training backend sums them and owns the `train/` prefix.
 """
 
 from __future__ import annotations
@@ -117,10 +118,10 @@ class PolicyLoss:
     @torch.no_grad()
     def _metrics(loss, log_probs, old, mw, tok, precomputed) -> dict[str, torch.Tensor]:
         tok["ois"] = torch.exp(log_probs.detach() - old)
-        out = {"train/loss": loss.detach()}
+        out = {"loss": loss.detach()}
         for name, v in (*tok.items(), *precomputed.items()):
-            out[f"train/{name}"] = (mw * v.to(mw.dtype)).sum()
-        out["train/ppo_kl_abs"] = (mw * tok["ppo_kl"].abs()).sum()
+            out[name] = (mw * v.to(mw.dtype)).sum()
+        out["ppo_kl_abs"] = (mw * tok["ppo_kl"].abs()).sum()
         return out
 
 

@@ -218,6 +218,9 @@ class TrainGroup:
     def wake_up(self) -> dict:
         return _max_merge(self.cluster.call_trainers("wake_up"))
 
+    def update_ref(self) -> dict:
+        return _max_merge(self.cluster.call_trainers("update_ref"))
+
     def save(self, step: int | None = None) -> str:
         return self.cluster.call_trainers("save", self.cfg.checkpoint_dir, step)[0]
 

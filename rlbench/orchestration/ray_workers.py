@@ -157,6 +157,9 @@ class TrainWorker:
     def wake_up(self) -> dict:
         return self.backend.wake_up()
 
+    def update_ref(self) -> dict:
+        return self.backend.update_ref()
+
     def save(self, checkpoint_dir: str, step: int | None = None) -> str:
         self.backend.cfg = dataclasses.replace(self.backend.cfg, checkpoint_dir=checkpoint_dir)
         return self.backend.save(step)

@@ -1,20 +1,27 @@
-"""The engine's attention function, registered with transformers' `AttentionInterface` as "rlbench_kv".
+"""The engine's attention: KV-cache writes plus prefill/decode attention, for one decoder layer at a time.
 
-The HF decoder layers stay untouched: they compute q/k/v (with q/k-norm and RoPE) and call the registered
-attention function, which receives our `KVContext` through the forward kwargs (`rl_kv=`). It writes the
-new keys/values into the slot cache and attends:
+Two callers share it. The engine's own (fused-weight) layer forward calls `kv_attention` directly; the HF
+decoder layers (fallback path, `fused_weights=False`) reach it through transformers' `AttentionInterface`
+as "rlbench_kv", getting the engine's `KVContext` through the forward kwargs (`rl_kv=`). Either way it
+writes the new keys/values into the slot cache and attends:
 
 - prefill: a right-padded batch `[B, T]` of fresh prompts; causal attention over the batch's own keys
   (padding sits after every real token, so it never reaches a real query).
 - decode: one token per slot for slots `[0, B)`; the query attends to cache positions `<= position`,
-  reading only the first `kv_len` positions (a bucket >= the longest running sequence).
+  reading only the first `kv_len` positions (a bucket >= the longest running sequence). Two decode
+  implementations (`DECODE_ATTENTION`), chosen once per engine: "sdpa" (one fused SDPA call; its kernels
+  parallelise over batch x KV heads only, ~16 blocks at batch 1) and "split" (fp32 reductions that inductor
+  spreads over kv_len as well).
 
+A `KVContext` holds ONE layer's cache tensors (not a list indexed by `layer_idx`), so every layer makes
+the same calls with different tensors and one compiled layer graph serves them all.
 Without `rl_kv` (e.g. the trainer calling the same model) it is plain SDPA, so the model stays usable.
 Swapping this function (or the matmuls around it) is how the true on-policy mode plugs in.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,15 +32,50 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTN_NAME = "rlbench_kv"
 
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+"""`(q [B, n_kv, G, hd], keys [B, n_kv, L, hd], values [B, n_kv, L, hd], mask [B, 1, 1, L], scale)`
+-> `[B, n_kv, G, hd]` in q's dtype: the G query heads of KV head j attend to its L cached keys."""
+
+
+def sdpa_decode(q, keys, values, mask, scale: float) -> torch.Tensor:
+    """One SDPA call; GQA without copying K/V: the G query heads of a KV head act as G "query positions"
+    (they all sit at the same position, so one mask row serves them all)."""
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+
+
+SPLIT_CHUNKS = 16
+"""`split_decode` sums the values in 16 chunks of kv_len / 16 (kv_len is always a multiple of 16)."""
+
+
+def split_decode(q, keys, values, mask, scale: float) -> torch.Tensor:
+    """Masked attention written as fp32 reductions, for the compiled step.
+
+    Inductor fuses each line into one kernel without materialising the broadcast products: scores reduce
+    over head_dim (`B*n_kv*G*L` outputs: parallel over kv_len), and the value sum reduces per chunk of
+    kv_len (`B*n_kv*G*16*hd` outputs) before a 16-way sum: split-KV ("flash-decoding") in plain torch.
+    Eager it DOES materialise `[B, n_kv, G, L, hd]` float32 products; the runner uses it only compiled.
+    """
+    length = keys.shape[2]
+    scores = (q.float()[:, :, :, None, :] * keys.float()[:, :, None, :, :]).sum(-1) * scale  # [B, n_kv, G, L]
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)  # [B, n_kv, G, L]
+    chunks = (SPLIT_CHUNKS, length // SPLIT_CHUNKS)
+    probs = probs.unflatten(-1, chunks)[..., None]  # [B, n_kv, G, C, L/C, 1]
+    vals = values.unflatten(2, chunks)[:, :, None].float()  # [B, n_kv, 1, C, L/C, hd] (a view of the cache)
+    partial = (probs * vals).sum(-2)  # [B, n_kv, G, C, hd]
+    return partial.sum(-2).to(q.dtype)  # [B, n_kv, G, hd]
+
+
+DECODE_ATTENTION: dict[str, DecodeAttention] = {"sdpa": sdpa_decode, "split": split_decode}
+
 
 @dataclass
 class KVContext:
-    """Per-forward state the attention function needs (all tensors preallocated by the engine)."""
+    """Per-layer state the attention needs (all tensors preallocated by the engine)."""
 
-    k_cache: list[torch.Tensor]
-    """Per layer `[S, n_kv, L_max + KV_PAD, hd]`."""
-    v_cache: list[torch.Tensor]
-    """Per layer `[S, n_kv, L_max + KV_PAD, hd]`."""
+    k_cache: torch.Tensor
+    """This layer's keys `[S, n_kv, L_max + KV_PAD, hd]`."""
+    v_cache: torch.Tensor
+    """This layer's values `[S, n_kv, L_max + KV_PAD, hd]`."""
     slots: torch.Tensor
     """`[B]` long: the cache slot of each batch row (decode: `arange(B)`)."""
     decode: bool
@@ -44,6 +86,8 @@ class KVContext:
     """Decode: cache positions read, `[0, kv_len)`."""
     mask: torch.Tensor | None = None
     """Decode: `[B, 1, 1, kv_len]` bool, True where the key is visible."""
+    decode_attention: DecodeAttention = sdpa_decode
+    """Decode: the implementation (a `DECODE_ATTENTION` value)."""
 
 
 def decode_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -52,30 +96,31 @@ def decode_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
     return (keys[None, :] <= positions[:, None])[:, None, None, :]
 
 
-def _prefill(module, q, k, v, ctx: KVContext, scaling: float) -> torch.Tensor:
+def _prefill(q, k, v, ctx: KVContext, scale: float) -> torch.Tensor:
     """q `[B, H, T, hd]`, k/v `[B, n_kv, T, hd]` -> `[B, H, T, hd]`; stores k/v in the slots."""
-    layer, t = module.layer_idx, k.shape[2]
-    ctx.k_cache[layer][ctx.slots, :, :t] = k.to(ctx.k_cache[layer].dtype)
-    ctx.v_cache[layer][ctx.slots, :, :t] = v.to(ctx.v_cache[layer].dtype)
+    t = k.shape[2]
+    ctx.k_cache[ctx.slots, :, :t] = k.to(ctx.k_cache.dtype)
+    ctx.v_cache[ctx.slots, :, :t] = v.to(ctx.v_cache.dtype)
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
-def _decode(module, q, k, v, ctx: KVContext, scaling: float) -> torch.Tensor:
+def _decode(q, k, v, ctx: KVContext, scale: float) -> torch.Tensor:
     """q `[B, H, 1, hd]`, k/v `[B, n_kv, 1, hd]` -> `[B, H, 1, hd]` against the cached prefix."""
-    layer = module.layer_idx
-    kc, vc = ctx.k_cache[layer], ctx.v_cache[layer]
+    kc, vc = ctx.k_cache, ctx.v_cache
     kc[ctx.slots, :, ctx.positions] = k[:, :, 0].to(kc.dtype)
     vc[ctx.slots, :, ctx.positions] = v[:, :, 0].to(vc.dtype)
     b, h, _, hd = q.shape
     n_kv = k.shape[1]
-    # GQA without copying K/V: the G query heads of one KV head become G "query positions"
-    # (they all sit at the same position, so one mask row serves them all).
-    qg = q.reshape(b, n_kv, h // n_kv, hd)
     keys, values = kc[:b, :, : ctx.kv_len], vc[:b, :, : ctx.kv_len]
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=ctx.mask, scale=scaling)
+    out = ctx.decode_attention(q.reshape(b, n_kv, h // n_kv, hd), keys, values, ctx.mask, scale)
     return out.reshape(b, h, 1, hd)
+
+
+def kv_attention(q, k, v, ctx: KVContext, scale: float) -> torch.Tensor:
+    """Write k/v into the cache and attend. q `[B, H, T, hd]`, k/v `[B, n_kv, T, hd]` -> `[B, H, T, hd]`."""
+    return (_decode if ctx.decode else _prefill)(q, k, v, ctx, scale)
 
 
 def rlbench_kv_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -86,9 +131,7 @@ def rlbench_kv_attention(module, query, key, value, attention_mask, dropout=0.0,
     if kwargs.get("sliding_window") is not None:
         raise ValueError("the torch engine does not support sliding-window layers; use the sglang engine")
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    fn = _decode if ctx.decode else _prefill
-    out = fn(module, query, key, value, ctx, scaling)
-    return out.transpose(1, 2).contiguous(), None
+    return kv_attention(query, key, value, ctx, scaling).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(ATTN_NAME, rlbench_kv_attention)

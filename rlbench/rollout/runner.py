@@ -1,26 +1,57 @@
 """Forward passes of the engine over the HF model: prefill, and a decode step that can be compiled and
-captured in CUDA graphs (one graph per (batch bucket, kv-length bucket, sampling mode) key, captured lazily;
-one dynamic-shape compile per sampling mode serves every bucket).
+captured in CUDA graphs (one graph per (batch bucket, kv-length bucket, sampling mode) key, captured lazily).
 
-The decoder layers are the model's own `nn.Module`s (shared code with the trainer); only the attention
-function ("rlbench_kv", see `attention.py`) and the KV cache are the engine's. All per-slot decode state
-lives in preallocated device tensors, so a decode step (forward + sampling + state update) runs with no
-host sync and replays as one CUDA graph.
+The decode step is three compiled pieces joined by a Python loop: a prologue (embedding, RoPE tables,
+mask), ONE decoder-layer function called once per layer with that layer's weights and KV cache as
+arguments, and a head (final norm, lm_head, sampling). Dynamo reuses a graph when the code and the guards
+match, so one dynamic-shape layer graph serves every layer and every (batch, kv_len) bucket: warm-up compiles
+one layer instead of the unrolled model. The CUDA graph still captures the whole step, Python glue included.
+
+The layer forward is the engine's own over fused QKV / gate-up weights (`fused.py`), or the HF module's
+forward (other architectures, `fused_weights=False`); only the attention (`attention.py`) and the KV cache
+are the engine's either way. All per-slot decode state lives in preallocated device tensors, so a decode
+step (forward + sampling + state update) runs with no host sync and replays as one CUDA graph.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from dataclasses import dataclass
 
 import torch
+import torch._dynamo
 import torch.fx.experimental._config as fx_config
 
-from rlbench.rollout.attention import KVContext, decode_mask
+from rlbench.rollout.attention import DECODE_ATTENTION, KVContext, decode_mask, sdpa_decode
+from rlbench.rollout.fused import fuse_layers, fused_layer_forward, hf_layer_forward
 from rlbench.rollout.kv_cache import KVCache
 from rlbench.rollout.sampling import greedy_tokens, sample_tokens, token_hash
 
 SAMPLE_MODES = ("greedy", "sample", "truncate")
 """Decode-step variants, chosen once per `SamplingParams`: argmax only; Gumbel noise; noise + top-k/top-p."""
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How the decode step is built (the engine's config fields of the same names)."""
+
+    compile: bool = True
+    """torch.compile the prologue, the layer function and the head (falls back to eager with a warning)."""
+    cuda_graphs: bool = True
+    """Capture each decode step in a CUDA graph (CUDA only)."""
+    fused_weights: bool = True
+    """The engine's own layer forward over fused QKV / gate-up weights where the architecture allows it."""
+    decode_attention: str = "split"
+    """A `DECODE_ATTENTION` name; "split" only runs compiled (eager it would materialise big products)."""
+    gemv_batch1: bool = True
+    """Batch 1 gets its own compiled graph whose matmuls inductor lowers to GEMV reductions."""
+    backend: str | object = "inductor"
+    """torch.compile backend (tests pass a counting backend)."""
+
+    def __post_init__(self) -> None:
+        if self.decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention={self.decode_attention!r} must be one of {sorted(DECODE_ATTENTION)}")
 
 
 class SlotState:
@@ -51,58 +82,72 @@ def _base_model(model: torch.nn.Module) -> torch.nn.Module:
     return base
 
 
-def forward_last(model: torch.nn.Module, input_ids, position_ids, ctx: KVContext, last_index) -> torch.Tensor:
-    """Run the HF layers; return logits at `last_index` of each row.
+def _compile(fn, opts: StepOptions):
+    """`torch.compile(dynamic=True)` of `fn`, traced without duck sizing and with float specialisation.
 
-    Args:
-        input_ids, position_ids: `[B, T]` long.
-        ctx: the KV context the attention function reads.
-        last_index: `[B]` long position of the row's last real token; None = the last position (decode).
-    Returns:
-        `[B, V]` logits in the model dtype.
+    Duck sizing gives equal sizes one symbol, so a batch of 8 (= KV heads), 128 (= head_dim) or 256
+    (= slots), or kv_len 1024 (= hidden) or L_max, each specialised and recompiled. Without it one compile
+    serves every (batch, kv_len) bucket. Weights are `nn.Parameter`s and the cache is marked static, so
+    only the batch and kv_len are symbolic.
     """
-    base = _base_model(model)
-    hidden = base.embed_tokens(input_ids)  # [B, T, D]
-    pos_emb = base.rotary_emb(hidden, position_ids)
-    for layer in base.layers:
-        hidden = layer(hidden, attention_mask=None, position_ids=position_ids, position_embeddings=pos_emb, rl_kv=ctx)
-    if last_index is None:
-        return model.lm_head(base.norm(hidden[:, -1]))  # [B, V]; a view, no gather kernel
-    rows = torch.arange(hidden.shape[0], device=hidden.device)
-    return model.lm_head(base.norm(hidden[rows, last_index]))  # [B, V]
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    # gpt-fast's recipe: with coordinate-descent tuning inductor lowers a matmul whose M is statically 1
+    # to a fused GEMV reduction (cuBLAS is launch/tile bound at these sizes).
+    options = {"coordinate_descent_tuning": True} if opts.gemv_batch1 and opts.backend == "inductor" else None
+    compiled = torch.compile(fn, dynamic=True, backend=opts.backend, options=options)
+
+    def call(*args):
+        # Floats (norm eps, attention scale) are constants, not graph inputs.
+        with fx_config.patch(use_duck_shape=False), torch._dynamo.config.patch(specialize_float=True):
+            return compiled(*args)
+
+    return call
 
 
 class ModelRunner:
     """Prefill and graph-captured decode over one model and one KV cache."""
 
-    def __init__(self, model, cache: KVCache, *, cuda_graphs: bool, compile: bool):
-        self.model, self.cache = model, cache
+    def __init__(self, model, cache: KVCache, opts: StepOptions | None = None):
+        opts = opts or StepOptions()
+        self.model, self.cache, self.opts = model, cache, opts
+        self.base = _base_model(model)
         self.device = cache.device
         self.state = SlotState(cache.shape.num_slots, model.config.vocab_size, self.device)
-        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
-        self.compiled = compile and self.device.type == "cuda"
-        self._step_fn = self._compiled_step() if self.compiled else self._logits_and_sample
+        torch._dynamo.mark_static(self.state.vocab_hash)
+        self.cuda_graphs = opts.cuda_graphs and self.device.type == "cuda"
+        self.layers: list = []
+        self.bind_weights()
         self._graphs: dict[tuple[int, int, str], torch.cuda.CUDAGraph] = {}
         self._pool = None
         self._warmed: set[tuple[int, int, str]] = set()
+        self._use_compiled(opts.compile)
 
-    def _compiled_step(self):
-        """`torch.compile(dynamic=True)` of the step, traced without duck sizing.
+    @property
+    def fused(self) -> bool:
+        """Whether the engine's fused-weight layer forward runs (else the HF layers')."""
+        return self._layer_forward is fused_layer_forward
 
-        Duck sizing gives equal sizes one symbol, so a batch of 8 (= KV heads), 128 (= head_dim) or 256
-        (= slots), or kv_len 1024 (= hidden) or L_max, each specialised and recompiled: ~8 compiles of the
-        whole unrolled model. Without it one compile per sampling mode serves every (batch, kv_len) bucket.
-        """
-        import torch._dynamo
+    @property
+    def min_batch(self) -> int:
+        """Smallest batch bucket: compiled steps start at 2 (batch 1 would be one more graph) unless
+        `gemv_batch1` asks for that graph."""
+        return 1 if not self.compiled or self.opts.gemv_batch1 else 2
 
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        compiled = torch.compile(self._logits_and_sample, dynamic=True)
+    def bind_weights(self) -> None:
+        """(Re-)read the layers' weights, fusing them when configured (after init and `wake_up`)."""
+        fused = fuse_layers(self.model) if self.opts.fused_weights else None
+        self._layer_forward = hf_layer_forward if fused is None else fused_layer_forward
+        self.layers = list(self.base.layers) if fused is None else fused
 
-        def step(*args):
-            with fx_config.patch(use_duck_shape=False):
-                return compiled(*args)
+    def release_weights(self) -> None:
+        """Drop the fused weight tensors (`sleep(release_weights=True)`); `bind_weights` rebuilds them."""
+        self.layers = []
 
-        return step
+    def _use_compiled(self, compiled: bool) -> None:
+        self.compiled = compiled
+        self._attend = DECODE_ATTENTION[self.opts.decode_attention] if compiled else sdpa_decode
+        wrap = (lambda fn: _compile(fn, self.opts)) if compiled else (lambda fn: fn)
+        self._prologue_fn, self._layer_fn, self._head_fn = wrap(self._prologue), wrap(self._layer), wrap(self._head)
 
     # ---- prefill (eager; matmul-bound) ----
     @torch.inference_mode()
@@ -115,26 +160,47 @@ class ModelRunner:
         ids = ids.to(self.device)
         pos = torch.arange(t, device=self.device).expand(len(prompts), t)
         last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
-        ctx = KVContext(self.cache.k, self.cache.v, torch.tensor(slots, device=self.device), decode=False)
-        return forward_last(self.model, ids, pos, ctx, last)
+        slot_ids = torch.tensor(slots, device=self.device)
+        hidden = self.base.embed_tokens(ids)  # [B, T, D]
+        pos_emb = self.base.rotary_emb(hidden, pos)
+        for w, kc, vc in zip(self.layers, self.cache.k, self.cache.v):
+            hidden = self._layer_forward(w, hidden, pos_emb, KVContext(kc, vc, slot_ids, decode=False))
+        rows = torch.arange(len(prompts), device=self.device)
+        return self.model.lm_head(self.base.norm(hidden[rows, last]))  # [B, V]
 
-    # ---- decode ----
+    # ---- decode: prologue -> layer x N -> head ----
+    def _prologue(self, tokens, positions, kv_len: int):
+        """`[B]` tokens/positions -> hidden `[B, 1, D]`, RoPE (cos, sin) `[B, 1, hd]`, mask `[B, 1, 1, kv_len]`."""
+        hidden = self.base.embed_tokens(tokens[:, None])
+        cos, sin = self.base.rotary_emb(hidden, positions[:, None])
+        return hidden, cos, sin, decode_mask(positions, kv_len)
+
+    def _layer(self, w, hidden, cos, sin, k_cache, v_cache, slots, positions, mask, kv_len: int):
+        """One decoder layer of the decode step; `w` and the caches are this layer's (graph inputs)."""
+        ctx = KVContext(k_cache, v_cache, slots, decode=True, positions=positions, kv_len=kv_len, mask=mask,
+                        decode_attention=self._attend)
+        return self._layer_forward(w, hidden, (cos, sin), ctx)
+
+    def _head(self, hidden, temperature, top_k, top_p, seeds, steps, vocab_hash, mode: str):
+        """Final norm, lm_head and sampling: hidden `[B, 1, D]` -> (tokens `[B]`, log_probs `[B]`)."""
+        logits = self.model.lm_head(self.base.norm(hidden[:, -1]))  # [B, V]
+        if mode == "greedy":
+            return greedy_tokens(logits)
+        return sample_tokens(logits, temperature, top_k, top_p, seeds, steps, vocab_hash, mode == "truncate")
+
     def _logits_and_sample(self, tokens, positions, temperature, top_k, top_p, seeds, steps, kv_len: int,
                            mode: str):
         """One decode step for slots `[0, B)`: `[B]` inputs -> (tokens `[B]`, log_probs `[B]`); see SAMPLE_MODES."""
-        b = tokens.shape[0]
-        ctx = KVContext(self.cache.k, self.cache.v, self.state.slot_ids[:b], decode=True, positions=positions,
-                        kv_len=kv_len, mask=decode_mask(positions, kv_len))
-        logits = forward_last(self.model, tokens[:, None], positions[:, None], ctx, None)
-        if mode == "greedy":
-            return greedy_tokens(logits)
-        return sample_tokens(logits, temperature, top_k, top_p, seeds, steps, self.state.vocab_hash,
-                             mode == "truncate")
+        hidden, cos, sin, mask = self._prologue_fn(tokens, positions, kv_len)
+        slots = self.state.slot_ids[: tokens.shape[0]]
+        for w, kc, vc in zip(self.layers, self.cache.k, self.cache.v):
+            hidden = self._layer_fn(w, hidden, cos, sin, kc, vc, slots, positions, mask, kv_len)
+        return self._head_fn(hidden, temperature, top_k, top_p, seeds, steps, self.state.vocab_hash, mode)
 
     def _decode_eager(self, b: int, kv_len: int, mode: str) -> None:
         s = self.state
-        tok, lp = self._step_fn(s.tokens[:b], s.positions[:b], s.temperature[:b], s.top_k[:b], s.top_p[:b],
-                                s.seeds[:b], s.steps[:b], kv_len, mode)
+        tok, lp = self._logits_and_sample(s.tokens[:b], s.positions[:b], s.temperature[:b], s.top_k[:b],
+                                          s.top_p[:b], s.seeds[:b], s.steps[:b], kv_len, mode)
         s.out_tokens[:b].copy_(tok)
         s.out_log_probs[:b].copy_(lp)
         s.tokens[:b].copy_(tok)
@@ -165,20 +231,25 @@ class ModelRunner:
         self._decode_eager(*key)
 
     def _warm_up(self, key: tuple[int, int, str]) -> None:
-        """Run the step twice on a side stream (this compiles on first use); a failed compile falls back."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        """Run the step twice (on a side stream on CUDA; this compiles on first use); a failed compile falls back."""
+        for t in (*self.cache.k, *self.cache.v):  # re-allocated by wake_up; static shapes for the compile
+            torch._dynamo.mark_static(t)
+        cuda = self.device.type == "cuda"
+        stream = torch.cuda.Stream() if cuda else None
+        if cuda:
+            stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
             for _ in range(2):
                 try:
                     self._decode_eager(*key)
                 except Exception as err:  # torch.compile is an optimisation: fall back loudly, not silently
-                    if self._step_fn is self._logits_and_sample:
+                    if not self.compiled:
                         raise
                     warnings.warn(f"torch.compile of the decode step failed ({type(err).__name__}: {err}); "
                                   "decoding without compile (compile=False)", stacklevel=3)
-                    self._step_fn, self.compiled = self._logits_and_sample, False
-        torch.cuda.current_stream().wait_stream(stream)
+                    self._use_compiled(False)
+        if cuda:
+            torch.cuda.current_stream().wait_stream(stream)
 
     def _capture(self, key: tuple[int, int, str]) -> None:
         """Warm up, capture the step into a graph and replay it once; the state is restored in between."""

@@ -4,11 +4,17 @@ A sample's random numbers depend only on its own `(seed, step, token id)`: Gumbe
 noise from a counter-based integer hash. So a sample is reproducible whatever else is in the batch and
 whichever slot it sits in. Log-probs follow the trainer's definition: `log_softmax(logits / T)` of the
 full (untruncated) tempered distribution, gathered at the sampled token; greedy rows (T = 0) report T = 1.
+
+The reductions over the vocabulary (argmax, logsumexp) run in two stages over chunks of `VOCAB_CHUNK`
+tokens: at batch 1-2 a one-stage reduction is one GPU block per row walking all ~152k entries (inductor
+does not split argmax), while chunks spread it over ~150 blocks. The argmax is bitwise the one-stage
+`argmax` (the first maximum of the first chunk holding the row maximum = the lowest index of the maximum).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 _MASK32 = 0xFFFFFFFF
 # Multipliers below 2**31, so a 32-bit value times one fits a signed int64 (no overflow on any backend).
@@ -42,6 +48,36 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_hash: torch.Te
     return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
+VOCAB_CHUNK = 1024
+"""Tokens per chunk of the two-stage vocabulary reductions."""
+
+
+def _chunks(x: torch.Tensor, fill: float) -> torch.Tensor:
+    """`[B, V]` -> `[B, C, S]` (S = min(V, VOCAB_CHUNK)), the tail padded with `fill` (a view-free pad)."""
+    vocab = x.shape[-1]
+    size = min(vocab, VOCAB_CHUNK)
+    n = -(-vocab // size)
+    return F.pad(x, (0, n * size - vocab), value=fill).view(x.shape[0], n, size)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` of `[B, V]` float as a two-stage reduction; ties -> the lowest index, like argmax.
+
+    Padding is -inf: it can only tie with a -inf maximum, and then an earlier (real) index wins.
+    """
+    chunks = _chunks(x, float("-inf"))  # [B, C, S]
+    local = chunks.argmax(dim=-1, keepdim=True)  # [B, C, 1]
+    best = chunks.gather(-1, local)[..., 0]  # [B, C]
+    chunk = best.argmax(dim=-1, keepdim=True)  # [B, 1]: the first chunk holding the row maximum
+    return (chunk * chunks.shape[-1] + local[..., 0].gather(-1, chunk))[:, 0]
+
+
+def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
+    """`torch.logsumexp(x, dim=-1)` of `[B, V]` as logsumexp of per-chunk logsumexps `[B]` (same math;
+    float32 rounding differs in the last bits)."""
+    return torch.logsumexp(torch.logsumexp(_chunks(x, float("-inf")), dim=-1), dim=-1)
+
+
 def truncate_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Top-k then top-p (nucleus) on tempered logits `[B, V]`; removed tokens get -inf.
 
@@ -63,13 +99,13 @@ def truncate_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
 
 def log_prob_at(scaled: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """`log_softmax(scaled)[b, tokens[b]]` `[B]` without writing the `[B, V]` log-softmax (one logsumexp)."""
-    return scaled.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(scaled, dim=-1)
+    return scaled.gather(1, tokens[:, None])[:, 0] - logsumexp_rows(scaled)
 
 
 def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Argmax per row `[B, V]` -> tokens `[B]`, log-probs `[B]` at T = 1 (no noise: every row is greedy)."""
     logits = logits.float()
-    tokens = logits.argmax(dim=-1)
+    tokens = argmax_rows(logits)
     return tokens, log_prob_at(logits, tokens)
 
 
@@ -102,8 +138,8 @@ def sample_tokens(
     scaled = logits / temp[:, None]  # [B, V]
     candidates = truncate_logits(scaled, top_k, top_p) if truncate else scaled
     gumbel = -torch.log(-torch.log(uniform_noise(seeds, steps, vocab_hash)))
-    sampled = (candidates + gumbel).argmax(dim=-1)
-    tokens = torch.where(greedy, scaled.argmax(dim=-1), sampled)  # T = 1 on greedy rows: scaled == logits
+    sampled = argmax_rows(candidates + gumbel)
+    tokens = torch.where(greedy, argmax_rows(scaled), sampled)  # T = 1 on greedy rows: scaled == logits
     return tokens, log_prob_at(scaled, tokens)
 
 

@@ -112,7 +112,8 @@ class FSDPBackend:
 
         The loss of each micro-batch must already carry global-batch weights (a weighted *sum*), so
         gradients are summed over micro-batches and ranks. A step whose loss or grad norm is not finite
-        is skipped: no parameter, optimizer or scheduler change, `train/skipped = 1`.
+        is skipped: no parameter, optimizer or scheduler change, `train/skipped = 1`. The loss's metrics
+        (bare names, weighted sums) are summed over micro-batches and ranks and returned as `train/<name>`.
         """
         loss_fn = loss_fn or self.loss_fn
         if loss_fn is None:
@@ -134,7 +135,7 @@ class FSDPBackend:
             self.scheduler.step()
             self.step += 1
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = {(k if "/" in k else f"train/{k}"): float(v) for k, v in zip(keys, totals[1:])}
+        metrics = {f"train/{k}": float(v) for k, v in zip(keys, totals[1:])}  # the loss's metrics are bare names
         metrics |= {
             "train/loss": float(totals[0]),
             "train/grad_norm": float(grad_norm),
@@ -147,6 +148,7 @@ class FSDPBackend:
 
     def _accumulate(self, packs, loss_inputs, loss_fn) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         # FSDP averages gradients over the shard group; the loss is a global weighted sum, so undo the mean.
+        # For power-of-two worlds both `* scale` and FSDP's `/ scale` are exact: grads = the rank sums.
         scale = float(self.env.shard_mesh.size())
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
         sums: dict[str, torch.Tensor] = {}
@@ -159,7 +161,37 @@ class FSDPBackend:
             loss_sum += loss.detach().double()
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0) + torch.as_tensor(v, device=self.env.device).detach().double()
+        namespaced = sorted(k for k in sums if "/" in k)
+        if namespaced:
+            raise ValueError(f"loss_fn returned metric keys {namespaced}; return bare names (train() adds 'train/')")
         return loss_sum, sums
+
+    @torch.no_grad()
+    def update_ref(self) -> dict:
+        """Copy the actor's weights into the reference model (slime's `--ref-update-interval`).
+
+        Shard to shard: actor and reference are sharded over the same mesh with the same placements, so
+        each rank copies its own local fp32 shards (no gather); the reference keeps its CPU-offloaded
+        parameters. Afterwards `compute_log_prob(model="ref")` equals the actor's bit for bit.
+        """
+        if self.ref is None:
+            raise ValueError("update_ref() needs a reference model; set FSDPConfig.ref_model")
+        if self._asleep:
+            raise ValueError("the backend is asleep (its device memory is released); call wake_up() first")
+        t0 = time.perf_counter()
+        self.model.reshard()  # registered params must be the sharded ones
+        self.ref.reshard()
+        actor, ref = dict(self.model.named_parameters()), dict(self.ref.named_parameters())
+        mismatched = sorted(k for k in actor.keys() | ref.keys() if k not in actor or k not in ref
+                            or actor[k].shape != ref[k].shape or actor[k].placements != ref[k].placements)
+        if mismatched:
+            raise ValueError(
+                f"reference and actor parameters differ at {mismatched[:5]} (of {len(mismatched)}); "
+                "update_ref needs ref_model of the actor's architecture"
+            )
+        for name, param in actor.items():
+            ref[name].to_local().copy_(param.to_local())
+        return {"perf/ref_update_time": time.perf_counter() - t0}
 
     def _clip_grad_norm(self) -> torch.Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-_ATTN = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+from rlbench.backends.fsdp.attention import check_attn_implementation
+
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -56,6 +57,8 @@ class FSDPConfig:
     """a preset name (random init) or a local Hugging Face directory (safetensors)"""
     ref_model: str | None = None
     """reference model (preset or HF dir); None = no reference model"""
+    ref_update_interval: int | None = None
+    """every N rollouts copy the actor's weights into the reference model (shard to shard); None = never"""
     device: str = "cuda"
     """"cuda" or "cpu"""
     param_dtype: str = "bf16"
@@ -98,11 +101,11 @@ class FSDPConfig:
             raise ValueError(f"device={self.device!r}; use 'cuda' or 'cpu'")
         if self.param_dtype not in _DTYPES:
             raise ValueError(f"param_dtype={self.param_dtype!r}; use one of {sorted(_DTYPES)}")
-        if self.attn_implementation not in _ATTN:
-            raise ValueError(f"attn_implementation={self.attn_implementation!r}; use one of {_ATTN}")
-        if self.attn_implementation == "flex_attention" and self.device == "cpu":
-            # torch 2.13 CPU flex (inductor C++ template) gave wrong packed logits (NaN / 0.17 off); see docs/fsdp.md
-            raise ValueError("attn_implementation='flex_attention' needs device='cuda'; use 'sdpa' or 'eager' on CPU")
+        check_attn_implementation(self.attn_implementation, self.device)
+        if self.ref_update_interval is not None and self.ref_update_interval < 1:
+            raise ValueError(f"ref_update_interval={self.ref_update_interval} must be >= 1 (None = never update)")
+        if self.ref_update_interval is not None and self.ref_model is None:
+            raise ValueError(f"ref_update_interval={self.ref_update_interval} needs a reference model; set ref_model (--ref-load)")
         if self.checkpoint_format not in ("sharded", "full"):
             raise ValueError(f"checkpoint_format={self.checkpoint_format!r}; use 'sharded' or 'full'")
         if self.temperature <= 0:
