@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--modes", nargs="+", default=["sample"], choices=["greedy", "sample", "truncate"])
     ap.add_argument("--fused", type=int, nargs="+", default=[1], choices=[0, 1])
-    ap.add_argument("--decode-attention", nargs="+", default=["split"], choices=["sdpa", "split"])
+    ap.add_argument("--decode-attention", nargs="+", default=["auto"], choices=["auto", "sdpa", "split"])
     ap.add_argument("--gemv-batch1", type=int, nargs="+", default=[0], choices=[0, 1])
     ap.add_argument("--max-seq-len", type=int, default=1536)
     ap.add_argument("--steps", type=int, default=200)

@@ -2,8 +2,9 @@
 # The GPU verification suite in one device call on a 2×H200 host. Lanes run in parallel on separate GPUs;
 # every part has its own timeout; logs and JSON land in $OUT. Usage: bash benchmarks/gpu_suite.sh PART...
 #   fsdp2    4B-shape FSDP step on both GPUs (torchrun), runs alone first
-#   lane0    GPU0: rollout GPU tests + rollout benchmark, then the colocated GRPO loop (tests/test_e2e_gpu.py)
-#   lane1    GPU1: FSDP GPU tests + 0.6B/4B training benchmark, then the packing benchmark
+#   lane0    GPU0: rollout benchmark (engine vs HF generate), then the colocated GRPO loop (tests/test_e2e_gpu.py)
+#   lane1    GPU1: FSDP + packed-attention GPU tests, then the 0.6B training benchmark
+#   extra    GPU1 after lane1 (add it only when there is time): rollout GPU tests, decode variants, 4B training, packing
 set -u
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
@@ -15,14 +16,15 @@ lim() { python3 -c "print(int($1*$T))"; }
 for part in "$@"; do case $part in
   fsdp2) run fsdp2 0,1 "$(lim 150)" "torchrun --nproc_per_node 2 benchmarks/train.py --preset qwen3-4b-shape \
            --attn flex_attention --compile --steps 3 --warmup 2 --json $OUT/train2.jsonl" ;;
-  lane0) ( run rollout 0 "$(lim 240)" "python3 -m pytest -m gpu tests/test_rollout_gpu.py -q -s -x;
-             python3 benchmarks/rollout.py --device cuda --preset qwen3-0.6b-shape --batch-sizes 1 16 64 256 \
-               --prompt-len 512 --new-tokens 1024 --hf-new-tokens 256 --out $OUT/rollout.json"
-           run e2e 0 "$(lim 200)" "python3 -m pytest -q -s -m gpu tests/test_e2e_gpu.py tests/test_models.py" ) & ;;
-  lane1) ( run fsdp1 1 "$(lim 260)" "python3 -m pytest -m gpu tests/test_fsdp_gpu.py -q -s -x;
-             python3 benchmarks/train.py --preset qwen3-0.6b-shape --attn flex_attention --compile --steps 3 --warmup 2 --json $OUT/train.jsonl;
-             python3 benchmarks/train.py --preset qwen3-4b-shape --attn flex_attention --compile --steps 3 --warmup 2 --json $OUT/train.jsonl"
-           run packing 1 "$(lim 170)" "python3 benchmarks/packing.py --gpu --attn sdpa flex_attention --out $OUT/packing_gpu.json" ) & ;;
+  lane0) ( run rollout 0 "$(lim 300)" "python3 benchmarks/rollout.py --device cuda --preset qwen3-0.6b-shape \
+               --batch-sizes 1 16 64 256 --prompt-len 512 --new-tokens 1024 --hf-new-tokens 256 --out $OUT/rollout.json"
+           run e2e 0 "$(lim 180)" "python3 -m pytest -q -s -m gpu tests/test_e2e_gpu.py tests/test_models.py" ) & ;;
+  lane1) ( run fsdp1 1 "$(lim 300)" "python3 -m pytest -m gpu tests/test_fsdp_gpu.py tests/test_packing_attention.py -q -s;
+             python3 benchmarks/train.py --preset qwen3-0.6b-shape --attn flex_attention --compile --steps 3 --warmup 2 --json $OUT/train.jsonl" ) & ;;
+  extra) run extra 1 "$(lim 400)" "python3 -m pytest -m gpu tests/test_rollout_gpu.py -q -s;
+           python3 benchmarks/decode_profile.py --preset qwen3-0.6b-shape --kv 256 1024 --batch 1 --fused 1 --decode-attention sdpa split --gemv-batch1 0 1;
+           python3 benchmarks/train.py --preset qwen3-4b-shape --attn flex_attention --compile --steps 3 --warmup 2 --json $OUT/train.jsonl;
+           python3 benchmarks/packing.py --gpu --attn sdpa flex_attention --out $OUT/packing_gpu.json" ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac; done
 wait

@@ -160,6 +160,31 @@ def test_one_layer_graph_serves_every_layer_and_bucket(fused):
     assert counters["stats"]["unique_graphs"] - before == 4
 
 
+def test_auto_attention_compiles_one_layer_graph_per_side():
+    """decode_attention="auto": batches on either side of SPLIT_MAX_BLOCKS compile the layer once per side (a
+    guard, not a graph per batch); each side equals the eager engine (sdpa) for the same slots."""
+    from rlbench.rollout.attention import SPLIT_MAX_BLOCKS
+
+    backend = _CountingBackend()
+    model = _arch("qwen3")
+    n_kv = model.config.num_key_value_heads
+    engine = TorchEngine(model, TorchEngineConfig(max_seq_len=48, num_slots=64, decode_attention="auto"))
+    eager = TorchEngine(_arch("qwen3"), TorchEngineConfig(max_seq_len=48, num_slots=64))
+    engine.runner = ModelRunner(engine.model, engine.cache, StepOptions(compile=True, cuda_graphs=False,
+                                                                        gemv_batch1=False, backend=backend))
+    small, large = 2, 2 * SPLIT_MAX_BLOCKS // n_kv  # b * n_kv below / above the threshold
+    for b in (small, large, small * 2, large // 2):
+        engine.runner.decode(b, 32, "greedy")
+    layer_graphs = [g for g in backend.graphs if any("k_cache" in n for n in [p.name for p in g.graph.nodes
+                                                                               if p.op == "placeholder"])]
+    assert len(layer_graphs) == 2 and len(backend.graphs) == 4  # prologue + 2 layer graphs + head
+    prompts = _prompts(lengths=[3 + i % 11 for i in range(large)])
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=5)
+    for batch in (prompts[:small], prompts):
+        assert [g.token_ids for g in engine.generate(batch, sampling)] == \
+            [g.token_ids for g in eager.generate(batch, sampling)]
+
+
 def test_gemv_batch1_adds_one_batch1_graph_set():
     """`gemv_batch1`: batch 1 is a bucket and specialises once (prologue, layer, head); other batches reuse."""
     backend = _CountingBackend()

@@ -65,7 +65,21 @@ def split_decode(q, keys, values, mask, scale: float) -> torch.Tensor:
     return partial.sum(-2).to(q.dtype)  # [B, n_kv, G, hd]
 
 
-DECODE_ATTENTION: dict[str, DecodeAttention] = {"sdpa": sdpa_decode, "split": split_decode}
+SPLIT_MAX_BLOCKS = 64
+"""`auto_decode` uses `split_decode` while batch x KV heads < 64, i.e. while SDPA's grid would leave most of an
+H200's 132 SMs idle. Above it SDPA wins: `split_decode` re-reads K and V once per query head of a group and
+runs without tensor cores, which at batch 64-256 (where the KV reads dominate the step) cost 2.7-3.4x in
+engine throughput (2026-11-30, docs/LOG.md)."""
+
+
+def auto_decode(q, keys, values, mask, scale: float) -> torch.Tensor:
+    """`split_decode` for small batches, `sdpa_decode` otherwise (see `SPLIT_MAX_BLOCKS`). Compiled with a
+    dynamic batch, the test on `B` becomes a guard: one layer graph per side, not per batch."""
+    fn = split_decode if q.shape[0] * q.shape[1] < SPLIT_MAX_BLOCKS else sdpa_decode
+    return fn(q, keys, values, mask, scale)
+
+
+DECODE_ATTENTION: dict[str, DecodeAttention] = {"sdpa": sdpa_decode, "split": split_decode, "auto": auto_decode}
 
 
 @dataclass

@@ -42,7 +42,7 @@ class StepOptions:
     """Capture each decode step in a CUDA graph (CUDA only)."""
     fused_weights: bool = True
     """The engine's own layer forward over fused QKV / gate-up weights where the architecture allows it."""
-    decode_attention: str = "split"
+    decode_attention: str = "auto"
     """A `DECODE_ATTENTION` name; "split" only runs compiled (eager it would materialise big products)."""
     gemv_batch1: bool = True
     """Batch 1 gets its own compiled graph whose matmuls inductor lowers to GEMV reductions."""

@@ -45,9 +45,10 @@ class TorchEngineConfig:
     fused_weights: bool = True
     """Run the engine's own layer forward over fused QKV and gate/up weights (Qwen3/Qwen2/Llama; other models
     use the HF layers). False runs the HF modules' own matmuls, as the trainer does (true on-policy)."""
-    decode_attention: str = "split"
-    """Decode attention when compiled: "split" (fp32 reductions spread over kv_len) or "sdpa" (one SDPA call,
-    parallel over batch x KV heads only). An eager step always uses "sdpa"."""
+    decode_attention: str = "auto"
+    """Decode attention when compiled: "split" (fp32 reductions spread over kv_len), "sdpa" (one SDPA call,
+    parallel over batch x KV heads only) or "auto" (split while batch x KV heads < 64, else sdpa). An eager
+    step always uses "sdpa"."""
     gemv_batch1: bool = True
     """Compiled: decode batch 1 in its own graph (one more layer compile, ~10 s) whose matmuls inductor lowers to
     coordinate-descent-tuned GEMV reductions; otherwise the smallest compiled batch bucket is 2. On an H200 it cut
