@@ -12,12 +12,7 @@ from rlbench.rollout.torch_engine import TorchEngine, TorchEngineConfig
 LENGTHS = [3, 7, 12, 5, 9, 1, 6]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _prompts(lengths=LENGTHS, seed=1):
