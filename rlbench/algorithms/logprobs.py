@@ -126,6 +126,14 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
         return g_hidden, g_weight.to(weight.dtype), None, None, None, None
 
 
+def _check_options(temperature: float, chunk_size: int) -> None:
+    """The options both entry points share: a positive temperature and a positive chunk size."""
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+
+
 def token_logprobs(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -147,10 +155,7 @@ def token_logprobs(
     """
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"expected logits [T, V] and targets [T], got {tuple(logits.shape)} and {tuple(targets.shape)}")
-    if temperature <= 0:
-        raise ValueError(f"temperature={temperature} must be > 0")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+    _check_options(temperature, chunk_size)
     return _ChunkedLogProbs.apply(logits, targets.long(), 1.0 / temperature, int(chunk_size), bool(with_entropy))
 
 
@@ -175,8 +180,7 @@ def linear_token_logprobs(
         raise ValueError(f"expected hidden [T, H] and weight [V, H], got {tuple(hidden.shape)}, {tuple(weight.shape)}")
     if targets.shape != hidden.shape[:1]:
         raise ValueError(f"targets {tuple(targets.shape)} must be [T={hidden.shape[0]}]")
-    if temperature <= 0 or chunk_size < 1:
-        raise ValueError(f"temperature={temperature} must be > 0 and chunk_size={chunk_size} >= 1")
+    _check_options(temperature, chunk_size)
     return _ChunkedLinearLogProbs.apply(
         hidden, weight, targets.long(), 1.0 / temperature, int(chunk_size), bool(with_entropy)
     )
