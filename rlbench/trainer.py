@@ -94,6 +94,7 @@ class Trainer:
         self.pack(batch)
         metrics |= self.compute_log_probs(batch)
         metrics |= self.train_step(batch)
+        metrics |= self.update_ref()
         metrics |= self.sync_weights()
         self.rollout_id += 1
         if self._eval_on and self.rollout_id % self.cfg.eval.interval == 0:
@@ -196,9 +197,14 @@ class Trainer:
         steps = ((packs, self._step_inputs(batch, s)) for s, packs in enumerate(batch.packs))
         metrics = train_optimizer_steps(self.backend, self.loss, steps)
         self.policy_version += 1
-        if ref_update_due(self.cfg.backend.ref_update_interval, self.rollout_id):
-            metrics |= self.backend.update_ref()
         return metrics
+
+    def update_ref(self) -> dict[str, float]:
+        """Copy the actor into the reference model after every `ref_update_interval`-th rollout (slime's
+        `--ref-update-interval`); every rank copies its own shards."""
+        if not ref_update_due(self.cfg.backend.ref_update_interval, self.rollout_id):
+            return {}
+        return self.backend.update_ref()
 
     def _step_inputs(self, batch: RolloutBatch, s: int) -> list:
         """Loss inputs of optimizer step s; with dp = 1 its micro-batches are the whole global batch (the norm)."""

@@ -30,7 +30,7 @@ from rlbench.orchestration.ray_cluster import RayCluster, _max_merge
 from rlbench.orchestration.ray_config import ClusterConfig, check_batch_layout
 from rlbench.orchestration.ray_dp import split_steps_by_dp
 from rlbench.rollout.manager import RolloutBatch
-from rlbench.trainer import Trainer, ref_update_due
+from rlbench.trainer import Trainer
 
 
 def build_ray_components(cfg, cluster: ClusterConfig) -> tuple[Components, RayCluster]:
@@ -130,8 +130,6 @@ class RayTrainer(Trainer):
         per_rank = self.cluster.call_trainers("train")
         metrics = dict(per_rank[0]) | {k: v for k, v in _max_merge(per_rank).items() if k.startswith("perf/")}
         self.policy_version += 1
-        if ref_update_due(self.cfg.backend.ref_update_interval, self.rollout_id):
-            metrics |= self.backend.update_ref()  # the TrainGroup: every rank copies its own shards
         return metrics
 
     def sync_weights(self) -> dict[str, float]:

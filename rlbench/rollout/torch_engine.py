@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlbench.rollout.attention import ATTN_NAME, DECODE_ATTENTION
+from rlbench.rollout.attention import ATTN_NAME
 from rlbench.rollout.base import Generation, SamplingParams, WeightBucket, expand_seeds
 from rlbench.rollout.kv_cache import CacheShape, KVCache, slot_bytes, slots_for_memory
 from rlbench.rollout.runner import ModelRunner, StepOptions
@@ -66,8 +66,7 @@ class TorchEngineConfig:
             raise ValueError(f"steps_per_sync={self.steps_per_sync} must be >= 1")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens} must be >= 1")
-        if self.decode_attention not in DECODE_ATTENTION:
-            raise ValueError(f"decode_attention={self.decode_attention!r} must be one of {sorted(DECODE_ATTENTION)}")
+        self.step_options(torch.device("cpu"))  # StepOptions validates the decode-step fields
 
     def step_options(self, device: torch.device) -> StepOptions:
         """The runner's options on `device` (compile and CUDA graphs only on CUDA)."""
