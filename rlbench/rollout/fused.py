@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from rlbench.rollout.attention import KVContext, kv_attention
 
@@ -115,17 +116,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x.to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(q, k, cos, sin):
-    """HF's `apply_rotary_pos_emb`: q `[B, H, T, hd]`, k `[B, n_kv, T, hd]`, cos/sin `[B, T, hd]`."""
-    cos, sin = cos[:, None], sin[:, None]
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
 def fused_layer_forward(w: FusedLayer, hidden: torch.Tensor, pos_emb, ctx: KVContext) -> torch.Tensor:
     """One decoder layer: hidden `[B, T, D]` -> `[B, T, D]`, writing this layer's K/V into `ctx`'s cache."""
     b, t, _ = hidden.shape
@@ -137,7 +127,7 @@ def fused_layer_forward(w: FusedLayer, hidden: torch.Tensor, pos_emb, ctx: KVCon
     q, k, v = q.view(b, t, -1, hd), k.view(b, t, -1, hd), v.view(b, t, -1, hd)
     if w.q_norm is not None:
         q, k = rms_norm(q, w.q_norm, w.eps), rms_norm(k, w.k_norm, w.eps)
-    q, k = apply_rope(q.transpose(1, 2), k.transpose(1, 2), *pos_emb)
+    q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *pos_emb)  # HF's own RoPE (all three families)
     attn = kv_attention(q, k, v.transpose(1, 2), ctx, w.scale)  # [B, H, T, hd]
     hidden = hidden + F.linear(attn.transpose(1, 2).reshape(b, t, -1), w.o, w.o_bias)
     x = rms_norm(hidden, w.post_norm, w.eps)
