@@ -2,7 +2,6 @@
 
 import itertools
 import random
-import time
 
 import numpy as np
 import pytest
@@ -187,10 +186,8 @@ def test_long_tailed_imbalance_at_most_1_02(k):
         assert max(sums) / np.mean(sums) <= 1.02
 
 
-def test_partition_8192_into_64_speed_sanity():
-    lengths = _lognormal(8192, 0)
-    t0 = time.perf_counter()
+def test_partition_8192_into_64_is_balanced():
+    lengths = _lognormal(8192, 0)  # its speed is measured in benchmarks/packing.py
     parts = partition(lengths, 64)
-    assert time.perf_counter() - t0 < 2.0  # generous: the measured number lives in benchmarks/packing.py
     sums = _sums(parts, lengths)
     assert max(sums) / np.mean(sums) < 1.001

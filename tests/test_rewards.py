@@ -119,15 +119,12 @@ def test_raising_reward_is_reraised_with_the_sample():
     assert isinstance(info.value.__cause__, KeyError)
 
 
-def test_math_reward_cost_is_usable_for_an_rl_step():
-    import time
+def test_integer_answers_take_the_fast_path_without_math_verify(monkeypatch):
+    import math_verify
 
-    math_reward("\\boxed{1/2}", "0.5")  # warm up sympy
-    t0 = time.process_time()
-    score_batch([f"\\boxed{{{i}/2}}" for i in range(64)], [str(i / 2) for i in range(64)], rm_type="math")
-    slow_path = time.process_time() - t0
-    t0 = time.process_time()
-    score_batch([f"\\boxed{{{i}}}" for i in range(64)], [str(i) for i in range(64)], rm_type="math")
-    fast_path = time.process_time() - t0
-    # CPU time; measured ~0.2 s / ~0.3 ms per 64 responses
-    assert slow_path < 5.0 and fast_path < 0.05, (slow_path, fast_path)
+    calls = []
+    real_parse = math_verify.parse
+    monkeypatch.setattr(math_verify, "parse", lambda *a, **k: calls.append(a) or real_parse(*a, **k))
+    scores = score_batch([f"\\boxed{{{i}}}" for i in range(64)], [str(i % 32) for i in range(64)], rm_type="math")
+    assert scores == [1.0] * 32 + [0.0] * 32 and calls == []  # integers never reach sympy
+    assert score_batch(["\\boxed{1/2}"], ["0.5"], rm_type="math") == [1.0] and len(calls) == 2  # gold + answer

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -92,14 +91,13 @@ def test_responses_are_short_in_tokens():
     assert 8 <= min(lengths) and max(lengths) <= 24
 
 
-def test_10k_items_well_under_a_second():
-    t0 = time.process_time()
-    make_arithmetic(10_000, ArithmeticConfig(digits=3, operators="+-*"))
-    t1 = time.process_time()
-    make_countdown(10_000)
-    t2 = time.process_time()
-    # CPU time (not wall time, which a shared CI box inflates): ~0.15 s each measured
-    assert t1 - t0 < 1.0 and t2 - t1 < 1.0, (t1 - t0, t2 - t1)
+def test_10k_items_are_distinct_and_self_consistent():
+    rows = make_arithmetic(10_000, ArithmeticConfig(digits=3, operators="+-*"))
+    assert len(rows) == 10_000 and len({r["prompt"] for r in rows}) > 9_000
+    assert all(verify_arithmetic(r["metadata"]["solution"], r["label"]) for r in rows)
+    rows = make_countdown(10_000)
+    assert len(rows) == 10_000
+    assert all(verify_countdown(r["metadata"]["solution"], r["label"]) for r in rows)
 
 
 def test_make_task_and_writer_round_trip(tmp_path):
