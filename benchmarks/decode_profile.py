@@ -4,8 +4,9 @@ first-use (compile + capture) seconds, and optionally the kernel table.
     python benchmarks/decode_profile.py --preset qwen3-0.6b-shape --kv 256 1024 --fused 0 1 \\
         --decode-attention sdpa split
     python benchmarks/decode_profile.py --preset qwen3-4b-shape --kv 1024 --batch 1 --gemv-batch1 0 1 --profile
+    python benchmarks/decode_profile.py --kv 256 1024 --batch 1 --megakernel 0 1
 
-Every variant (fused weights x decode attention x batch-1 GEMV graph) gets a fresh engine on the same model;
+Every variant (fused weights x decode attention x batch-1 GEMV graph x megakernel) gets a fresh engine on the same model;
 `first use` is the wall time of the first decode of a bucket (the compile, if any, plus the CUDA-graph capture).
 """
 
@@ -36,6 +37,9 @@ def step_ms(engine: TorchEngine, b: int, kv: int, mode: str, steps: int = 200) -
     first = time.perf_counter() - t0
     for _ in range(3):
         runner.decode(b, kv, mode)
+    # The compiled step reads all kv positions (masked); the megakernel reads up to each slot's position, so
+    # the timed steps run positions up to kv - 1 (the last `steps` positions below the bucket's length).
+    runner.state.positions[:b].fill_(max(0, kv - 1 - steps))
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -46,18 +50,20 @@ def step_ms(engine: TorchEngine, b: int, kv: int, mode: str, steps: int = 200) -
     return start.elapsed_time(end) / steps, first
 
 
-def run_variant(model, args, fused: bool, attention: str, gemv: bool, floor: float) -> list[dict]:
+def run_variant(model, args, fused: bool, attention: str, gemv: bool, mk: bool, floor: float) -> list[dict]:
     cfg = TorchEngineConfig(max_seq_len=args.max_seq_len, num_slots=max(args.batch), fused_weights=fused,
-                            decode_attention=attention, gemv_batch1=gemv)
+                            decode_attention=attention, gemv_batch1=gemv, megakernel=mk)
     engine = TorchEngine(model, cfg)
-    name = f"fused={int(engine.runner.fused)} attn={attention} gemv1={int(gemv)}"
+    if mk and engine.runner.megakernel is None:
+        print("megakernel requested but unsupported here; this variant runs the compiled path", flush=True)
+    name = f"fused={int(engine.runner.fused)} attn={attention} gemv1={int(gemv)} mk={int(mk)}"
     rows = []
     for b, kv, mode in itertools.product(args.batch, args.kv, args.modes):
         bucket = _bucket(b, engine.cache.shape.num_slots, engine.runner.min_batch)
         ms, first = step_ms(engine, bucket, kv, mode, args.steps)
         rows.append(dict(variant=name, batch=b, bucket=bucket, kv=kv, mode=mode, ms=ms, x_floor=ms / floor,
                          first_s=first))
-        print(f"{name:32} batch {b} (bucket {bucket}) kv {kv:5} {mode:7}: {ms:7.3f} ms/step "
+        print(f"{name:37} batch {b} (bucket {bucket}) kv {kv:5} {mode:7}: {ms:7.3f} ms/step "
               f"({ms / floor:5.2f}x floor); first use {first:6.1f} s", flush=True)
         if args.profile:
             print(profile_step(engine, bucket, kv), flush=True)
@@ -77,9 +83,10 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["sample"], choices=["greedy", "sample", "truncate"])
     ap.add_argument("--fused", type=int, nargs="+", default=[1], choices=[0, 1])
     ap.add_argument("--decode-attention", nargs="+", default=["auto"], choices=["auto", "sdpa", "split"])
-    ap.add_argument("--gemv-batch1", type=int, nargs="+", default=[0], choices=[0, 1])
+    ap.add_argument("--gemv-batch1", type=int, nargs="+", default=[1], choices=[0, 1])
+    ap.add_argument("--megakernel", type=int, nargs="+", default=[1], choices=[0, 1])
     ap.add_argument("--max-seq-len", type=int, default=1536)
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--bandwidth-tbs", type=float, default=4.3, help="HBM bandwidth for the floor (H200: 4.3)")
     ap.add_argument("--profile", action="store_true", help="print the kernel table of each measured bucket")
     args = ap.parse_args()
@@ -88,13 +95,14 @@ def main() -> None:
     print(f"{args.preset}: weights {weight_bytes(model) / 2**30:.2f} GiB, floor {floor:.3f} ms "
           f"({torch.__version__}, {torch.cuda.get_device_name()})", flush=True)
     rows = []
-    for fused, attention, gemv in itertools.product(args.fused, args.decode_attention, args.gemv_batch1):
+    variants = itertools.product(args.fused, args.decode_attention, args.gemv_batch1, args.megakernel)
+    for fused, attention, gemv, mk in variants:
         t0 = time.perf_counter()
-        rows += run_variant(model, args, bool(fused), attention, bool(gemv), floor)
+        rows += run_variant(model, args, bool(fused), attention, bool(gemv), bool(mk), floor)
         print(f"  variant total {time.perf_counter() - t0:.1f} s", flush=True)
-    print(f"\n{'variant':32} {'batch':>5} {'kv':>5} {'mode':>7} {'ms/step':>8} {'x floor':>8} {'first use s':>11}")
+    print(f"\n{'variant':37} {'batch':>5} {'kv':>5} {'mode':>7} {'ms/step':>8} {'x floor':>8} {'first use s':>11}")
     for r in rows:
-        print(f"{r['variant']:32} {r['batch']:>5} {r['kv']:>5} {r['mode']:>7} {r['ms']:>8.3f} {r['x_floor']:>8.2f} "
+        print(f"{r['variant']:37} {r['batch']:>5} {r['kv']:>5} {r['mode']:>7} {r['ms']:>8.3f} {r['x_floor']:>8.2f} "
               f"{r['first_s']:>11.1f}")
 
 

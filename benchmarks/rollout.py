@@ -109,6 +109,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--decode-attention", default=TorchEngineConfig.decode_attention, choices=["auto", "split", "sdpa"])
     ap.add_argument("--gemv-batch1", action=argparse.BooleanOptionalAction, default=TorchEngineConfig.gemv_batch1,
                     help="batch 1 in its own GEMV-lowered graph")
+    ap.add_argument("--megakernel", action=argparse.BooleanOptionalAction, default=TorchEngineConfig.megakernel,
+                    help="batch-1 decode as one persistent Triton kernel (CUDA, bf16)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--mem-fraction", type=float, default=0.5)
     ap.add_argument("--bandwidth-tbs", type=float, default=4.3, help="HBM bandwidth for the floor (H200: 4.3)")
@@ -126,7 +128,7 @@ def main(argv=None) -> dict:
     cfg = TorchEngineConfig(max_seq_len=seq_len, num_slots=max(args.batch_sizes), mem_fraction=args.mem_fraction,
                             cuda_graphs=not args.no_cuda_graph, compile=not args.no_compile,
                             fused_weights=not args.no_fused, decode_attention=args.decode_attention,
-                            gemv_batch1=args.gemv_batch1)
+                            gemv_batch1=args.gemv_batch1, megakernel=args.megakernel)
     engine = TorchEngine(build_model(args.preset, device=args.device, dtype=dtype), cfg)
     t0 = time.perf_counter()
     n_buckets = engine.warm_up() if cuda and cfg.cuda_graphs else 0
@@ -143,7 +145,7 @@ def main(argv=None) -> dict:
     result = dict(device=torch.cuda.get_device_name() if cuda else "cpu", preset=args.preset, dtype=str(dtype),
                   prompt_len=args.prompt_len, new_tokens=args.new_tokens, hf_new_tokens=hf_new,
                   cuda_graphs=engine.runner.cuda_graphs, compiled=engine.runner.compiled, fused=engine.runner.fused,
-                  decode_attention=cfg.decode_attention, gemv_batch1=cfg.gemv_batch1,
+                  decode_attention=cfg.decode_attention, gemv_batch1=cfg.gemv_batch1, megakernel=cfg.megakernel,
                   buckets_warmed=n_buckets, graphs_captured=n_graphs, warm_up_s=warm_s, threads=torch.get_num_threads(), rows=rows)
     if cuda:
         step = decode_step_ms(engine, args.prompt_len, args.new_tokens)

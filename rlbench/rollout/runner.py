@@ -26,6 +26,7 @@ import torch.fx.experimental._config as fx_config
 from rlbench.rollout.attention import DECODE_ATTENTION, KVContext, decode_mask, sdpa_decode
 from rlbench.rollout.fused import fuse_layers, fused_layer_forward, hf_layer_forward
 from rlbench.rollout.kv_cache import KVCache
+from rlbench.rollout.megakernel import DecodeMegakernel, unsupported
 from rlbench.rollout.sampling import greedy_tokens, sample_tokens, token_hash
 
 SAMPLE_MODES = ("greedy", "sample", "truncate")
@@ -46,6 +47,9 @@ class StepOptions:
     """A `DECODE_ATTENTION` name; "split" only runs compiled (eager it would materialise big products)."""
     gemv_batch1: bool = True
     """Batch 1 gets its own compiled graph whose matmuls inductor lowers to GEMV reductions."""
+    megakernel: bool = True
+    """Batch-1 steps run all decoder layers as one persistent Triton kernel where `megakernel.unsupported`
+    allows (CUDA, bf16 fused layers); the prologue and head stay compiled."""
     backend: str | object = "inductor"
     """torch.compile backend (tests pass a counting backend)."""
 
@@ -116,6 +120,7 @@ class ModelRunner:
         torch._dynamo.mark_static(self.state.vocab_hash)
         self.cuda_graphs = opts.cuda_graphs and self.device.type == "cuda"
         self.layers: list = []
+        self.megakernel: DecodeMegakernel | None = None
         self.bind_weights()
         self._graphs: dict[tuple[int, int, str], torch.cuda.CUDAGraph] = {}
         self._pool = None
@@ -131,13 +136,15 @@ class ModelRunner:
     def min_batch(self) -> int:
         """Smallest batch bucket: compiled steps start at 2 (batch 1 would be one more graph) unless
         `gemv_batch1` asks for that graph."""
-        return 1 if not self.compiled or self.opts.gemv_batch1 else 2
+        return 1 if not self.compiled or self.opts.gemv_batch1 or self.megakernel else 2
 
     def bind_weights(self) -> None:
         """(Re-)read the layers' weights, fusing them when configured (after init and `wake_up`)."""
         fused = fuse_layers(self.model) if self.opts.fused_weights else None
         self._layer_forward = hf_layer_forward if fused is None else fused_layer_forward
         self.layers = list(self.base.layers) if fused is None else fused
+        if self.opts.megakernel and self.megakernel is None and unsupported(self.model, fused, self.device) is None:
+            self.megakernel = DecodeMegakernel(self.model, fused, self.cache.shape.max_seq_len, self.device)
 
     def release_weights(self) -> None:
         """Drop the fused weight tensors (`sleep(release_weights=True)`); `bind_weights` rebuilds them."""
@@ -192,9 +199,12 @@ class ModelRunner:
                            mode: str):
         """One decode step for slots `[0, B)`: `[B]` inputs -> (tokens `[B]`, log_probs `[B]`); see SAMPLE_MODES."""
         hidden, cos, sin, mask = self._prologue_fn(tokens, positions, kv_len)
-        slots = self.state.slot_ids[: tokens.shape[0]]
-        for w, kc, vc in zip(self.layers, self.cache.k, self.cache.v):
-            hidden = self._layer_fn(w, hidden, cos, sin, kc, vc, slots, positions, mask, kv_len)
+        if self.megakernel is not None and tokens.shape[0] == 1:
+            hidden = self.megakernel(hidden, cos, sin, positions)  # every layer, slot 0
+        else:
+            slots = self.state.slot_ids[: tokens.shape[0]]
+            for w, kc, vc in zip(self.layers, self.cache.k, self.cache.v):
+                hidden = self._layer_fn(w, hidden, cos, sin, kc, vc, slots, positions, mask, kv_len)
         return self._head_fn(hidden, temperature, top_k, top_p, seeds, steps, self.state.vocab_hash, mode)
 
     def _decode_eager(self, b: int, kv_len: int, mode: str) -> None:
@@ -220,6 +230,8 @@ class ModelRunner:
         if graph is not None:
             graph.replay()
             return
+        if b == 1 and self.megakernel is not None:  # outside any capture: the pointer table is a host copy
+            self.megakernel.bind(self.layers, self.cache.k, self.cache.v)
         if self.cuda_graphs:
             self._capture(key)
             return

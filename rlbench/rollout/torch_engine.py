@@ -53,6 +53,10 @@ class TorchEngineConfig:
     """Compiled: decode batch 1 in its own graph (one more layer compile, ~10 s) whose matmuls inductor lowers to
     coordinate-descent-tuned GEMV reductions; otherwise the smallest compiled batch bucket is 2. On an H200 it cut
     the batch-1 step of the 0.6B shape from 1.94 to 1.25 ms (kv 1024) and of the 4B shape from 3.93 to 3.62 ms."""
+    megakernel: bool = True
+    """Batch-1 decode steps run every decoder layer as one persistent Triton kernel (`rollout/megakernel.py`)
+    where supported: CUDA, bf16, fused Qwen3/Qwen2/Llama layers without o/MLP biases. Elsewhere, or False,
+    batch 1 takes the compiled path above."""
 
     def __post_init__(self) -> None:
         if self.max_seq_len < 2:
@@ -73,7 +77,7 @@ class TorchEngineConfig:
         cuda = device.type == "cuda"
         return StepOptions(compile=self.compile and cuda, cuda_graphs=self.cuda_graphs and cuda,
                            fused_weights=self.fused_weights, decode_attention=self.decode_attention,
-                           gemv_batch1=self.gemv_batch1)
+                           gemv_batch1=self.gemv_batch1, megakernel=self.megakernel)
 
 
 @dataclass

@@ -1,0 +1,131 @@
+"""Batch-1 decode of every decoder layer as ONE persistent Triton kernel (the "megakernel").
+
+Why: at batch 1 the 0.6B shape reads 30 MB of weights per layer, 7 us at HBM speed, but the compiled
+step spends ~9 kernels per layer at >= 2 us of launch and ramp each (docs/LOG.md, 2026-11-30), so it sat
+at 4.5x the bandwidth floor. Here one program per SM runs all layers; the five stages of a layer
+(`mk_kernels.py`) meet at grid barriers instead of kernel boundaries, and each GEMV stage gives every
+program one tile of about equal bytes. The embedding, RoPE tables and the head (final norm, lm_head,
+sampling) stay in the compiled graphs around it; the CUDA graph captures all of it as before.
+
+Used for batch-1 decode steps on CUDA when `StepOptions.megakernel` is on and `unsupported()` finds nothing
+against it (bf16 fused Qwen3/Qwen2/Llama layers without o/MLP biases); other batches, models and devices
+keep the compiled path. On the CPU it runs under Triton's interpreter with one program (tests).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+SPLIT = 64
+"""Cached positions per attention task (KV head x split is the attention stage's task grid)."""
+MERGE_CHUNK = 16
+"""Splits merged per load when the partial softmaxes are combined."""
+TILE_ELEMS = 16384
+"""Weight elements a GEMV tile loads per K step (32 KB of bf16 in flight per program)."""
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, n))))
+
+
+def _tiling(n_rows: int, k: int, programs: int, stacked: int = 1) -> tuple[int, int, int]:
+    """(rows per task, row block, K block) so that `n_rows` split over `programs` tasks of ~equal bytes."""
+    rows = math.ceil(n_rows / programs)
+    block = _pow2(rows)
+    return rows, block, max(16, min(_pow2(k), TILE_ELEMS // (block * stacked)))
+
+
+def unsupported(model: torch.nn.Module, layers: list | None, device: torch.device) -> str | None:
+    """Why the megakernel cannot run this model here (None when it can)."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "not on CUDA (on the CPU only under Triton's interpreter, TRITON_INTERPRET=1)"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    if not layers:
+        return "no fused layers (fused_weights=False or an architecture fused.py does not reproduce)"
+    w = layers[0]
+    if w.qkv.dtype != torch.bfloat16:
+        return f"weights are {w.qkv.dtype}, the kernel reads bfloat16"
+    if any(x is not None for x in (w.o_bias, w.gate_up_bias, w.down_bias)):
+        return "o_proj/MLP biases are not implemented"
+    hd = model.config.head_dim if getattr(model.config, "head_dim", None) else w.o.shape[1] // model.config.num_attention_heads
+    if hd != _pow2(hd):
+        return f"head_dim={hd} is not a power of two"
+    return None
+
+
+class DecodeMegakernel:
+    """Scratch buffers, tiling and the per-layer pointer table for one model and one KV cache."""
+
+    def __init__(self, model: torch.nn.Module, layers: list, max_seq_len: int, device: torch.device,
+                 programs: int | None = None):
+        c = model.config
+        self.h, self.n_kv = c.num_attention_heads, c.num_key_value_heads
+        self.d, self.i = c.hidden_size, c.intermediate_size
+        self.hd = layers[0].o.shape[1] // self.h
+        self.group = self.h // self.n_kv
+        self.eps, self.scale = layers[0].eps, layers[0].scale
+        self.has_bias, self.has_qk_norm = layers[0].qkv_bias is not None, layers[0].q_norm is not None
+        if programs is None:
+            programs = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        self.programs = programs
+        qkv_rows = (self.h + 2 * self.n_kv) * self.hd
+        self.t_qkv = _tiling(qkv_rows, self.d, programs)
+        self.t_o = _tiling(self.d, self.h * self.hd, programs)
+        self.t_gu = _tiling(self.i, self.d, programs, stacked=2)
+        self.t_dn = _tiling(self.d, self.i, programs)
+        self.max_splits = math.ceil(max_seq_len / SPLIT)
+        bg = _pow2(self.group)
+        f32, bf16 = dict(dtype=torch.float32, device=device), dict(dtype=torch.bfloat16, device=device)
+        self.qkv = torch.empty(qkv_rows, **bf16)
+        self.attn = torch.empty(self.h * self.hd, **bf16)
+        self.act = torch.empty(self.i, **bf16)
+        self.part_acc = torch.empty(self.n_kv * self.max_splits * bg * self.hd, **f32)
+        self.part_m = torch.empty(self.n_kv * self.max_splits * bg, **f32)
+        self.part_l = torch.empty(self.n_kv * self.max_splits * bg, **f32)
+        self.sync = torch.zeros(1 + c.num_hidden_layers * self.n_kv, dtype=torch.int32, device=device)
+        self.table = torch.zeros(c.num_hidden_layers, 11, dtype=torch.int64, device=device)
+        self.head_stride = 0
+        self._bound: tuple = ()
+        self.num_warps = 8
+
+    def bind(self, layers: list, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> None:
+        """Point the table at these weights and caches (cheap when nothing moved; not inside a graph capture)."""
+        key = tuple(t.data_ptr() for w, kc, vc in zip(layers, k_cache, v_cache) for t in (w.qkv, w.o, kc, vc))
+        if key == self._bound:
+            return
+        from rlbench.rollout.mk_kernels import TABLE
+
+        rows = []
+        for w, kc, vc in zip(layers, k_cache, v_cache):
+            named = {"input_norm": w.input_norm, "qkv": w.qkv, "qkv_bias": w.qkv_bias, "q_norm": w.q_norm,
+                     "k_norm": w.k_norm, "o": w.o, "post_norm": w.post_norm, "gate_up": w.gate_up,
+                     "down": w.down, "k": kc, "v": vc}
+            rows.append([(named[c] if named[c] is not None else w.qkv).data_ptr() for c in TABLE])
+        self.table.copy_(torch.tensor(rows, dtype=torch.int64))
+        self.head_stride = k_cache[0].stride(1)
+        self._bound = key
+
+    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+        """hidden `[1, 1, D]` (updated in place and returned), cos/sin `[1, 1, hd]`, positions `[1]` long."""
+        from rlbench.rollout.mk_kernels import decode_layers
+
+        self.sync.zero_()
+        (r_qkv, br_qkv, bk_qkv), (r_o, br_o, bk_o) = self.t_qkv, self.t_o
+        (r_gu, br_gu, bk_gu), (r_dn, br_dn, bk_dn) = self.t_gu, self.t_dn
+        decode_layers[(self.programs,)](
+            self.table, hidden, cos.contiguous(), sin.contiguous(), positions, self.qkv, self.attn, self.act,
+            self.part_acc, self.part_m, self.part_l, self.sync, self.table.shape[0], self.eps, self.scale,
+            self.head_stride, self.max_splits, r_qkv, r_o, r_gu, r_dn,
+            D=self.d, H=self.h, NKV=self.n_kv, HD=self.hd, FFN=self.i, G=self.group, BG=_pow2(self.group),
+            BD=_pow2(self.d), SPLIT=SPLIT, CS=MERGE_CHUNK, HAS_QKV_BIAS=self.has_bias,
+            HAS_QK_NORM=self.has_qk_norm, BR_QKV=br_qkv, BK_QKV=bk_qkv, BR_O=br_o, BK_O=bk_o,
+            BR_GU=br_gu, BK_GU=bk_gu, BR_DN=br_dn, BK_DN=bk_dn, num_warps=self.num_warps,
+        )
+        return hidden

@@ -1,0 +1,109 @@
+"""Checks of the batch-1 decode megakernel shared by tests/test_megakernel.py's CPU and GPU tests.
+
+`python tests/mk_check.py` (with TRITON_INTERPRET=1 set before Triton is imported, which is why the CPU
+tests run it in a subprocess) prints the CPU cases as one JSON line.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import torch
+
+from rlbench.models import build_model
+from rlbench.rollout import SamplingParams
+from rlbench.rollout.attention import decode_mask
+from rlbench.rollout.kv_cache import CacheShape, KVCache
+from rlbench.rollout.runner import ModelRunner, StepOptions
+from rlbench.rollout.torch_engine import TorchEngine, TorchEngineConfig
+
+CPU_CASES = [("tiny", 63), ("tiny", 130), ("small", 64)]
+"""Split boundaries (63 -> 1 split of 64 positions, 64 -> 2, 130 -> 3); tiny has 2 q heads per KV head."""
+
+
+def _runner(model, max_seq_len, device, dtype=torch.bfloat16, megakernel=True):
+    c = model.config
+    cache = KVCache(CacheShape(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 2, max_seq_len), dtype,
+                    device)
+    return ModelRunner(model, cache, StepOptions(compile=False, cuda_graphs=False, megakernel=megakernel))
+
+
+@torch.inference_mode()
+def _layer_stack(runner, hidden, cos, sin, pos, kv_len):
+    slots, mask = runner.state.slot_ids[:1], decode_mask(pos, kv_len)
+    for w, kc, vc in zip(runner.layers, runner.cache.k, runner.cache.v):
+        hidden = runner._layer(w, hidden, cos, sin, kc, vc, slots, pos, mask, kv_len)
+    return hidden
+
+
+@torch.inference_mode()
+def compare_to_f64(preset, prompt_len, device, max_seq_len=256):
+    """One batch-1 decode step at position `prompt_len` three ways: the megakernel, the engine's bf16 layer
+    stack (HF's ops) and float64 (same weights, same cached K/V). Returns errors vs float64 and cache checks."""
+    model = build_model(preset, device=device, dtype=torch.bfloat16, seed=0).eval()
+    runner = _runner(model, max_seq_len, device)
+    assert runner.megakernel is not None
+    prompt = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(1))
+    runner.prefill([prompt.tolist()], [0])
+    k0, v0 = [k.clone() for k in runner.cache.k], [v.clone() for v in runner.cache.v]
+    pos, tok = torch.tensor([prompt_len], device=device), torch.tensor([7], device=device)
+    hidden, cos, sin, _ = runner._prologue(tok, pos, max_seq_len)
+    h_stack = _layer_stack(runner, hidden.clone(), cos, sin, pos, max_seq_len)
+    k_stack = [k[0, :, prompt_len].clone() for k in runner.cache.k]
+    for dst, src in zip((*runner.cache.k, *runner.cache.v), (*k0, *v0)):
+        dst.copy_(src)
+    runner.megakernel.bind(runner.layers, runner.cache.k, runner.cache.v)
+    h_mk = runner.megakernel(hidden.clone(), cos, sin, pos)
+
+    m64 = copy.deepcopy(model).double()
+    r64 = _runner(m64, max_seq_len, device, torch.float64, megakernel=False)
+    for dst, src in zip((*r64.cache.k, *r64.cache.v), (*k0, *v0)):
+        dst.copy_(src)
+    h64, cos64, sin64, _ = r64._prologue(tok, pos, max_seq_len)
+    h64 = _layer_stack(r64, h64, cos64, sin64, pos, max_seq_len)
+    err = {name: (h.double() - h64).abs() for name, h in (("mk", h_mk), ("stack", h_stack))}
+    err = {f"{name}_{stat}": float(getattr(e, stat)()) for name, e in err.items() for stat in ("max", "mean")}
+    k_err = max(float((runner.cache.k[i][0, :, prompt_len].double() - r64.cache.k[i][0, :, prompt_len]).abs().max())
+                for i in range(len(k0)))
+    k_err_stack = max(float((k_stack[i].double() - r64.cache.k[i][0, :, prompt_len]).abs().max())
+                      for i in range(len(k0)))
+    untouched = all(torch.equal(a[0, :, :prompt_len], b[0, :, :prompt_len]) and
+                    torch.equal(a[0, :, prompt_len + 1:], b[0, :, prompt_len + 1:])
+                    for a, b in zip((*runner.cache.k, *runner.cache.v), (*k0, *v0)))
+    return dict(err, k_err=k_err, k_err_stack=k_err_stack, untouched=untouched)
+
+
+def engine_samples(preset="tiny", max_new_tokens=8):
+    """Seeded sampling at batch 1 with and without the megakernel: (token ids, log-probs) of each."""
+    model = build_model(preset, dtype=torch.bfloat16, seed=0)
+    prompts = [torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(2)).tolist()]
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=3)
+    runs = {}
+    for mk in (False, True):
+        engine = TorchEngine(model, TorchEngineConfig(max_seq_len=128, num_slots=2, megakernel=mk))
+        assert (engine.runner.megakernel is not None) == mk
+        g = engine.generate(prompts, sampling)[0]
+        runs["mk" if mk else "stack"] = (g.token_ids, g.log_probs)
+    return runs
+
+
+def _interpreter_numpy_shim():
+    """numpy >= 2.4 refuses int() of the 1-element arrays Triton's interpreter (3.6) keeps scalars in."""
+    import triton.runtime.interpreter as interp
+
+    patch = interp._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interp._patch_lang_tensor = patched
+
+
+if __name__ == "__main__":
+    _interpreter_numpy_shim()
+    out = {f"{p}@{n}": compare_to_f64(p, n, "cpu") for p, n in CPU_CASES}
+    out["engine"] = engine_samples()
+    json.dump(out, sys.stdout)
