@@ -4,7 +4,7 @@ first-use (compile + capture) seconds, and optionally the kernel table.
     python benchmarks/decode_profile.py --preset qwen3-0.6b-shape --kv 256 1024 --fused 0 1 \\
         --decode-attention sdpa split
     python benchmarks/decode_profile.py --preset qwen3-4b-shape --kv 1024 --batch 1 --gemv-batch1 0 1 --profile
-    python benchmarks/decode_profile.py --kv 256 1024 --batch 1 --megakernel 0 1
+    python benchmarks/decode_profile.py --kv 256 1024 --batch 1 --megakernel 0 1   # megakernel: opt-in
 
 Every variant (fused weights x decode attention x batch-1 GEMV graph x megakernel) gets a fresh engine on the same model;
 `first use` is the wall time of the first decode of a bucket (the compile, if any, plus the CUDA-graph capture).
@@ -84,7 +84,7 @@ def main() -> None:
     ap.add_argument("--fused", type=int, nargs="+", default=[1], choices=[0, 1])
     ap.add_argument("--decode-attention", nargs="+", default=["auto"], choices=["auto", "sdpa", "split"])
     ap.add_argument("--gemv-batch1", type=int, nargs="+", default=[1], choices=[0, 1])
-    ap.add_argument("--megakernel", type=int, nargs="+", default=[1], choices=[0, 1])
+    ap.add_argument("--megakernel", type=int, nargs="+", default=[0], choices=[0, 1])
     ap.add_argument("--max-seq-len", type=int, default=1536)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--bandwidth-tbs", type=float, default=4.3, help="HBM bandwidth for the floor (H200: 4.3)")

@@ -28,7 +28,7 @@ def main() -> None:
     c = model.config
     cache = KVCache(CacheShape(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 1, args.max_seq_len),
                     torch.bfloat16, "cuda")
-    runner = ModelRunner(model, cache, StepOptions(compile=False, cuda_graphs=False))
+    runner = ModelRunner(model, cache, StepOptions(compile=False, cuda_graphs=False, megakernel=True))
     mk = runner.megakernel
     assert mk is not None, "megakernel unsupported here"
     mk.bind(runner.layers, cache.k, cache.v)

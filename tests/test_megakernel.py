@@ -86,7 +86,7 @@ def test_megakernel_06b_rounds_like_the_hf_layers(prompt_len):
 def test_megakernel_engine_greedy_matches_hf_up_to_near_ties():
     """Batch-1 greedy through graphs + megakernel vs HF generate, 96 tokens from 4 prompts one at a time."""
     model = build_model("qwen3-0.6b-shape", device="cuda", dtype=torch.bfloat16)
-    engine = TorchEngine(model, TorchEngineConfig(max_seq_len=512, num_slots=1))
+    engine = TorchEngine(model, TorchEngineConfig(max_seq_len=512, num_slots=1, megakernel=True))
     assert engine.runner.megakernel is not None
     g = torch.Generator().manual_seed(0)
     worst, exact = 0.0, 0

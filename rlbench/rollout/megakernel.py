@@ -10,6 +10,10 @@ sampling) stay in the compiled graphs around it; the CUDA graph captures all of 
 Used for batch-1 decode steps on CUDA when `StepOptions.megakernel` is on and `unsupported()` finds nothing
 against it (bf16 fused Qwen3/Qwen2/Llama layers without o/MLP biases); other batches, models and devices
 keep the compiled path. On the CPU it runs under Triton's interpreter with one program (tests).
+
+Status: verified under the interpreter only (numerics vs float64 and the engine's layer stack); the GPU run
+with one program per SM, where the barriers actually wait, is pending, so the engine leaves it off by default.
+The grid barrier needs every program resident at once: the grid is the SM count and each program fits one SM.
 """
 
 from __future__ import annotations

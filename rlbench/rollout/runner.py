@@ -47,9 +47,9 @@ class StepOptions:
     """A `DECODE_ATTENTION` name; "split" only runs compiled (eager it would materialise big products)."""
     gemv_batch1: bool = True
     """Batch 1 gets its own compiled graph whose matmuls inductor lowers to GEMV reductions."""
-    megakernel: bool = True
+    megakernel: bool = False
     """Batch-1 steps run all decoder layers as one persistent Triton kernel where `megakernel.unsupported`
-    allows (CUDA, bf16 fused layers); the prologue and head stay compiled."""
+    allows (CUDA, bf16 fused layers); the prologue and head stay compiled. Opt-in: not yet run on a GPU."""
     backend: str | object = "inductor"
     """torch.compile backend (tests pass a counting backend)."""
 

@@ -53,10 +53,11 @@ class TorchEngineConfig:
     """Compiled: decode batch 1 in its own graph (one more layer compile, ~10 s) whose matmuls inductor lowers to
     coordinate-descent-tuned GEMV reductions; otherwise the smallest compiled batch bucket is 2. On an H200 it cut
     the batch-1 step of the 0.6B shape from 1.94 to 1.25 ms (kv 1024) and of the 4B shape from 3.93 to 3.62 ms."""
-    megakernel: bool = True
+    megakernel: bool = False
     """Batch-1 decode steps run every decoder layer as one persistent Triton kernel (`rollout/megakernel.py`)
-    where supported: CUDA, bf16, fused Qwen3/Qwen2/Llama layers without o/MLP biases. Elsewhere, or False,
-    batch 1 takes the compiled path above."""
+    where supported: CUDA, bf16, fused Qwen3/Qwen2/Llama layers without o/MLP biases; elsewhere batch 1 takes
+    the compiled path above. Opt-in and EXPERIMENTAL: verified only under Triton's CPU interpreter so far (the
+    GPU run, its grid barriers included, is pending; docs/rollout.md)."""
 
     def __post_init__(self) -> None:
         if self.max_seq_len < 2:
