@@ -89,6 +89,44 @@ def engine_samples(preset="tiny", max_new_tokens=8):
     return runs
 
 
+def compile_for_hopper(preset: str, num_warps: int = 8, programs: int = 132) -> dict:
+    """Compile `decode_layers` for sm_90 without a GPU (Triton + its bundled ptxas) for a preset's shapes, as
+    `DecodeMegakernel` would launch it on an H100/H200; returns registers per thread and spill bytes."""
+    import inspect
+    import re
+    import subprocess
+    from pathlib import Path
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from rlbench.rollout.fused import fuse_layers
+    from rlbench.rollout.megakernel import DecodeMegakernel
+    from rlbench.rollout.mk_kernels import decode_layers
+
+    model = build_model(preset, meta=True, dtype=torch.bfloat16)
+    mk = DecodeMegakernel(model, fuse_layers(model), 1536, torch.device("cpu"), programs=programs)
+    c = model.config
+    bf16 = torch.zeros(1, 1, c.hidden_size, dtype=torch.bfloat16)
+    args, consts = mk.launch_args(bf16, bf16[..., : mk.hd], bf16[..., : mk.hd], torch.zeros(1, dtype=torch.long))
+    names = list(inspect.signature(decode_layers.fn).parameters)
+    dtypes = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int64: "*i64", torch.int32: "*i32"}
+    signature = {n: dtypes[a.dtype] if isinstance(a, torch.Tensor) else "fp32" if isinstance(a, float) else "i32"
+                 for n, a in zip(names, args)}
+    signature.update({n: "constexpr" for n in consts})
+    src = ASTSource(fn=decode_layers, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    ptxas = next(Path(triton.__file__).parent.glob("backends/nvidia/bin/ptxas*"))
+    ptx = Path(f"/tmp/rlbench_mk_{preset}_{num_warps}.ptx")
+    ptx.write_text(kernel.asm["ptx"])
+    info = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", "/dev/null"],
+                          capture_output=True, text=True, check=True).stderr
+    regs = int(re.search(r"Used (\d+) registers", info).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", info).group(1))
+    return dict(regs=regs, spill_bytes=spills, threads=32 * num_warps, shared=kernel.metadata.shared)
+
+
 def _interpreter_numpy_shim():
     """numpy >= 2.4 refuses int() of the 1-element arrays Triton's interpreter (3.6) keeps scalars in."""
     import triton.runtime.interpreter as interp

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mk_check import CPU_CASES, compare_to_f64
+from mk_check import CPU_CASES, compare_to_f64, compile_for_hopper
 
 from rlbench.models import build_model
 from rlbench.rollout import SamplingParams
@@ -59,6 +59,18 @@ def test_interpreted_engine_samples_the_same_tokens(interpreted):
     (mk_tokens, mk_lp), (stack_tokens, stack_lp) = interpreted["engine"]["mk"], interpreted["engine"]["stack"]
     assert mk_tokens == stack_tokens and len(set(mk_tokens)) > 2
     assert max(abs(a - b) for a, b in zip(mk_lp, stack_lp)) < 0.02
+
+
+@needs_triton
+@pytest.mark.skipif(bool(os.environ.get("TRITON_INTERPRET")), reason="compiles, does not interpret")
+@pytest.mark.parametrize("preset", ["qwen3-0.6b-shape", "qwen3-4b-shape"])
+def test_kernel_compiles_for_hopper_and_fits_one_program_per_sm(preset):
+    """The persistent grid only completes if every program is resident: one per SM must fit the register file
+    (65,536 32-bit registers on sm_90) and shared memory. Compiled for sm_90 here, without a GPU."""
+    r = compile_for_hopper(preset)
+    print(f"\n{preset}: {r}")
+    assert r["regs"] * r["threads"] <= 65536 and r["shared"] <= 227 * 1024
+    assert r["spill_bytes"] <= 2048  # a few spilled values, not spilled tiles
 
 
 def test_unsupported_names_the_reason():

@@ -115,21 +115,25 @@ class DecodeMegakernel:
         self.head_stride = k_cache[0].stride(1)
         self._bound = key
 
+    def launch_args(self, hidden, cos, sin, positions) -> tuple[tuple, dict]:
+        """`decode_layers`' runtime arguments and constexprs (also used to compile it offline in tests)."""
+        (r_qkv, br_qkv, bk_qkv), (r_o, br_o, bk_o) = self.t_qkv, self.t_o
+        (r_gu, br_gu, bk_gu), (r_dn, br_dn, bk_dn) = self.t_gu, self.t_dn
+        args = (self.table, hidden, cos, sin, positions, self.qkv, self.attn, self.act, self.part_acc, self.part_m,
+                self.part_l, self.sync, self.table.shape[0], self.eps, self.scale, self.head_stride,
+                self.max_splits, r_qkv, r_o, r_gu, r_dn)
+        consts = dict(D=self.d, H=self.h, NKV=self.n_kv, HD=self.hd, FFN=self.i, G=self.group,
+                      BG=_pow2(self.group), BD=_pow2(self.d), SPLIT=SPLIT, CS=MERGE_CHUNK,
+                      HAS_QKV_BIAS=self.has_bias, HAS_QK_NORM=self.has_qk_norm, BR_QKV=br_qkv, BK_QKV=bk_qkv,
+                      BR_O=br_o, BK_O=bk_o, BR_GU=br_gu, BK_GU=bk_gu, BR_DN=br_dn, BK_DN=bk_dn)
+        return args, consts
+
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  positions: torch.Tensor) -> torch.Tensor:
         """hidden `[1, 1, D]` (updated in place and returned), cos/sin `[1, 1, hd]`, positions `[1]` long."""
         from rlbench.rollout.mk_kernels import decode_layers
 
         self.sync.zero_()
-        (r_qkv, br_qkv, bk_qkv), (r_o, br_o, bk_o) = self.t_qkv, self.t_o
-        (r_gu, br_gu, bk_gu), (r_dn, br_dn, bk_dn) = self.t_gu, self.t_dn
-        decode_layers[(self.programs,)](
-            self.table, hidden, cos.contiguous(), sin.contiguous(), positions, self.qkv, self.attn, self.act,
-            self.part_acc, self.part_m, self.part_l, self.sync, self.table.shape[0], self.eps, self.scale,
-            self.head_stride, self.max_splits, r_qkv, r_o, r_gu, r_dn,
-            D=self.d, H=self.h, NKV=self.n_kv, HD=self.hd, FFN=self.i, G=self.group, BG=_pow2(self.group),
-            BD=_pow2(self.d), SPLIT=SPLIT, CS=MERGE_CHUNK, HAS_QKV_BIAS=self.has_bias,
-            HAS_QK_NORM=self.has_qk_norm, BR_QKV=br_qkv, BK_QKV=bk_qkv, BR_O=br_o, BK_O=bk_o,
-            BR_GU=br_gu, BK_GU=bk_gu, BR_DN=br_dn, BK_DN=bk_dn, num_warps=self.num_warps,
-        )
+        args, consts = self.launch_args(hidden, cos.contiguous(), sin.contiguous(), positions)
+        decode_layers[(self.programs,)](*args, **consts, num_warps=self.num_warps)
         return hidden
