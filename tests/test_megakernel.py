@@ -85,6 +85,16 @@ def test_unsupported_names_the_reason():
         assert "float32" in unsupported(model, fuse_layers(model), torch.device("cuda"))
 
 
+@pytest.mark.skipif(bool(os.environ.get("TRITON_INTERPRET")), reason="the interpreter makes the CPU supported")
+def test_asking_for_it_where_unsupported_warns_and_decodes_normally():
+    model = build_model("tiny", dtype=torch.float32)
+    with pytest.warns(UserWarning, match="megakernel=True has no effect: not on CUDA"):
+        engine = TorchEngine(model, TorchEngineConfig(max_seq_len=64, num_slots=1, megakernel=True))
+    assert engine.runner.megakernel is None
+    out = engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=4))[0]
+    assert len(out.token_ids) == 4
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda, reason="needs a CUDA device")
 @pytest.mark.parametrize("prompt_len", [5, 300, 1400])

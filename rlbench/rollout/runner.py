@@ -121,6 +121,7 @@ class ModelRunner:
         self.cuda_graphs = opts.cuda_graphs and self.device.type == "cuda"
         self.layers: list = []
         self.megakernel: DecodeMegakernel | None = None
+        self._warned_megakernel = False
         self.bind_weights()
         self._graphs: dict[tuple[int, int, str], torch.cuda.CUDAGraph] = {}
         self._pool = None
@@ -143,8 +144,14 @@ class ModelRunner:
         fused = fuse_layers(self.model) if self.opts.fused_weights else None
         self._layer_forward = hf_layer_forward if fused is None else fused_layer_forward
         self.layers = list(self.base.layers) if fused is None else fused
-        if self.opts.megakernel and self.megakernel is None and unsupported(self.model, fused, self.device) is None:
-            self.megakernel = DecodeMegakernel(self.model, fused, self.cache.shape.max_seq_len, self.device)
+        if self.opts.megakernel and self.megakernel is None:
+            reason = unsupported(self.model, fused, self.device)
+            if reason is None:
+                self.megakernel = DecodeMegakernel(self.model, fused, self.cache.shape.max_seq_len, self.device)
+            elif not self._warned_megakernel:
+                warnings.warn(f"megakernel=True has no effect: {reason}; batch 1 decodes on the compiled path",
+                              stacklevel=3)
+                self._warned_megakernel = True
 
     def release_weights(self) -> None:
         """Drop the fused weight tensors (`sleep(release_weights=True)`); `bind_weights` rebuilds them."""
