@@ -7,6 +7,9 @@ arguments, and a head (final norm, lm_head, sampling). Dynamo reuses a graph whe
 match, so one dynamic-shape layer graph serves every layer and every (batch, kv_len) bucket: warm-up compiles
 one layer instead of the unrolled model. The CUDA graph still captures the whole step, Python glue included.
 
+With `megakernel` on (and supported), a batch-1 step replaces the per-layer loop by one persistent Triton
+kernel over all layers (`megakernel.py`); the prologue and head are unchanged.
+
 The layer forward is the engine's own over fused QKV / gate-up weights (`fused.py`), or the HF module's
 forward (other architectures, `fused_weights=False`); only the attention (`attention.py`) and the KV cache
 are the engine's either way. All per-slot decode state lives in preallocated device tensors, so a decode
@@ -136,8 +139,8 @@ class ModelRunner:
     @property
     def min_batch(self) -> int:
         """Smallest batch bucket: compiled steps start at 2 (batch 1 would be one more graph) unless
-        `gemv_batch1` asks for that graph."""
-        return 1 if not self.compiled or self.opts.gemv_batch1 or self.megakernel else 2
+        `gemv_batch1` asks for that graph or the megakernel runs batch 1."""
+        return 1 if not self.compiled or self.opts.gemv_batch1 or self.megakernel is not None else 2
 
     def bind_weights(self) -> None:
         """(Re-)read the layers' weights, fusing them when configured (after init and `wake_up`)."""
