@@ -16,6 +16,7 @@ from rlbench.models import build_model
 from rlbench.rollout import SamplingParams
 from rlbench.rollout.attention import decode_mask
 from rlbench.rollout.kv_cache import CacheShape, KVCache
+from rlbench.rollout.megakernel import DecodeMegakernel
 from rlbench.rollout.runner import ModelRunner, StepOptions
 from rlbench.rollout.torch_engine import TorchEngine, TorchEngineConfig
 
@@ -102,7 +103,6 @@ def compile_for_hopper(preset: str, num_warps: int = 8, programs: int = 132) -> 
     from triton.compiler import ASTSource
 
     from rlbench.rollout.fused import fuse_layers
-    from rlbench.rollout.megakernel import DecodeMegakernel
     from rlbench.rollout.mk_kernels import decode_layers
 
     model = build_model(preset, meta=True, dtype=torch.bfloat16)
@@ -127,6 +127,25 @@ def compile_for_hopper(preset: str, num_warps: int = 8, programs: int = 132) -> 
     return dict(regs=regs, spill_bytes=spills, threads=32 * num_warps, shared=kernel.metadata.shared)
 
 
+@torch.inference_mode()
+def barrier_timeout() -> str:
+    """Two programs under the interpreter, which runs program 0 to its end before program 1 starts: program 0's
+    first barrier can never complete, as on a GPU whose programs are not all resident. Returns check()'s error."""
+    model = build_model("tiny", dtype=torch.bfloat16, seed=0).eval()
+    runner = _runner(model, 128, "cpu")
+    mk = DecodeMegakernel(model, runner.layers, 128, torch.device("cpu"), programs=2)
+    mk.max_spins = 64
+    mk.bind(runner.layers, runner.cache.k, runner.cache.v)
+    pos = torch.tensor([5])
+    hidden, cos, sin, _ = runner._prologue(torch.tensor([3]), pos, 128)
+    mk(hidden, cos, sin, pos)
+    try:
+        mk.check()
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
 def _interpreter_numpy_shim():
     """numpy >= 2.4 refuses int() of the 1-element arrays Triton's interpreter (3.6) keeps scalars in."""
     import triton.runtime.interpreter as interp
@@ -144,4 +163,5 @@ if __name__ == "__main__":
     _interpreter_numpy_shim()
     out = {f"{p}@{n}": compare_to_f64(p, n, "cpu") for p, n in CPU_CASES}
     out["engine"] = engine_samples()
+    out["timeout"] = barrier_timeout()
     json.dump(out, sys.stdout)

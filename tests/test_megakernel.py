@@ -73,6 +73,13 @@ def test_kernel_compiles_for_hopper_and_fits_one_program_per_sm(preset):
     assert r["spill_bytes"] <= 2048  # a few spilled values, not spilled tiles
 
 
+@needs_triton
+def test_interpreted_barrier_that_cannot_complete_times_out_into_an_error(interpreted):
+    """Program 0 waits at a barrier program 1 never reaches (the interpreter runs them one after the other):
+    the wait gives up after max_spins, later barriers pass, and check() raises instead of the step hanging."""
+    assert "timed out at a grid barrier: not all 2 programs were resident" in interpreted["timeout"]
+
+
 def test_unsupported_names_the_reason():
     from rlbench.rollout.fused import fuse_layers
     from rlbench.rollout.megakernel import unsupported

@@ -27,8 +27,12 @@ SPLIT = 64
 """Cached positions per attention task (KV head x split is the attention stage's task grid)."""
 MERGE_CHUNK = 16
 """Splits merged per load when the partial softmaxes are combined."""
-TILE_ELEMS = 16384
-"""Weight elements a GEMV tile loads per K step (32 KB of bf16 in flight per program)."""
+TILE_ELEMS = 8192
+"""Weight elements a GEMV tile loads per K step; with the next step's chunk in flight, 32 KB of bf16 per
+program (about what 4.3 TB/s x ~0.8 us of HBM latency needs per SM). 16384 spilled (ptxas, 4B shape)."""
+MAX_SPINS = 1 << 22
+"""Polls of the barrier counter before a program gives up on a barrier (~1.5 s at ~0.35 us per L2 round
+trip; estimated, not measured): a non-resident program then costs a stall and an error, not a hang."""
 
 
 def _pow2(n: int) -> int:
@@ -93,10 +97,12 @@ class DecodeMegakernel:
         self.part_m = torch.empty(self.n_kv * self.max_splits * bg, **f32)
         self.part_l = torch.empty(self.n_kv * self.max_splits * bg, **f32)
         self.sync = torch.zeros(1 + c.num_hidden_layers * self.n_kv, dtype=torch.int32, device=device)
+        self.err = torch.zeros(1, dtype=torch.int32, device=device)
         self.table = torch.zeros(c.num_hidden_layers, 11, dtype=torch.int64, device=device)
         self.head_stride = 0
         self._bound: tuple = ()
         self.num_warps = 8
+        self.max_spins = MAX_SPINS
 
     def bind(self, layers: list, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> None:
         """Point the table at these weights and caches (cheap when nothing moved; not inside a graph capture)."""
@@ -115,17 +121,27 @@ class DecodeMegakernel:
         self.head_stride = k_cache[0].stride(1)
         self._bound = key
 
+    def check(self) -> None:
+        """Raise if a launch since the last check timed out at a grid barrier (its results are wrong)."""
+        if int(self.err.item()):
+            self.err.zero_()
+            raise RuntimeError(
+                f"the decode megakernel timed out at a grid barrier: not all {self.programs} programs were resident "
+                "at once (another kernel holding SMs, or MPS/partitioning limiting them); the tokens of this "
+                "generate are invalid. Run with TorchEngineConfig(megakernel=False).")
+
     def launch_args(self, hidden, cos, sin, positions) -> tuple[tuple, dict]:
         """`decode_layers`' runtime arguments and constexprs (also used to compile it offline in tests)."""
         (r_qkv, br_qkv, bk_qkv), (r_o, br_o, bk_o) = self.t_qkv, self.t_o
         (r_gu, br_gu, bk_gu), (r_dn, br_dn, bk_dn) = self.t_gu, self.t_dn
         args = (self.table, hidden, cos, sin, positions, self.qkv, self.attn, self.act, self.part_acc, self.part_m,
-                self.part_l, self.sync, self.table.shape[0], self.eps, self.scale, self.head_stride,
+                self.part_l, self.sync, self.err, self.table.shape[0], self.eps, self.scale, self.head_stride,
                 self.max_splits, r_qkv, r_o, r_gu, r_dn)
         consts = dict(D=self.d, H=self.h, NKV=self.n_kv, HD=self.hd, FFN=self.i, G=self.group,
                       BG=_pow2(self.group), BD=_pow2(self.d), SPLIT=SPLIT, CS=MERGE_CHUNK,
                       HAS_QKV_BIAS=self.has_bias, HAS_QK_NORM=self.has_qk_norm, BR_QKV=br_qkv, BK_QKV=bk_qkv,
-                      BR_O=br_o, BK_O=bk_o, BR_GU=br_gu, BK_GU=bk_gu, BR_DN=br_dn, BK_DN=bk_dn)
+                      BR_O=br_o, BK_O=bk_o, BR_GU=br_gu, BK_GU=bk_gu, BR_DN=br_dn, BK_DN=bk_dn,
+                      MAX_SPINS=self.max_spins)
         return args, consts
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

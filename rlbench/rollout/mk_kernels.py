@@ -11,6 +11,9 @@ of about equal bytes, at most one per program for the GEMVs; programs meet at a 
   D  gate/up  rows of `act = silu(gate @ rmsnorm(x)) * (up @ rmsnorm(x))`
   E  down     rows of `x += down @ act`
 
+Weights and cached K/V do not depend on the token, so each program loads its next task's first weight chunk
+(or its K/V tile) BEFORE it waits at the barrier: the HBM latency overlaps the wait instead of following it.
+
 Rounding follows the HF modules: every tensor HF holds in bf16 is rounded to bf16 at the same point (norm
 outputs, linear outputs, RoPE products, residual sums); reductions run in fp32. Activation loads use
 `.cg` (L2, the coherence point) because other programs wrote them since the last barrier.
@@ -23,6 +26,9 @@ import triton.language as tl
 
 TABLE = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "post_norm", "gate_up", "down", "k", "v")
 """Columns of the per-layer pointer table (`_ptr(table, layer, column)` reads them by these indices)."""
+
+TIMED_OUT = 1 << 30
+"""Added to the barrier counter when a barrier times out: every later wait of the launch passes at once."""
 
 
 @triton.jit
@@ -48,13 +54,22 @@ def _ptr(table, layer, col: tl.constexpr):
 
 
 @triton.jit
-def _grid_sync(sync, target):
-    """Grid barrier: arrive on the counter, spin until all programs have (the counter only grows)."""
+def _grid_sync(sync, target, err, MAX_SPINS: tl.constexpr):
+    """Grid barrier: arrive on the counter, spin until all programs have (the counter only grows).
+
+    A program that spins MAX_SPINS times (some program is not resident) adds TIMED_OUT to the counter, so no
+    wait of this launch blocks again, and raises `err` for the host: a stall and an error, not a hang.
+    """
     tl.debug_barrier()
     tl.atomic_add(sync, 1, sem="release", scope="gpu")
     seen = tl.load(sync, volatile=True)
-    while seen < target:
+    spins = tl.full([], 0, tl.int32)
+    while (seen < target) & (spins < MAX_SPINS):
         seen = tl.load(sync, volatile=True)
+        spins += 1
+    if seen < target:
+        tl.atomic_add(sync, 1 << 30, sem="relaxed", scope="gpu")
+        tl.store(err, 1)
     tl.atomic_add(sync, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
 
@@ -67,29 +82,64 @@ def _rstd(x_ptr, D: tl.constexpr, eps, BD: tl.constexpr):
 
 
 @triton.jit
-def _gemv(w_ptr, rows, rmask, K: tl.constexpr, v_ptr, norm_ptr, rstd, NORMED: tl.constexpr, BK: tl.constexpr):
-    """fp32 `w[rows] @ v` for a row tile `[R]`; with NORMED, v is `bf16(norm * bf16(v * rstd))` (HF RMSNorm)."""
-    acc = tl.zeros([rows.shape[0], BK], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        ks = k0 + tl.arange(0, BK)
-        kmask = ks < K
-        w = tl.load(w_ptr + rows[:, None] * K + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0,
-                    eviction_policy="evict_first")
-        v = tl.load(v_ptr + ks, mask=kmask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        if NORMED:
-            v = _bf(tl.load(norm_ptr + ks, mask=kmask, other=0.0).to(tl.float32) * _bf(v * rstd))
-        acc += w.to(tl.float32) * v[None, :]
-    return tl.sum(acc, axis=1)
+def _rows(t, rows_per, N: tl.constexpr, BR: tl.constexpr):
+    """Task t's output rows `[BR]` and their mask (rows_per of them, inside N)."""
+    i = tl.arange(0, BR)
+    rows = t * rows_per + i
+    return rows, (i < rows_per) & (rows < N)
 
 
 @triton.jit
-def _stage_qkv(table, layer, x, qkv_out, pid, nprog, eps, rows_per, D: tl.constexpr, N: tl.constexpr,
+def _stacked_rows(t, rows_per, N: tl.constexpr, BR: tl.constexpr):
+    """Task t's `[gate rows; up rows]` of the stacked `[2 N, K]` gate/up weight: `[2 BR]` rows and mask."""
+    i = tl.arange(0, 2 * BR)
+    local = i % BR
+    out = t * rows_per + local
+    return out + (i // BR) * N, (local < rows_per) & (out < N)
+
+
+@triton.jit
+def _w_chunk(w, rows, rmask, K: tl.constexpr, k0, BK: tl.constexpr):
+    """Weight tile `w[rows, k0:k0+BK]` (bf16), streamed (read once per step)."""
+    ks = k0 + tl.arange(0, BK)
+    return tl.load(w + rows[:, None] * K + ks[None, :], mask=rmask[:, None] & (ks < K)[None, :], other=0.0,
+                   eviction_policy="evict_first")
+
+
+@triton.jit
+def _v_chunk(v_ptr, norm_ptr, rstd, K: tl.constexpr, k0, NORMED: tl.constexpr, BK: tl.constexpr):
+    """Activation chunk `v[k0:k0+BK]` as fp32; with NORMED, `bf16(norm * bf16(v * rstd))` (HF RMSNorm)."""
+    ks = k0 + tl.arange(0, BK)
+    kmask = ks < K
+    v = tl.load(v_ptr + ks, mask=kmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    if NORMED:
+        v = _bf(tl.load(norm_ptr + ks, mask=kmask, other=0.0).to(tl.float32) * _bf(v * rstd))
+    return v
+
+
+@triton.jit
+def _gemv(w0, w, rows, rmask, K: tl.constexpr, v_ptr, norm_ptr, rstd, NORMED: tl.constexpr, BK: tl.constexpr):
+    """fp32 `w[rows] @ v` for a row tile; `w0` is its first K chunk, loaded earlier (before a barrier).
+    Register double buffering keeps two chunks (2 x TILE_ELEMS) in flight per program."""
+    acc = tl.zeros([rows.shape[0]], dtype=tl.float32)
+    w_cur = w0
+    for k0 in range(0, K, BK):  # chunk k0 + BK is in flight while chunk k0 is used (masked past K: no load)
+        w_next = _w_chunk(w, rows, rmask, K, k0 + BK, BK)
+        v = _v_chunk(v_ptr, norm_ptr, rstd, K, k0, NORMED, BK)
+        acc += tl.sum(w_cur.to(tl.float32) * v[None, :], axis=1)
+        w_cur = w_next
+    return acc
+
+
+@triton.jit
+def _stage_qkv(w, norm, bias, x, qkv_out, w0, pid, nprog, eps, rows_per, D: tl.constexpr, N: tl.constexpr,
                HAS_BIAS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
-    w, norm, bias = _ptr(table, layer, 1), _ptr(table, layer, 0), _ptr(table, layer, 2)
+    rstd = _rstd(x, D, eps, BD)
     for t in range(pid, tl.cdiv(N, rows_per), nprog):
-        rows = t * rows_per + tl.arange(0, BR)
-        rmask = (tl.arange(0, BR) < rows_per) & (rows < N)
-        out = _gemv(w, rows, rmask, D, x, norm, _rstd(x, D, eps, BD), True, BK)
+        rows, rmask = _rows(t, rows_per, N, BR)
+        if t != pid:  # a second task of this program (only when tasks outnumber programs)
+            w0 = _w_chunk(w, rows, rmask, D, 0, BK)
+        out = _gemv(w0, w, rows, rmask, D, x, norm, rstd, True, BK)
         if HAS_BIAS:
             out += tl.load(bias + rows, mask=rmask, other=0.0).to(tl.float32)
         tl.store(qkv_out + rows, _to_bf16(out), mask=rmask)
@@ -113,44 +163,54 @@ def _norm_rope(src, heads, hmask, norm, cos, sin, eps, HD: tl.constexpr, HAS_NOR
 
 
 @triton.jit
-def _stage_attend(table, layer, qkv, cos_ptr, sin_ptr, pos, part_acc, part_m, part_l, tickets, attn_out, pid,
-                  nprog, eps, scale, head_stride, max_splits, H: tl.constexpr, NKV: tl.constexpr,
-                  HD: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, SPLIT: tl.constexpr,
+def _kv_tile(kc, vc, t, n_tasks, n_splits, pos, head_stride, HD: tl.constexpr, SPLIT: tl.constexpr):
+    """Attention task t's cached K and V `[SPLIT, HD]` (bf16): positions before `pos` only (the new one is not
+    in the cache yet; the task holding it takes it from registers)."""
+    offs = (t % n_splits) * SPLIT + tl.arange(0, SPLIT)
+    cached = (offs < pos) & (t < n_tasks)
+    off = (t // n_splits) * head_stride + offs[:, None] * HD + tl.arange(0, HD)[None, :]
+    k = tl.load(kc + off, mask=cached[:, None], other=0.0, eviction_policy="evict_first")
+    v = tl.load(vc + off, mask=cached[:, None], other=0.0, eviction_policy="evict_first")
+    return k, v
+
+
+@triton.jit
+def _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos_ptr, sin_ptr, pos, n_splits, k0, v0, part_acc, part_m,
+                  part_l, tickets, attn_out, pid, nprog, eps, scale, head_stride, max_splits, H: tl.constexpr,
+                  NKV: tl.constexpr, HD: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, SPLIT: tl.constexpr,
                   HAS_NORM: tl.constexpr, CS: tl.constexpr):
-    q_norm, k_norm = _ptr(table, layer, 3), _ptr(table, layer, 4)
-    kc, vc = _ptr(table, layer, 9), _ptr(table, layer, 10)
     d = tl.arange(0, HD)
-    jj = tl.arange(0, BG)
     cos = tl.load(cos_ptr + d).to(tl.float32)
     sin = tl.load(sin_ptr + d).to(tl.float32)
-    n_splits = pos // SPLIT + 1
-    for t in range(pid, NKV * n_splits, nprog):
+    n_tasks = NKV * n_splits
+    for t in range(pid, n_tasks, nprog):
         g = t // n_splits
         s = t % n_splits
-        p0 = s * SPLIT
-        if p0 + SPLIT > pos:  # this split holds the new token: write its K/V (roped k) into the cache
+        k, v = k0, v0
+        if t != pid:
+            k, v = _kv_tile(kc, vc, t, n_tasks, n_splits, pos, head_stride, HD, SPLIT)
+        k, v = k.to(tl.float32), v.to(tl.float32)
+        offs = s * SPLIT + tl.arange(0, SPLIT)
+        if s == n_splits - 1:  # this split holds the new token: K/V from the qkv buffer, written to the cache
             kv_head = tl.full([1], H, tl.int32) + g
-            k_new = _norm_rope(qkv, kv_head, kv_head >= 0, k_norm, cos, sin, eps, HD, HAS_NORM)
+            k_new = _norm_rope(qkv, kv_head, kv_head >= 0, k_norm, cos, sin, eps, HD, HAS_NORM)  # [1, HD]
             v_new = tl.load(qkv + (H + NKV + g) * HD + d, cache_modifier=".cg")
             tl.store(kc + g * head_stride + pos * HD + d[None, :], _to_bf16(k_new))
             tl.store(vc + g * head_stride + pos * HD + d, v_new)
-            tl.debug_barrier()
-        heads = g * G + jj
-        q = _norm_rope(qkv, heads, jj < G, q_norm, cos, sin, eps, HD, HAS_NORM)  # [BG, HD]
-        offs = p0 + tl.arange(0, SPLIT)
+            new = (offs == pos)[:, None]
+            k = tl.where(new, k_new, k)
+            v = tl.where(new, v_new.to(tl.float32)[None, :], v)
         valid = offs <= pos
-        kv_off = g * head_stride + offs[:, None] * HD + d[None, :]
-        k = tl.load(kc + kv_off, mask=valid[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [BG, SPLIT]
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m = tl.max(scores, axis=1)
-        p = tl.exp(scores - m[:, None])
-        v = tl.load(vc + kv_off, mask=valid[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
-        acc = tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # [BG, HD]
         slot = g * max_splits + s
-        tl.store(part_acc + (slot * BG + jj[:, None]) * HD + d[None, :], acc)
-        tl.store(part_m + slot * BG + jj, m)
-        tl.store(part_l + slot * BG + jj, tl.sum(p, axis=1))
+        for j in tl.static_range(G):  # one q head at a time: [SPLIT, HD] temporaries, no [G, SPLIT, HD]
+            head = tl.full([1], j, tl.int32) + g * G
+            q = _norm_rope(qkv, head, head >= 0, q_norm, cos, sin, eps, HD, HAS_NORM)  # [1, HD]
+            scores = tl.where(valid, tl.sum(k * q, axis=1) * scale, float("-inf"))  # [SPLIT]
+            m = tl.max(scores, axis=0)
+            p = tl.exp(scores - m)
+            tl.store(part_acc + (slot * BG + j) * HD + d, tl.sum(p[:, None] * v, axis=0))
+            tl.store(part_m + slot * BG + j, m)
+            tl.store(part_l + slot * BG + j, tl.sum(p, axis=0))
         tl.debug_barrier()
         ticket = tl.atomic_add(tickets + layer * NKV + g, 1, sem="acq_rel", scope="gpu")
         if ticket == n_splits - 1:  # the last split of this KV head merges all of them, in split order
@@ -184,68 +244,87 @@ def _merge(part_acc, part_m, part_l, attn_out, g, n_splits, max_splits, HD: tl.c
 
 
 @triton.jit
-def _stage_residual(w, x, v_ptr, pid, nprog, rows_per, D: tl.constexpr, K: tl.constexpr, BR: tl.constexpr,
+def _stage_residual(w, w0, x, v_ptr, pid, nprog, rows_per, D: tl.constexpr, K: tl.constexpr, BR: tl.constexpr,
                     BK: tl.constexpr):
     """x[rows] = bf16(x[rows] + bf16(w[rows] @ v)) (o_proj and down_proj with their residual add)."""
     for t in range(pid, tl.cdiv(D, rows_per), nprog):
-        rows = t * rows_per + tl.arange(0, BR)
-        rmask = (tl.arange(0, BR) < rows_per) & (rows < D)
-        out = _bf(_gemv(w, rows, rmask, K, v_ptr, v_ptr, 1.0, False, BK))
+        rows, rmask = _rows(t, rows_per, D, BR)
+        if t != pid:
+            w0 = _w_chunk(w, rows, rmask, K, 0, BK)
+        out = _bf(_gemv(w0, w, rows, rmask, K, v_ptr, v_ptr, 1.0, False, BK))
         res = tl.load(x + rows, mask=rmask, other=0.0, cache_modifier=".cg").to(tl.float32)
         tl.store(x + rows, _to_bf16(res + out), mask=rmask)
 
 
 @triton.jit
-def _stage_gate_up(table, layer, x, act, pid, nprog, eps, rows_per, D: tl.constexpr, FFN: tl.constexpr,
+def _stage_gate_up(w, norm, x, act, w0, pid, nprog, eps, rows_per, D: tl.constexpr, FFN: tl.constexpr,
                    BR: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
     """act[r] = bf16(bf16(silu(gate[r])) * up[r]); the tile stacks `[gate rows; up rows]` into one GEMV."""
-    w, norm = _ptr(table, layer, 7), _ptr(table, layer, 6)
+    rstd = _rstd(x, D, eps, BD)
     for t in range(pid, tl.cdiv(FFN, rows_per), nprog):
-        i = tl.arange(0, 2 * BR)
-        local = i % BR
-        rows_out = t * rows_per + local
-        rmask = (local < rows_per) & (rows_out < FFN)
-        rows = rows_out + (i // BR) * FFN
-        out = _bf(_gemv(w, rows, rmask, D, x, norm, _rstd(x, D, eps, BD), True, BK))  # [2 BR]
+        rows, rmask = _stacked_rows(t, rows_per, FFN, BR)
+        if t != pid:
+            w0 = _w_chunk(w, rows, rmask, D, 0, BK)
+        out = _bf(_gemv(w0, w, rows, rmask, D, x, norm, rstd, True, BK))  # [2 BR]
         pair = tl.reshape(out, (2, BR))
         first = (tl.arange(0, 2) == 0)[:, None]
         gate = tl.sum(tl.where(first, pair, 0.0), axis=0)
         up = tl.sum(tl.where(first, 0.0, pair), axis=0)
         silu = _bf(gate / (1.0 + tl.exp(-gate)))
-        r = t * rows_per + tl.arange(0, BR)
-        tl.store(act + r, _to_bf16(silu * up), mask=(tl.arange(0, BR) < rows_per) & (r < FFN))
+        r, rm = _rows(t, rows_per, FFN, BR)
+        tl.store(act + r, _to_bf16(silu * up), mask=rm)
 
 
 @triton.jit
-def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, part_l, sync, num_layers, eps,
-                  scale, head_stride, max_splits, r_qkv, r_o, r_gu, r_dn,
+def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, part_l, sync, err, num_layers,
+                  eps, scale, head_stride, max_splits, r_qkv, r_o, r_gu, r_dn,
                   D: tl.constexpr, H: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, FFN: tl.constexpr,
                   G: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr, CS: tl.constexpr,
                   HAS_QKV_BIAS: tl.constexpr, HAS_QK_NORM: tl.constexpr,
                   BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_O: tl.constexpr, BK_O: tl.constexpr,
-                  BR_GU: tl.constexpr, BK_GU: tl.constexpr, BR_DN: tl.constexpr, BK_DN: tl.constexpr):
+                  BR_GU: tl.constexpr, BK_GU: tl.constexpr, BR_DN: tl.constexpr, BK_DN: tl.constexpr,
+                  MAX_SPINS: tl.constexpr):
     """Every decoder layer for one token: x `[D]` bf16 is updated in place. `sync[0]` is the barrier counter,
-    `sync[1:]` the per-(layer, KV head) merge tickets; all zero at launch."""
+    `sync[1:]` the per-(layer, KV head) merge tickets, all zero at launch; `err[0]` is set on a barrier timeout."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     pos = tl.load(pos_ptr).to(tl.int32)
+    n_splits = pos // SPLIT + 1
     tickets = sync + 1
     arrived = nprog * 0
+    n_qkv: tl.constexpr = (H + 2 * NKV) * HD
+    rows, rmask = _rows(pid, r_qkv, n_qkv, BR_QKV)
+    w_a = _w_chunk(_ptr(table, 0, 1), rows, rmask, D, 0, BK_QKV)
     for layer in range(num_layers):
-        _stage_qkv(table, layer, x, qkv, pid, nprog, eps, r_qkv, D, (H + 2 * NKV) * HD, HAS_QKV_BIAS,
-                   BR_QKV, BK_QKV, BD)
+        _stage_qkv(_ptr(table, layer, 1), _ptr(table, layer, 0), _ptr(table, layer, 2), x, qkv, w_a, pid, nprog,
+                   eps, r_qkv, D, n_qkv, HAS_QKV_BIAS, BR_QKV, BK_QKV, BD)
+        kc, vc = _ptr(table, layer, 9), _ptr(table, layer, 10)
+        k0, v0 = _kv_tile(kc, vc, pid, NKV * n_splits, n_splits, pos, head_stride, HD, SPLIT)
         arrived += nprog
-        _grid_sync(sync, arrived)
-        _stage_attend(table, layer, qkv, cos, sin, pos, part_acc, part_m, part_l, tickets, attn, pid, nprog,
-                      eps, scale, head_stride, max_splits, H, NKV, HD, G, BG, SPLIT, HAS_QK_NORM, CS)
+        _grid_sync(sync, arrived, err, MAX_SPINS)
+        _stage_attend(kc, vc, _ptr(table, layer, 3), _ptr(table, layer, 4), layer, qkv, cos, sin, pos, n_splits,
+                      k0, v0, part_acc, part_m, part_l, tickets, attn, pid, nprog, eps, scale, head_stride,
+                      max_splits, H, NKV, HD, G, BG, SPLIT, HAS_QK_NORM, CS)
+        w_o = _ptr(table, layer, 5)
+        rows, rmask = _rows(pid, r_o, D, BR_O)
+        w_c = _w_chunk(w_o, rows, rmask, H * HD, 0, BK_O)
         arrived += nprog
-        _grid_sync(sync, arrived)
-        _stage_residual(_ptr(table, layer, 5), x, attn, pid, nprog, r_o, D, H * HD, BR_O, BK_O)
+        _grid_sync(sync, arrived, err, MAX_SPINS)
+        _stage_residual(w_o, w_c, x, attn, pid, nprog, r_o, D, H * HD, BR_O, BK_O)
+        w_gu = _ptr(table, layer, 7)
+        rows, rmask = _stacked_rows(pid, r_gu, FFN, BR_GU)
+        w_d = _w_chunk(w_gu, rows, rmask, D, 0, BK_GU)
         arrived += nprog
-        _grid_sync(sync, arrived)
-        _stage_gate_up(table, layer, x, act, pid, nprog, eps, r_gu, D, FFN, BR_GU, BK_GU, BD)
+        _grid_sync(sync, arrived, err, MAX_SPINS)
+        _stage_gate_up(w_gu, _ptr(table, layer, 6), x, act, w_d, pid, nprog, eps, r_gu, D, FFN, BR_GU, BK_GU, BD)
+        w_dn = _ptr(table, layer, 8)
+        rows, rmask = _rows(pid, r_dn, D, BR_DN)
+        w_e = _w_chunk(w_dn, rows, rmask, FFN, 0, BK_DN)
         arrived += nprog
-        _grid_sync(sync, arrived)
-        _stage_residual(_ptr(table, layer, 8), x, act, pid, nprog, r_dn, D, FFN, BR_DN, BK_DN)
+        _grid_sync(sync, arrived, err, MAX_SPINS)
+        _stage_residual(w_dn, w_e, x, act, pid, nprog, r_dn, D, FFN, BR_DN, BK_DN)
+        nxt = tl.minimum(layer + 1, num_layers - 1)  # the next layer's first QKV chunk (none after the last)
+        rows, rmask = _rows(pid, r_qkv, n_qkv, BR_QKV)
+        w_a = _w_chunk(_ptr(table, nxt, 1), rows, rmask & (layer + 1 < num_layers), D, 0, BK_QKV)
         arrived += nprog
-        _grid_sync(sync, arrived)
+        _grid_sync(sync, arrived, err, MAX_SPINS)

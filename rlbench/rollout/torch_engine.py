@@ -161,6 +161,8 @@ class TorchEngine:
                 pass  # prefill first: fill every free slot before decoding
             if running:
                 self._decode_window(sampling, running, done)
+        if self.runner.megakernel is not None:
+            self.runner.megakernel.check()
         for seq in running:
             seq.finish_reason = "abort"
         done += running
