@@ -20,8 +20,14 @@ from rlbench.rollout.megakernel import DecodeMegakernel
 from rlbench.rollout.runner import ModelRunner, StepOptions
 from rlbench.rollout.torch_engine import TorchEngine, TorchEngineConfig
 
-CPU_CASES = [("tiny", 63), ("tiny", 130), ("small", 64)]
-"""Split boundaries (63 -> 1 split of 64 positions, 64 -> 2, 130 -> 3); tiny has 2 q heads per KV head."""
+CPU_CASES = [("tiny", 63, None), ("tiny", 130, None), ("small", 64, None), ("tiny", 100, 12)]
+"""(preset, position, tile_programs): split boundaries (63 -> 1 split of 64 positions, 64 -> 2, 130 -> 3); tiny
+has 2 q heads per KV head; tiles cut for 12 programs give rows per task that are not powers of two (11 of a
+16-row block for QKV, 6 of 8 for o_proj), run as 12 tasks by the one interpreted program."""
+
+
+def case_name(preset, prompt_len, tile_programs):
+    return f"{preset}@{prompt_len}" + (f"/tiles{tile_programs}" if tile_programs else "")
 
 
 def _runner(model, max_seq_len, device, dtype=torch.bfloat16, megakernel=True):
@@ -40,7 +46,7 @@ def _layer_stack(runner, hidden, cos, sin, pos, kv_len):
 
 
 @torch.inference_mode()
-def compare_to_f64(preset, prompt_len, device, max_seq_len=256):
+def compare_to_f64(preset, prompt_len, device, max_seq_len=256, tile_programs=None):
     """One batch-1 decode step at position `prompt_len` three ways: the megakernel, the engine's bf16 layer
     stack (HF's ops) and float64 (same weights, same cached K/V). Returns errors vs float64 and cache checks."""
     model = build_model(preset, device=device, dtype=torch.bfloat16, seed=0).eval()
@@ -55,8 +61,11 @@ def compare_to_f64(preset, prompt_len, device, max_seq_len=256):
     k_stack = [k[0, :, prompt_len].clone() for k in runner.cache.k]
     for dst, src in zip((*runner.cache.k, *runner.cache.v), (*k0, *v0)):
         dst.copy_(src)
-    runner.megakernel.bind(runner.layers, runner.cache.k, runner.cache.v)
-    h_mk = runner.megakernel(hidden.clone(), cos, sin, pos)
+    mk = runner.megakernel
+    if tile_programs is not None:  # the tiling of a GPU with that many SMs, run by this device's grid
+        mk = DecodeMegakernel(model, runner.layers, max_seq_len, torch.device(device), tile_programs=tile_programs)
+    mk.bind(runner.layers, runner.cache.k, runner.cache.v)
+    h_mk = mk(hidden.clone(), cos, sin, pos)
 
     m64 = copy.deepcopy(model).double()
     r64 = _runner(m64, max_seq_len, device, torch.float64, megakernel=False)
@@ -161,7 +170,7 @@ def _interpreter_numpy_shim():
 
 if __name__ == "__main__":
     _interpreter_numpy_shim()
-    out = {f"{p}@{n}": compare_to_f64(p, n, "cpu") for p, n in CPU_CASES}
+    out = {case_name(*c): compare_to_f64(p, n, "cpu", tile_programs=tp) for c in CPU_CASES for p, n, tp in [c]}
     out["engine"] = engine_samples()
     out["timeout"] = barrier_timeout()
     json.dump(out, sys.stdout)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mk_check import CPU_CASES, compare_to_f64, compile_for_hopper
+from mk_check import CPU_CASES, case_name, compare_to_f64, compile_for_hopper
 
 from rlbench.models import build_model
 from rlbench.rollout import SamplingParams
@@ -48,7 +48,7 @@ def _check(r, label):
 
 
 @needs_triton
-@pytest.mark.parametrize("case", [f"{p}@{n}" for p, n in CPU_CASES])
+@pytest.mark.parametrize("case", [case_name(*c) for c in CPU_CASES])
 def test_interpreted_megakernel_rounds_like_the_hf_layers(interpreted, case):
     _check(interpreted[case], case)
 

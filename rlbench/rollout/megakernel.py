@@ -71,7 +71,9 @@ class DecodeMegakernel:
     """Scratch buffers, tiling and the per-layer pointer table for one model and one KV cache."""
 
     def __init__(self, model: torch.nn.Module, layers: list, max_seq_len: int, device: torch.device,
-                 programs: int | None = None):
+                 programs: int | None = None, tile_programs: int | None = None):
+        """`programs`: the grid (default: the SM count; 1 on the CPU). `tile_programs`: the grid the GEMV tiles
+        are cut for (default `programs`; tests run a GPU's tiling with one interpreted program)."""
         c = model.config
         self.h, self.n_kv = c.num_attention_heads, c.num_key_value_heads
         self.d, self.i = c.hidden_size, c.intermediate_size
@@ -82,11 +84,12 @@ class DecodeMegakernel:
         if programs is None:
             programs = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         self.programs = programs
+        tiles = tile_programs or programs
         qkv_rows = (self.h + 2 * self.n_kv) * self.hd
-        self.t_qkv = _tiling(qkv_rows, self.d, programs)
-        self.t_o = _tiling(self.d, self.h * self.hd, programs)
-        self.t_gu = _tiling(self.i, self.d, programs, stacked=2)
-        self.t_dn = _tiling(self.d, self.i, programs)
+        self.t_qkv = _tiling(qkv_rows, self.d, tiles)
+        self.t_o = _tiling(self.d, self.h * self.hd, tiles)
+        self.t_gu = _tiling(self.i, self.d, tiles, stacked=2)
+        self.t_dn = _tiling(self.d, self.i, tiles)
         self.max_splits = math.ceil(max_seq_len / SPLIT)
         bg = _pow2(self.group)
         f32, bf16 = dict(dtype=torch.float32, device=device), dict(dtype=torch.bfloat16, device=device)
