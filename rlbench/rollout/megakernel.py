@@ -61,7 +61,7 @@ def unsupported(model: torch.nn.Module, layers: list | None, device: torch.devic
         return f"weights are {w.qkv.dtype}, the kernel reads bfloat16"
     if any(x is not None for x in (w.o_bias, w.gate_up_bias, w.down_bias)):
         return "o_proj/MLP biases are not implemented"
-    hd = model.config.head_dim if getattr(model.config, "head_dim", None) else w.o.shape[1] // model.config.num_attention_heads
+    hd = w.o.shape[1] // model.config.num_attention_heads
     if hd != _pow2(hd):
         return f"head_dim={hd} is not a power of two"
     return None
