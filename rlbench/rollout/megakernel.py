@@ -23,6 +23,8 @@ import os
 
 import torch
 
+TABLE = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "post_norm", "gate_up", "down", "k", "v")
+"""Columns of the per-layer pointer table: the `FusedLayer` field of that name, then the layer's K and V cache."""
 SPLIT = 64
 """Cached positions per attention task (KV head x split is the attention stage's task grid)."""
 MERGE_CHUNK = 16
@@ -101,7 +103,7 @@ class DecodeMegakernel:
         self.part_l = torch.empty(self.n_kv * self.max_splits * bg, **f32)
         self.sync = torch.zeros(1 + c.num_hidden_layers * self.n_kv, dtype=torch.int32, device=device)
         self.err = torch.zeros(1, dtype=torch.int32, device=device)
-        self.table = torch.zeros(c.num_hidden_layers, 11, dtype=torch.int64, device=device)
+        self.table = torch.zeros(c.num_hidden_layers, len(TABLE), dtype=torch.int64, device=device)
         self.head_stride = 0
         self._bound: tuple = ()
         self.num_warps = 8
@@ -112,14 +114,10 @@ class DecodeMegakernel:
         key = tuple(t.data_ptr() for w, kc, vc in zip(layers, k_cache, v_cache) for t in (w.qkv, w.o, kc, vc))
         if key == self._bound:
             return
-        from rlbench.rollout.mk_kernels import TABLE
-
         rows = []
         for w, kc, vc in zip(layers, k_cache, v_cache):
-            named = {"input_norm": w.input_norm, "qkv": w.qkv, "qkv_bias": w.qkv_bias, "q_norm": w.q_norm,
-                     "k_norm": w.k_norm, "o": w.o, "post_norm": w.post_norm, "gate_up": w.gate_up,
-                     "down": w.down, "k": kc, "v": vc}
-            rows.append([(named[c] if named[c] is not None else w.qkv).data_ptr() for c in TABLE])
+            tensors = [getattr(w, c) for c in TABLE[:-2]] + [kc, vc]  # absent (None) columns are never read
+            rows.append([(w.qkv if t is None else t).data_ptr() for t in tensors])
         self.table.copy_(torch.tensor(rows, dtype=torch.int64))
         self.head_stride = k_cache[0].stride(1)
         self._bound = key

@@ -24,11 +24,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-TABLE = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "post_norm", "gate_up", "down", "k", "v")
-"""Columns of the per-layer pointer table (`_ptr(table, layer, column)` reads them by these indices)."""
+from rlbench.rollout.megakernel import TABLE
 
-TIMED_OUT = 1 << 30
-"""Added to the barrier counter when a barrier times out: every later wait of the launch passes at once."""
+IN_NORM, QKV, QKV_BIAS, Q_NORM, K_NORM, O_PROJ, POST_NORM, GATE_UP, DOWN, K_CACHE, V_CACHE = (
+    tl.constexpr(i) for i in range(len(TABLE)))  # the pointer table's columns, in TABLE's order
+N_COLS = tl.constexpr(len(TABLE))
 
 
 @triton.jit
@@ -50,15 +50,16 @@ def _to_bf16(x):
 
 @triton.jit
 def _ptr(table, layer, col: tl.constexpr):
-    return tl.load(table + layer * 11 + col).to(tl.pointer_type(tl.bfloat16))
+    return tl.load(table + layer * N_COLS + col).to(tl.pointer_type(tl.bfloat16))
 
 
 @triton.jit
 def _grid_sync(sync, target, err, MAX_SPINS: tl.constexpr):
     """Grid barrier: arrive on the counter, spin until all programs have (the counter only grows).
 
-    A program that spins MAX_SPINS times (some program is not resident) adds TIMED_OUT to the counter, so no
-    wait of this launch blocks again, and raises `err` for the host: a stall and an error, not a hang.
+    A program that spins MAX_SPINS times (some program is not resident) adds 2**30 to the counter, more than any
+    target of a launch, so no wait of this launch blocks again, and raises `err` for the host: a stall and an
+    error, not a hang.
     """
     tl.debug_barrier()
     tl.atomic_add(sync, 1, sem="release", scope="gpu")
@@ -294,30 +295,31 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
     arrived = nprog * 0
     n_qkv: tl.constexpr = (H + 2 * NKV) * HD
     rows, rmask = _rows(pid, r_qkv, n_qkv, BR_QKV)
-    w_a = _w_chunk(_ptr(table, 0, 1), rows, rmask, D, 0, BK_QKV)
+    w_a = _w_chunk(_ptr(table, 0, QKV), rows, rmask, D, 0, BK_QKV)
     for layer in range(num_layers):
-        _stage_qkv(_ptr(table, layer, 1), _ptr(table, layer, 0), _ptr(table, layer, 2), x, qkv, w_a, pid, nprog,
-                   eps, r_qkv, D, n_qkv, HAS_QKV_BIAS, BR_QKV, BK_QKV, BD)
-        kc, vc = _ptr(table, layer, 9), _ptr(table, layer, 10)
+        _stage_qkv(_ptr(table, layer, QKV), _ptr(table, layer, IN_NORM), _ptr(table, layer, QKV_BIAS), x, qkv,
+                   w_a, pid, nprog, eps, r_qkv, D, n_qkv, HAS_QKV_BIAS, BR_QKV, BK_QKV, BD)
+        kc, vc = _ptr(table, layer, K_CACHE), _ptr(table, layer, V_CACHE)
         k0, v0 = _kv_tile(kc, vc, pid, NKV * n_splits, n_splits, pos, head_stride, HD, SPLIT)
         arrived += nprog
         _grid_sync(sync, arrived, err, MAX_SPINS)
-        _stage_attend(kc, vc, _ptr(table, layer, 3), _ptr(table, layer, 4), layer, qkv, cos, sin, pos, n_splits,
-                      k0, v0, part_acc, part_m, part_l, tickets, attn, pid, nprog, eps, scale, head_stride,
+        _stage_attend(kc, vc, _ptr(table, layer, Q_NORM), _ptr(table, layer, K_NORM), layer, qkv, cos, sin, pos,
+                      n_splits, k0, v0, part_acc, part_m, part_l, tickets, attn, pid, nprog, eps, scale, head_stride,
                       max_splits, H, NKV, HD, G, BG, SPLIT, HAS_QK_NORM, CS)
-        w_o = _ptr(table, layer, 5)
+        w_o = _ptr(table, layer, O_PROJ)
         rows, rmask = _rows(pid, r_o, D, BR_O)
         w_c = _w_chunk(w_o, rows, rmask, H * HD, 0, BK_O)
         arrived += nprog
         _grid_sync(sync, arrived, err, MAX_SPINS)
         _stage_residual(w_o, w_c, x, attn, pid, nprog, r_o, D, H * HD, BR_O, BK_O)
-        w_gu = _ptr(table, layer, 7)
+        w_gu = _ptr(table, layer, GATE_UP)
         rows, rmask = _stacked_rows(pid, r_gu, FFN, BR_GU)
         w_d = _w_chunk(w_gu, rows, rmask, D, 0, BK_GU)
         arrived += nprog
         _grid_sync(sync, arrived, err, MAX_SPINS)
-        _stage_gate_up(w_gu, _ptr(table, layer, 6), x, act, w_d, pid, nprog, eps, r_gu, D, FFN, BR_GU, BK_GU, BD)
-        w_dn = _ptr(table, layer, 8)
+        _stage_gate_up(w_gu, _ptr(table, layer, POST_NORM), x, act, w_d, pid, nprog, eps, r_gu, D, FFN, BR_GU,
+                       BK_GU, BD)
+        w_dn = _ptr(table, layer, DOWN)
         rows, rmask = _rows(pid, r_dn, D, BR_DN)
         w_e = _w_chunk(w_dn, rows, rmask, FFN, 0, BK_DN)
         arrived += nprog
@@ -325,6 +327,6 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         _stage_residual(w_dn, w_e, x, act, pid, nprog, r_dn, D, FFN, BR_DN, BK_DN)
         nxt = tl.minimum(layer + 1, num_layers - 1)  # the next layer's first QKV chunk (none after the last)
         rows, rmask = _rows(pid, r_qkv, n_qkv, BR_QKV)
-        w_a = _w_chunk(_ptr(table, nxt, 1), rows, rmask & (layer + 1 < num_layers), D, 0, BK_QKV)
+        w_a = _w_chunk(_ptr(table, nxt, QKV), rows, rmask & (layer + 1 < num_layers), D, 0, BK_QKV)
         arrived += nprog
         _grid_sync(sync, arrived, err, MAX_SPINS)
