@@ -14,7 +14,6 @@ import torch
 
 from rlbench.models import build_model
 from rlbench.rollout import SamplingParams
-from rlbench.rollout.attention import decode_mask
 from rlbench.rollout.kv_cache import CacheShape, KVCache
 from rlbench.rollout.megakernel import DecodeMegakernel
 from rlbench.rollout.runner import ModelRunner, StepOptions
@@ -38,14 +37,6 @@ def _runner(model, max_seq_len, device, dtype=torch.bfloat16, megakernel=True):
 
 
 @torch.inference_mode()
-def _layer_stack(runner, hidden, cos, sin, pos, kv_len):
-    slots, mask = runner.state.slot_ids[:1], decode_mask(pos, kv_len)
-    for w, kc, vc in zip(runner.layers, runner.cache.k, runner.cache.v):
-        hidden = runner._layer(w, hidden, cos, sin, kc, vc, slots, pos, mask, kv_len)
-    return hidden
-
-
-@torch.inference_mode()
 def compare_to_f64(preset, prompt_len, device, max_seq_len=256, tile_programs=None):
     """One batch-1 decode step at position `prompt_len` three ways: the megakernel, the engine's bf16 layer
     stack (HF's ops) and float64 (same weights, same cached K/V). Returns errors vs float64 and cache checks."""
@@ -56,8 +47,8 @@ def compare_to_f64(preset, prompt_len, device, max_seq_len=256, tile_programs=No
     runner.prefill([prompt.tolist()], [0])
     k0, v0 = [k.clone() for k in runner.cache.k], [v.clone() for v in runner.cache.v]
     pos, tok = torch.tensor([prompt_len], device=device), torch.tensor([7], device=device)
-    hidden, cos, sin, _ = runner._prologue(tok, pos, max_seq_len)
-    h_stack = _layer_stack(runner, hidden.clone(), cos, sin, pos, max_seq_len)
+    hidden, cos, sin, mask = runner._prologue(tok, pos, max_seq_len)
+    h_stack = runner._layer_stack(hidden.clone(), cos, sin, pos, mask, max_seq_len)
     k_stack = [k[0, :, prompt_len].clone() for k in runner.cache.k]
     for dst, src in zip((*runner.cache.k, *runner.cache.v), (*k0, *v0)):
         dst.copy_(src)
@@ -71,8 +62,8 @@ def compare_to_f64(preset, prompt_len, device, max_seq_len=256, tile_programs=No
     r64 = _runner(m64, max_seq_len, device, torch.float64, megakernel=False)
     for dst, src in zip((*r64.cache.k, *r64.cache.v), (*k0, *v0)):
         dst.copy_(src)
-    h64, cos64, sin64, _ = r64._prologue(tok, pos, max_seq_len)
-    h64 = _layer_stack(r64, h64, cos64, sin64, pos, max_seq_len)
+    h64, cos64, sin64, mask = r64._prologue(tok, pos, max_seq_len)
+    h64 = r64._layer_stack(h64, cos64, sin64, pos, mask, max_seq_len)
     err = {name: (h.double() - h64).abs() for name, h in (("mk", h_mk), ("stack", h_stack))}
     err = {f"{name}_{stat}": float(getattr(e, stat)()) for name, e in err.items() for stat in ("max", "mean")}
     k_err = max(float((runner.cache.k[i][0, :, prompt_len].double() - r64.cache.k[i][0, :, prompt_len]).abs().max())

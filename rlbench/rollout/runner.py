@@ -205,6 +205,13 @@ class ModelRunner:
             return greedy_tokens(logits)
         return sample_tokens(logits, temperature, top_k, top_p, seeds, steps, vocab_hash, mode == "truncate")
 
+    def _layer_stack(self, hidden, cos, sin, positions, mask, kv_len: int):
+        """Every decoder layer for slots `[0, B)`, one layer graph call each: hidden `[B, 1, D]` -> `[B, 1, D]`."""
+        slots = self.state.slot_ids[: hidden.shape[0]]
+        for w, kc, vc in zip(self.layers, self.cache.k, self.cache.v):
+            hidden = self._layer_fn(w, hidden, cos, sin, kc, vc, slots, positions, mask, kv_len)
+        return hidden
+
     def _logits_and_sample(self, tokens, positions, temperature, top_k, top_p, seeds, steps, kv_len: int,
                            mode: str):
         """One decode step for slots `[0, B)`: `[B]` inputs -> (tokens `[B]`, log_probs `[B]`); see SAMPLE_MODES."""
@@ -212,9 +219,7 @@ class ModelRunner:
         if self.megakernel is not None and tokens.shape[0] == 1:
             hidden = self.megakernel(hidden, cos, sin, positions)  # every layer, slot 0
         else:
-            slots = self.state.slot_ids[: tokens.shape[0]]
-            for w, kc, vc in zip(self.layers, self.cache.k, self.cache.v):
-                hidden = self._layer_fn(w, hidden, cos, sin, kc, vc, slots, positions, mask, kv_len)
+            hidden = self._layer_stack(hidden, cos, sin, positions, mask, kv_len)
         return self._head_fn(hidden, temperature, top_k, top_p, seeds, steps, self.state.vocab_hash, mode)
 
     def _decode_eager(self, b: int, kv_len: int, mode: str) -> None:
