@@ -1,7 +1,9 @@
 """The batch-1 decode megakernel alone: time per call (all decoder layers, no embedding/head) against the
-bytes it must read (layer weights + the K/V of `pos` cached positions), per warp count.
+bytes it must read (layer weights + the K/V of `pos` cached positions), per warp count, GEMV tile size and
+programs per SM; and the cost of one grid barrier on its own (5 per layer in the kernel).
 
     python benchmarks/megakernel.py --preset qwen3-0.6b-shape --pos 256 1024 --warps 4 8 16
+    python benchmarks/megakernel.py --tile-elems 4096 8192 --programs-per-sm 1 2 --warps 4 8 --barriers
 """
 
 from __future__ import annotations
@@ -9,10 +11,75 @@ from __future__ import annotations
 import argparse
 
 import torch
+import triton
+import triton.language as tl
 
 from rlbench.models import build_model
+from rlbench.rollout import megakernel
 from rlbench.rollout.kv_cache import CacheShape, KVCache
+from rlbench.rollout.mk_kernels import _grid_sync
 from rlbench.rollout.runner import ModelRunner, StepOptions
+
+
+@triton.jit
+def _barriers_only(sync, err, n, MAX_SPINS: tl.constexpr, POLL_ATOMIC: tl.constexpr):
+    arrived = tl.num_programs(0) * 0
+    for _ in range(n):
+        arrived += tl.num_programs(0)
+        _grid_sync(sync, arrived, err, MAX_SPINS, POLL_ATOMIC)
+
+
+def timed(fn, iters: int) -> float:
+    """ms per call of `fn`, captured once in a CUDA graph and replayed."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def barrier_cost(sms: int, per_sm: int, warps: int, poll_atomic: bool, n: int = 140, iters: int = 100) -> float:
+    """us per grid barrier with `sms * per_sm` programs (n barriers per launch, launch cost amortised)."""
+    sync = torch.zeros(1, dtype=torch.int32, device="cuda")
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def launch(k):
+        sync.zero_()
+        _barriers_only[(sms * per_sm,)](sync, err, k, MAX_SPINS=megakernel.MAX_SPINS, POLL_ATOMIC=poll_atomic,
+                                        num_warps=warps)
+
+    ms = timed(lambda: launch(n), iters) - timed(lambda: launch(0), iters)
+    assert int(err.item()) == 0, "a barrier timed out"
+    return ms * 1e3 / n
+
+
+STAGES = ("qkv", "attend", "o_proj", "gate_up", "down")
+
+
+def stage_table(mk, call, layers: int) -> str:
+    """Run `call` on a TIMED build of the kernel and tabulate its per-program laps (us per layer)."""
+    mk.timed = True
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    mk.timed = False
+    laps = mk.laps.double().cpu()
+    ghz = laps[:, 10] / laps[:, 11]  # SM cycles per ns, per program (clock64 vs globaltimer)
+    us = laps[:, :10] / ghz[:, None] / 1e3 / layers
+    rows = [f"  {'stage':8} {'work mean':>9} {'work max':>9} {'wait mean':>9}   (us per layer, {ghz.mean():.2f} GHz)"]
+    for i, name in enumerate(STAGES):
+        work, wait = us[:, 2 * i], us[:, 2 * i + 1]
+        rows.append(f"  {name:8} {work.mean():9.2f} {work.max():9.2f} {wait.mean():9.2f}")
+    rows.append(f"  total    {laps[:, 11].mean() / 1e3 / layers:9.2f} us per layer (globaltimer, in-kernel)")
+    return "\n".join(rows)
 
 
 def main() -> None:
@@ -20,47 +87,62 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3-0.6b-shape")
     ap.add_argument("--pos", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--warps", type=int, nargs="+", default=[8])
+    ap.add_argument("--tile-elems", type=int, nargs="+", default=[megakernel.TILE_ELEMS])
+    ap.add_argument("--programs-per-sm", type=int, nargs="+", default=[1])
+    ap.add_argument("--poll", nargs="+", default=["atomic"], choices=["load", "atomic"],
+                    help="how a program reads the barrier counter: volatile loads by every warp or one atomic")
+    ap.add_argument("--barriers", action="store_true", help="also time grid barriers alone")
+    ap.add_argument("--stages", action="store_true",
+                    help="also run a TIMED build: per stage, us per layer each program works and waits")
     ap.add_argument("--max-seq-len", type=int, default=1536)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--bandwidth-tbs", type=float, default=4.3)
     args = ap.parse_args()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if args.barriers:
+        for per_sm, warps, poll in [(p, w, q) for p in args.programs_per_sm for w in args.warps for q in args.poll]:
+            try:
+                us = f"{barrier_cost(sms, per_sm, warps, poll == 'atomic'):.2f} us"
+            except Exception as e:  # noqa: BLE001 - e.g. a grid whose programs are not all resident
+                us = f"FAILED {type(e).__name__}: {str(e)[:120]}"
+            print(f"grid barrier, {sms * per_sm} programs x {warps} warps, poll {poll}: {us}", flush=True)
     model = build_model(args.preset, device="cuda", dtype=torch.bfloat16).eval()
     c = model.config
     cache = KVCache(CacheShape(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 1, args.max_seq_len),
                     torch.bfloat16, "cuda")
     runner = ModelRunner(model, cache, StepOptions(compile=False, cuda_graphs=False, megakernel=True))
-    mk = runner.megakernel
-    assert mk is not None, "megakernel unsupported here"
-    mk.bind(runner.layers, cache.k, cache.v)
+    assert runner.megakernel is not None, "megakernel unsupported here"
     layer_bytes = sum(t.numel() * 2 for w in runner.layers for t in (w.qkv, w.o, w.gate_up, w.down))
-    print(f"{args.preset}: {mk.programs} programs, layer weights {layer_bytes / 1e9:.3f} GB, "
-          f"tiles qkv {mk.t_qkv} o {mk.t_o} gate_up {mk.t_gu} down {mk.t_dn}", flush=True)
     hidden = torch.randn(1, 1, c.hidden_size, device="cuda", dtype=torch.bfloat16) * 0.1
     cos = torch.ones(1, 1, c.head_dim, device="cuda", dtype=torch.bfloat16)
     sin = torch.zeros_like(cos)
-    for warps in args.warps:
-        mk.num_warps = warps
+    x = hidden.clone()
+    print(f"{args.preset}: {sms} SMs, layer weights {layer_bytes / 1e9:.3f} GB", flush=True)
+    default_tile = megakernel.TILE_ELEMS
+    configs = [(t, p, w, q) for t in args.tile_elems for p in args.programs_per_sm for w in args.warps for q in args.poll]
+    for tile, per_sm, warps, poll in configs:
+        megakernel.TILE_ELEMS = tile
+        mk = megakernel.DecodeMegakernel(model, runner.layers, args.max_seq_len, torch.device("cuda"),
+                                         programs=sms * per_sm)
+        megakernel.TILE_ELEMS = default_tile
+        mk.bind(runner.layers, cache.k, cache.v)
+        mk.num_warps, mk.poll_atomic = warps, poll == "atomic"
+        label = f"tile {tile:5} programs {mk.programs:3} warps {warps:2} poll {poll:6}"
         for pos in args.pos:
             p = torch.tensor([pos], device="cuda")
-            x = hidden.clone()
-            for _ in range(3):
-                mk(x.copy_(hidden), cos, sin, p)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                mk(x, cos, sin, p)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(args.iters):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            ms = start.elapsed_time(end) / args.iters
+            try:
+                ms = timed(lambda mk=mk, p=p: mk(x.copy_(hidden), cos, sin, p), args.iters)
+                mk.check()
+            except Exception as e:  # noqa: BLE001 - a configuration that does not launch is a row, not the end
+                print(f"{label} pos {pos:5}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
             kv_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 * (pos + 1)
             total = layer_bytes + kv_bytes
-            print(f"warps {warps:2} pos {pos:5}: {ms * 1e3:7.1f} us per call, {total / ms / 1e9:6.0f} GB/s "
-                  f"({total / ms / 1e9 / (args.bandwidth_tbs * 1e3) * 100:4.1f}% of {args.bandwidth_tbs} TB/s), "
+            print(f"{label} pos {pos:5}: {ms * 1e3:7.1f} us per call, {total / ms / 1e6:6.0f} GB/s "
+                  f"({total / ms / 1e7 / args.bandwidth_tbs:4.1f}% of {args.bandwidth_tbs} TB/s), "
                   f"{ms * 1e3 / c.num_hidden_layers:5.1f} us per layer", flush=True)
+            if args.stages:
+                print(stage_table(mk, lambda mk=mk, p=p: mk(x.copy_(hidden), cos, sin, p), c.num_hidden_layers))
 
 
 if __name__ == "__main__":

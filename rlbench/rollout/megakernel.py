@@ -27,11 +27,11 @@ TABLE = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "post_norm", 
 """Columns of the per-layer pointer table: the `FusedLayer` field of that name, then the layer's K and V cache."""
 SPLIT = 64
 """Cached positions per attention task (KV head x split is the attention stage's task grid)."""
-MERGE_CHUNK = 16
-"""Splits merged per load when the partial softmaxes are combined."""
-TILE_ELEMS = 8192
-"""Weight elements a GEMV tile loads per K step; with the next step's chunk in flight, 32 KB of bf16 per
-program (about what 4.3 TB/s x ~0.8 us of HBM latency needs per SM). 16384 spilled (ptxas, 4B shape)."""
+MERGE_CHUNK = 32
+"""Splits merged per load when the partial softmaxes are combined (32: one load up to 2,048 positions)."""
+TILE_ELEMS = 16384
+"""Weight elements a GEMV tile loads per K step when the tile is double buffered; a tile of up to twice that
+is loaded as one chunk (all in flight before the barrier, one round trip after it)."""
 MAX_SPINS = 1 << 22
 """Polls of the barrier counter before a program gives up on a barrier (~1.5 s at ~0.35 us per L2 round
 trip; estimated, not measured): a non-resident program then costs a stall and an error, not a hang."""
@@ -45,7 +45,9 @@ def _tiling(n_rows: int, k: int, programs: int, stacked: int = 1) -> tuple[int, 
     """(rows per task, row block, K block) so that `n_rows` split over `programs` tasks of ~equal bytes."""
     rows = math.ceil(n_rows / programs)
     block = _pow2(rows)
-    return rows, block, max(16, min(_pow2(k), TILE_ELEMS // (block * stacked)))
+    if block * stacked * _pow2(k) <= 2 * TILE_ELEMS:  # one chunk in the registers of a double buffer
+        return rows, block, _pow2(k)
+    return rows, block, max(16, TILE_ELEMS // (block * stacked))
 
 
 def unsupported(model: torch.nn.Module, layers: list | None, device: torch.device) -> str | None:
@@ -108,6 +110,10 @@ class DecodeMegakernel:
         self._bound: tuple = ()
         self.num_warps = 8
         self.max_spins = MAX_SPINS
+        self.poll_atomic = True
+        self.timed = False
+        """Profiling: per-program cycles working/waiting per stage into `laps` (benchmarks/megakernel.py --stages)."""
+        self.laps = torch.zeros(programs, 16, dtype=torch.int64, device=device)
 
     def bind(self, layers: list, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> None:
         """Point the table at these weights and caches (cheap when nothing moved; not inside a graph capture)."""
@@ -118,6 +124,10 @@ class DecodeMegakernel:
         for w, kc, vc in zip(layers, k_cache, v_cache):
             tensors = [getattr(w, c) for c in TABLE[:-2]] + [kc, vc]  # absent (None) columns are never read
             rows.append([(w.qkv if t is None else t).data_ptr() for t in tensors])
+        odd = [(i, TABLE[j]) for i, row in enumerate(rows) for j, p in enumerate(row) if p % 16]
+        if odd:  # the kernel declares every table address 16-byte aligned (vector loads)
+            raise ValueError(f"megakernel: layer {odd[0][0]}'s {odd[0][1]} tensor is not 16-byte aligned (a view "
+                             "at an odd offset?); use contiguous, separately allocated weights or megakernel=False")
         self.table.copy_(torch.tensor(rows, dtype=torch.int64))
         self.head_stride = k_cache[0].stride(1)
         self._bound = key
@@ -136,13 +146,13 @@ class DecodeMegakernel:
         (r_qkv, br_qkv, bk_qkv), (r_o, br_o, bk_o) = self.t_qkv, self.t_o
         (r_gu, br_gu, bk_gu), (r_dn, br_dn, bk_dn) = self.t_gu, self.t_dn
         args = (self.table, hidden, cos, sin, positions, self.qkv, self.attn, self.act, self.part_acc, self.part_m,
-                self.part_l, self.sync, self.err, self.table.shape[0], self.eps, self.scale, self.head_stride,
+                self.part_l, self.sync, self.err, self.laps, self.table.shape[0], self.eps, self.scale, self.head_stride,
                 self.max_splits, r_qkv, r_o, r_gu, r_dn)
         consts = dict(D=self.d, H=self.h, NKV=self.n_kv, HD=self.hd, FFN=self.i, G=self.group,
                       BG=_pow2(self.group), BD=_pow2(self.d), SPLIT=SPLIT, CS=MERGE_CHUNK,
                       HAS_QKV_BIAS=self.has_bias, HAS_QK_NORM=self.has_qk_norm, BR_QKV=br_qkv, BK_QKV=bk_qkv,
                       BR_O=br_o, BK_O=bk_o, BR_GU=br_gu, BK_GU=bk_gu, BR_DN=br_dn, BK_DN=bk_dn,
-                      MAX_SPINS=self.max_spins)
+                      MAX_SPINS=self.max_spins, POLL_ATOMIC=self.poll_atomic, TIMED=self.timed)
         return args, consts
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import globaltimer
 
 from rlbench.rollout.megakernel import TABLE
 
@@ -50,29 +51,63 @@ def _to_bf16(x):
 
 @triton.jit
 def _ptr(table, layer, col: tl.constexpr):
-    return tl.load(table + layer * N_COLS + col).to(tl.pointer_type(tl.bfloat16))
+    """A bf16 tensor's address from the table, declared 16-byte aligned (`bind` checks it): without the hint
+    Triton knows nothing of a loaded pointer's alignment and reads weights 2 bytes per instruction."""
+    return tl.multiple_of(tl.load(table + layer * N_COLS + col).to(tl.pointer_type(tl.bfloat16)), 16)
 
 
 @triton.jit
-def _grid_sync(sync, target, err, MAX_SPINS: tl.constexpr):
-    """Grid barrier: arrive on the counter, spin until all programs have (the counter only grows).
+def _poll(sync, ATOMIC: tl.constexpr):
+    """The barrier counter: a volatile load by every warp, or (ATOMIC) one thread's atomic read, shared."""
+    if ATOMIC:
+        return tl.atomic_add(sync, 0, sem="relaxed", scope="gpu")
+    return tl.load(sync, volatile=True)
 
+
+@triton.jit
+def _arrive(sync):
+    """First half of a grid barrier: this program's stores are done; count it in (release)."""
+    tl.debug_barrier()
+    tl.atomic_add(sync, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _wait(sync, target, err, MAX_SPINS: tl.constexpr, POLL_ATOMIC: tl.constexpr):
+    """Second half: spin until `target` programs have arrived (the counter only grows), then acquire.
+
+    Split from `_arrive` so that a program issues its next weight loads between the two: a release fence waits
+    for the thread's outstanding loads, so loads issued before arriving would delay the arrival by their latency.
     A program that spins MAX_SPINS times (some program is not resident) adds 2**30 to the counter, more than any
     target of a launch, so no wait of this launch blocks again, and raises `err` for the host: a stall and an
     error, not a hang.
     """
-    tl.debug_barrier()
-    tl.atomic_add(sync, 1, sem="release", scope="gpu")
-    seen = tl.load(sync, volatile=True)
+    seen = _poll(sync, POLL_ATOMIC)
     spins = tl.full([], 0, tl.int32)
     while (seen < target) & (spins < MAX_SPINS):
-        seen = tl.load(sync, volatile=True)
+        seen = _poll(sync, POLL_ATOMIC)
         spins += 1
     if seen < target:
         tl.atomic_add(sync, 1 << 30, sem="relaxed", scope="gpu")
         tl.store(err, 1)
     tl.atomic_add(sync, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
+
+
+@triton.jit
+def _grid_sync(sync, target, err, MAX_SPINS: tl.constexpr, POLL_ATOMIC: tl.constexpr):
+    """A whole grid barrier (benchmarks/megakernel.py times it alone)."""
+    _arrive(sync)
+    _wait(sync, target, err, MAX_SPINS, POLL_ATOMIC)
+
+
+@triton.jit
+def _lap(laps, t, slot: tl.constexpr, TIMED: tl.constexpr):
+    """With TIMED, add the SM cycles since `t` to `laps[slot]` and restart the clock (profiling only)."""
+    if TIMED:
+        now = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+        laps = tl.where(tl.arange(0, 16) == slot, laps + (now - t), laps)
+        t = now
+    return laps, t
 
 
 @triton.jit
@@ -119,28 +154,41 @@ def _v_chunk(v_ptr, norm_ptr, rstd, K: tl.constexpr, k0, NORMED: tl.constexpr, B
 
 
 @triton.jit
-def _gemv(w0, w, rows, rmask, K: tl.constexpr, v_ptr, norm_ptr, rstd, NORMED: tl.constexpr, BK: tl.constexpr):
+def _gemv(w0, w, rows, rmask, K: tl.constexpr, v_ptr, norm_ptr, eps, NORMED: tl.constexpr, BK: tl.constexpr,
+          BD: tl.constexpr):
     """fp32 `w[rows] @ v` for a row tile; `w0` is its first K chunk, loaded earlier (before a barrier).
-    Register double buffering keeps two chunks (2 x TILE_ELEMS) in flight per program."""
-    acc = tl.zeros([rows.shape[0]], dtype=tl.float32)
-    w_cur = w0
-    for k0 in range(0, K, BK):  # chunk k0 + BK is in flight while chunk k0 is used (masked past K: no load)
-        w_next = _w_chunk(w, rows, rmask, K, k0 + BK, BK)
-        v = _v_chunk(v_ptr, norm_ptr, rstd, K, k0, NORMED, BK)
-        acc += tl.sum(w_cur.to(tl.float32) * v[None, :], axis=1)
-        w_cur = w_next
+
+    Every chunk costs a round trip after the barrier (its activation load), so tiles are cut to be one chunk
+    where registers allow (TILE_ELEMS): then the weights are all in flight before the barrier. Otherwise
+    register double buffering keeps two chunks in flight. With NORMED, v is `rmsnorm(v) * norm` (`v` has BD
+    entries, padded); a one-chunk tile takes the RMS from the chunk it loaded instead of a separate load."""
+    if BK >= K:
+        ks = tl.arange(0, BK)
+        v = tl.load(v_ptr + ks, mask=ks < K, other=0.0, cache_modifier=".cg").to(tl.float32)
+        if NORMED:
+            scale = tl.load(norm_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+            v = _bf(scale * _bf(v * (1.0 / tl.sqrt(tl.sum(v * v, axis=0) / K + eps))))
+        acc = tl.sum(w0.to(tl.float32) * v[None, :], axis=1)
+    else:
+        rstd = _rstd(v_ptr, K, eps, BD) if NORMED else 1.0
+        acc = tl.zeros([rows.shape[0]], dtype=tl.float32)
+        w_cur = w0
+        for k0 in range(0, K, BK):  # chunk k0 + BK is in flight while chunk k0 is used (masked past K: no load)
+            w_next = _w_chunk(w, rows, rmask, K, k0 + BK, BK)
+            v = _v_chunk(v_ptr, norm_ptr, rstd, K, k0, NORMED, BK)
+            acc += tl.sum(w_cur.to(tl.float32) * v[None, :], axis=1)
+            w_cur = w_next
     return acc
 
 
 @triton.jit
 def _stage_qkv(w, norm, bias, x, qkv_out, w0, pid, nprog, eps, rows_per, D: tl.constexpr, N: tl.constexpr,
                HAS_BIAS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
-    rstd = _rstd(x, D, eps, BD)
     for t in range(pid, tl.cdiv(N, rows_per), nprog):
         rows, rmask = _rows(t, rows_per, N, BR)
         if t != pid:  # a second task of this program (only when tasks outnumber programs)
             w0 = _w_chunk(w, rows, rmask, D, 0, BK)
-        out = _gemv(w0, w, rows, rmask, D, x, norm, rstd, True, BK)
+        out = _gemv(w0, w, rows, rmask, D, x, norm, eps, True, BK, BD)
         if HAS_BIAS:
             out += tl.load(bias + rows, mask=rmask, other=0.0).to(tl.float32)
         tl.store(qkv_out + rows, _to_bf16(out), mask=rmask)
@@ -221,25 +269,27 @@ def _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos_ptr, sin_ptr, pos, n_s
 @triton.jit
 def _merge(part_acc, part_m, part_l, attn_out, g, n_splits, max_splits, HD: tl.constexpr, G: tl.constexpr,
            BG: tl.constexpr, CS: tl.constexpr):
+    """Combine KV head g's split partials in split order, CS splits per load (one round trip for up to CS splits):
+    the online-softmax merge, rescaling what is summed so far whenever the running max grows."""
     d = tl.arange(0, HD)
     jj = tl.arange(0, BG)
     m_tot = tl.full([BG], float("-inf"), tl.float32)
-    for c0 in range(0, n_splits, CS):
-        ss = c0 + tl.arange(0, CS)
-        idx = (g * max_splits + ss[:, None]) * BG + jj[None, :]
-        m = tl.load(part_m + idx, mask=(ss < n_splits)[:, None], other=float("-inf"), cache_modifier=".cg")
-        m_tot = tl.maximum(m_tot, tl.max(m, axis=0))
     l_tot = tl.zeros([BG], tl.float32)
     acc = tl.zeros([BG, HD], tl.float32)
-    for c0 in range(0, n_splits, CS):
+    for c0 in range(0, n_splits, CS):  # every split holds >= 1 visible position, so its max is finite
         ss = c0 + tl.arange(0, CS)
         sm = (ss < n_splits)[:, None]
         idx = (g * max_splits + ss[:, None]) * BG + jj[None, :]
-        w = tl.exp(tl.load(part_m + idx, mask=sm, other=float("-inf"), cache_modifier=".cg") - m_tot[None, :])
-        l_tot += tl.sum(w * tl.load(part_l + idx, mask=sm, other=0.0, cache_modifier=".cg"), axis=0)
+        m = tl.load(part_m + idx, mask=sm, other=float("-inf"), cache_modifier=".cg")
+        s_l = tl.load(part_l + idx, mask=sm, other=0.0, cache_modifier=".cg")
         a = tl.load(part_acc + idx[:, :, None] * HD + d[None, None, :], mask=sm[:, :, None], other=0.0,
                     cache_modifier=".cg")
-        acc += tl.sum(w[:, :, None] * a, axis=0)
+        m_new = tl.maximum(m_tot, tl.max(m, axis=0))
+        keep = tl.exp(m_tot - m_new)
+        w = tl.exp(m - m_new[None, :])
+        l_tot = l_tot * keep + tl.sum(w * s_l, axis=0)
+        acc = acc * keep[:, None] + tl.sum(w[:, :, None] * a, axis=0)
+        m_tot = m_new
     out = acc / l_tot[:, None]
     tl.store(attn_out + (g * G + jj[:, None]) * HD + d[None, :], _to_bf16(out), mask=(jj < G)[:, None])
 
@@ -252,8 +302,8 @@ def _stage_residual(w, w0, x, v_ptr, pid, nprog, rows_per, D: tl.constexpr, K: t
         rows, rmask = _rows(t, rows_per, D, BR)
         if t != pid:
             w0 = _w_chunk(w, rows, rmask, K, 0, BK)
-        out = _bf(_gemv(w0, w, rows, rmask, K, v_ptr, v_ptr, 1.0, False, BK))
-        res = tl.load(x + rows, mask=rmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        res = tl.load(x + rows, mask=rmask, other=0.0, cache_modifier=".cg").to(tl.float32)  # same trip as v's
+        out = _bf(_gemv(w0, w, rows, rmask, K, v_ptr, v_ptr, 0.0, False, BK, BK))
         tl.store(x + rows, _to_bf16(res + out), mask=rmask)
 
 
@@ -261,12 +311,11 @@ def _stage_residual(w, w0, x, v_ptr, pid, nprog, rows_per, D: tl.constexpr, K: t
 def _stage_gate_up(w, norm, x, act, w0, pid, nprog, eps, rows_per, D: tl.constexpr, FFN: tl.constexpr,
                    BR: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
     """act[r] = bf16(bf16(silu(gate[r])) * up[r]); the tile stacks `[gate rows; up rows]` into one GEMV."""
-    rstd = _rstd(x, D, eps, BD)
     for t in range(pid, tl.cdiv(FFN, rows_per), nprog):
         rows, rmask = _stacked_rows(t, rows_per, FFN, BR)
         if t != pid:
             w0 = _w_chunk(w, rows, rmask, D, 0, BK)
-        out = _bf(_gemv(w0, w, rows, rmask, D, x, norm, rstd, True, BK))  # [2 BR]
+        out = _bf(_gemv(w0, w, rows, rmask, D, x, norm, eps, True, BK, BD))  # [2 BR]
         pair = tl.reshape(out, (2, BR))
         first = (tl.arange(0, 2) == 0)[:, None]
         gate = tl.sum(tl.where(first, pair, 0.0), axis=0)
@@ -277,16 +326,18 @@ def _stage_gate_up(w, norm, x, act, w0, pid, nprog, eps, rows_per, D: tl.constex
 
 
 @triton.jit
-def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, part_l, sync, err, num_layers,
+def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, part_l, sync, err, laps_out, num_layers,
                   eps, scale, head_stride, max_splits, r_qkv, r_o, r_gu, r_dn,
                   D: tl.constexpr, H: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, FFN: tl.constexpr,
                   G: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr, CS: tl.constexpr,
                   HAS_QKV_BIAS: tl.constexpr, HAS_QK_NORM: tl.constexpr,
                   BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_O: tl.constexpr, BK_O: tl.constexpr,
                   BR_GU: tl.constexpr, BK_GU: tl.constexpr, BR_DN: tl.constexpr, BK_DN: tl.constexpr,
-                  MAX_SPINS: tl.constexpr):
+                  MAX_SPINS: tl.constexpr, POLL_ATOMIC: tl.constexpr, TIMED: tl.constexpr):
     """Every decoder layer for one token: x `[D]` bf16 is updated in place. `sync[0]` is the barrier counter,
-    `sync[1:]` the per-(layer, KV head) merge tickets, all zero at launch; `err[0]` is set on a barrier timeout."""
+    `sync[1:]` the per-(layer, KV head) merge tickets, all zero at launch; `err[0]` is set on a barrier timeout.
+    With TIMED, `laps_out[pid, 2 s]` / `[pid, 2 s + 1]` get the SM cycles program pid spent working in / waiting
+    after stage s (0..4, summed over layers) and `[pid, 10]` / `[pid, 11]` its total cycles / nanoseconds."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     pos = tl.load(pos_ptr).to(tl.int32)
@@ -296,37 +347,60 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
     n_qkv: tl.constexpr = (H + 2 * NKV) * HD
     rows, rmask = _rows(pid, r_qkv, n_qkv, BR_QKV)
     w_a = _w_chunk(_ptr(table, 0, QKV), rows, rmask, D, 0, BK_QKV)
-    for layer in range(num_layers):
+    laps, t = _lap(tl.zeros([16], tl.int64), 0, 15, TIMED)
+    t0, ns0 = t, 0
+    if TIMED:
+        ns0 = globaltimer()
+    for layer in range(num_layers):  # each barrier: arrive, load the next stage's weights (or K/V), wait
         _stage_qkv(_ptr(table, layer, QKV), _ptr(table, layer, IN_NORM), _ptr(table, layer, QKV_BIAS), x, qkv,
                    w_a, pid, nprog, eps, r_qkv, D, n_qkv, HAS_QKV_BIAS, BR_QKV, BK_QKV, BD)
+        laps, t = _lap(laps, t, 0, TIMED)
+        arrived += nprog
+        _arrive(sync)
         kc, vc = _ptr(table, layer, K_CACHE), _ptr(table, layer, V_CACHE)
         k0, v0 = _kv_tile(kc, vc, pid, NKV * n_splits, n_splits, pos, head_stride, HD, SPLIT)
-        arrived += nprog
-        _grid_sync(sync, arrived, err, MAX_SPINS)
+        _wait(sync, arrived, err, MAX_SPINS, POLL_ATOMIC)
+        laps, t = _lap(laps, t, 1, TIMED)
         _stage_attend(kc, vc, _ptr(table, layer, Q_NORM), _ptr(table, layer, K_NORM), layer, qkv, cos, sin, pos,
                       n_splits, k0, v0, part_acc, part_m, part_l, tickets, attn, pid, nprog, eps, scale, head_stride,
                       max_splits, H, NKV, HD, G, BG, SPLIT, HAS_QK_NORM, CS)
+        laps, t = _lap(laps, t, 2, TIMED)
+        arrived += nprog
+        _arrive(sync)
         w_o = _ptr(table, layer, O_PROJ)
         rows, rmask = _rows(pid, r_o, D, BR_O)
         w_c = _w_chunk(w_o, rows, rmask, H * HD, 0, BK_O)
-        arrived += nprog
-        _grid_sync(sync, arrived, err, MAX_SPINS)
+        _wait(sync, arrived, err, MAX_SPINS, POLL_ATOMIC)
+        laps, t = _lap(laps, t, 3, TIMED)
         _stage_residual(w_o, w_c, x, attn, pid, nprog, r_o, D, H * HD, BR_O, BK_O)
+        laps, t = _lap(laps, t, 4, TIMED)
+        arrived += nprog
+        _arrive(sync)
         w_gu = _ptr(table, layer, GATE_UP)
         rows, rmask = _stacked_rows(pid, r_gu, FFN, BR_GU)
         w_d = _w_chunk(w_gu, rows, rmask, D, 0, BK_GU)
-        arrived += nprog
-        _grid_sync(sync, arrived, err, MAX_SPINS)
+        _wait(sync, arrived, err, MAX_SPINS, POLL_ATOMIC)
+        laps, t = _lap(laps, t, 5, TIMED)
         _stage_gate_up(w_gu, _ptr(table, layer, POST_NORM), x, act, w_d, pid, nprog, eps, r_gu, D, FFN, BR_GU,
                        BK_GU, BD)
+        laps, t = _lap(laps, t, 6, TIMED)
+        arrived += nprog
+        _arrive(sync)
         w_dn = _ptr(table, layer, DOWN)
         rows, rmask = _rows(pid, r_dn, D, BR_DN)
         w_e = _w_chunk(w_dn, rows, rmask, FFN, 0, BK_DN)
-        arrived += nprog
-        _grid_sync(sync, arrived, err, MAX_SPINS)
+        _wait(sync, arrived, err, MAX_SPINS, POLL_ATOMIC)
+        laps, t = _lap(laps, t, 7, TIMED)
         _stage_residual(w_dn, w_e, x, act, pid, nprog, r_dn, D, FFN, BR_DN, BK_DN)
+        laps, t = _lap(laps, t, 8, TIMED)
+        arrived += nprog
+        _arrive(sync)
         nxt = tl.minimum(layer + 1, num_layers - 1)  # the next layer's first QKV chunk (none after the last)
         rows, rmask = _rows(pid, r_qkv, n_qkv, BR_QKV)
         w_a = _w_chunk(_ptr(table, nxt, QKV), rows, rmask & (layer + 1 < num_layers), D, 0, BK_QKV)
-        arrived += nprog
-        _grid_sync(sync, arrived, err, MAX_SPINS)
+        _wait(sync, arrived, err, MAX_SPINS, POLL_ATOMIC)
+        laps, t = _lap(laps, t, 9, TIMED)
+    if TIMED:
+        laps = tl.where(tl.arange(0, 16) == 10, t - t0, laps)
+        laps = tl.where(tl.arange(0, 16) == 11, globaltimer() - ns0, laps)
+        tl.store(laps_out + pid * 16 + tl.arange(0, 16), laps)
