@@ -57,12 +57,18 @@ def bench_hf(model, prompts, new_tokens: int, device: str) -> float:
 
 
 def decode_step_ms(engine: TorchEngine, prompt_len: int, new_tokens: int, steps: int = 200) -> float:
-    """Batch-1 decode step time (ms) at kv-length bucket of the mid-generation position."""
+    """Batch-1 decode step time (ms) at kv-length bucket of the mid-generation position.
+
+    The timed steps run the `steps` positions just below the mid-generation position: the compiled step reads
+    the whole bucket either way, but the megakernel reads up to the position (left at the end of the last
+    generate, it would time the longest context instead)."""
     runner = engine.runner
     b = _bucket(1, engine.cache.shape.num_slots, runner.min_batch)
-    kv = _bucket(prompt_len + new_tokens // 2, engine.cache.shape.max_seq_len, KV_FLOOR)
+    mid = prompt_len + new_tokens // 2
+    kv = _bucket(mid, engine.cache.shape.max_seq_len, KV_FLOOR)
     for _ in range(3):
         runner.decode(b, kv, "sample")
+    runner.state.positions[:b].fill_(max(0, mid - steps))
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
