@@ -4,6 +4,7 @@ programs per SM; and the cost of one grid barrier on its own (5 per layer in the
 
     python benchmarks/megakernel.py --preset qwen3-0.6b-shape --pos 256 1024 --warps 4 8 16
     python benchmarks/megakernel.py --tile-elems 4096 8192 --programs-per-sm 1 2 --warps 4 8 --barriers
+    python benchmarks/megakernel.py --pos 256 1024 --stages   # where a layer's time goes, per stage
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from rlbench.rollout.runner import ModelRunner, StepOptions
 
 
 @triton.jit
-def _barriers_only(sync, err, n, MAX_SPINS: tl.constexpr, POLL_ATOMIC: tl.constexpr):
+def _barriers_only(sync, err, n, MAX_SPINS: tl.constexpr):
     arrived = tl.num_programs(0) * 0
     for _ in range(n):
         arrived += tl.num_programs(0)
-        _grid_sync(sync, arrived, err, MAX_SPINS, POLL_ATOMIC)
+        _grid_sync(sync, arrived, err, MAX_SPINS)
 
 
 def timed(fn, iters: int) -> float:
@@ -46,15 +47,14 @@ def timed(fn, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-def barrier_cost(sms: int, per_sm: int, warps: int, poll_atomic: bool, n: int = 140, iters: int = 100) -> float:
+def barrier_cost(sms: int, per_sm: int, warps: int, n: int = 140, iters: int = 100) -> float:
     """us per grid barrier with `sms * per_sm` programs (n barriers per launch, launch cost amortised)."""
     sync = torch.zeros(1, dtype=torch.int32, device="cuda")
     err = torch.zeros(1, dtype=torch.int32, device="cuda")
 
     def launch(k):
         sync.zero_()
-        _barriers_only[(sms * per_sm,)](sync, err, k, MAX_SPINS=megakernel.MAX_SPINS, POLL_ATOMIC=poll_atomic,
-                                        num_warps=warps)
+        _barriers_only[(sms * per_sm,)](sync, err, k, MAX_SPINS=megakernel.MAX_SPINS, num_warps=warps)
 
     ms = timed(lambda: launch(n), iters) - timed(lambda: launch(0), iters)
     assert int(err.item()) == 0, "a barrier timed out"
@@ -89,8 +89,6 @@ def main() -> None:
     ap.add_argument("--warps", type=int, nargs="+", default=[8])
     ap.add_argument("--tile-elems", type=int, nargs="+", default=[megakernel.TILE_ELEMS])
     ap.add_argument("--programs-per-sm", type=int, nargs="+", default=[1])
-    ap.add_argument("--poll", nargs="+", default=["atomic"], choices=["load", "atomic"],
-                    help="how a program reads the barrier counter: volatile loads by every warp or one atomic")
     ap.add_argument("--barriers", action="store_true", help="also time grid barriers alone")
     ap.add_argument("--stages", action="store_true",
                     help="also run a TIMED build: per stage, us per layer each program works and waits")
@@ -100,12 +98,12 @@ def main() -> None:
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if args.barriers:
-        for per_sm, warps, poll in [(p, w, q) for p in args.programs_per_sm for w in args.warps for q in args.poll]:
+        for per_sm, warps in [(p, w) for p in args.programs_per_sm for w in args.warps]:
             try:
-                us = f"{barrier_cost(sms, per_sm, warps, poll == 'atomic'):.2f} us"
+                us = f"{barrier_cost(sms, per_sm, warps):.2f} us"
             except Exception as e:  # noqa: BLE001 - e.g. a grid whose programs are not all resident
                 us = f"FAILED {type(e).__name__}: {str(e)[:120]}"
-            print(f"grid barrier, {sms * per_sm} programs x {warps} warps, poll {poll}: {us}", flush=True)
+            print(f"grid barrier, {sms * per_sm} programs x {warps} warps: {us}", flush=True)
     model = build_model(args.preset, device="cuda", dtype=torch.bfloat16).eval()
     c = model.config
     cache = KVCache(CacheShape(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 1, args.max_seq_len),
@@ -119,15 +117,14 @@ def main() -> None:
     x = hidden.clone()
     print(f"{args.preset}: {sms} SMs, layer weights {layer_bytes / 1e9:.3f} GB", flush=True)
     default_tile = megakernel.TILE_ELEMS
-    configs = [(t, p, w, q) for t in args.tile_elems for p in args.programs_per_sm for w in args.warps for q in args.poll]
-    for tile, per_sm, warps, poll in configs:
+    for tile, per_sm, warps in [(t, p, w) for t in args.tile_elems for p in args.programs_per_sm for w in args.warps]:
         megakernel.TILE_ELEMS = tile
         mk = megakernel.DecodeMegakernel(model, runner.layers, args.max_seq_len, torch.device("cuda"),
                                          programs=sms * per_sm)
         megakernel.TILE_ELEMS = default_tile
         mk.bind(runner.layers, cache.k, cache.v)
-        mk.num_warps, mk.poll_atomic = warps, poll == "atomic"
-        label = f"tile {tile:5} programs {mk.programs:3} warps {warps:2} poll {poll:6}"
+        mk.num_warps = warps
+        label = f"tile {tile:5} programs {mk.programs:3} warps {warps:2}"
         for pos in args.pos:
             p = torch.tensor([pos], device="cuda")
             try:

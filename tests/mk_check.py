@@ -92,7 +92,8 @@ def engine_samples(preset="tiny", max_new_tokens=8):
 
 def compile_for_hopper(preset: str, num_warps: int = 8, programs: int = 132) -> dict:
     """Compile `decode_layers` for sm_90 without a GPU (Triton + its bundled ptxas) for a preset's shapes, as
-    `DecodeMegakernel` would launch it on an H100/H200; returns registers per thread and spill bytes."""
+    `DecodeMegakernel` would launch it on an H100/H200; returns registers per thread, spill bytes and how many of
+    the streamed (weight, K/V) loads in the PTX are 16-byte vector loads."""
     import inspect
     import re
     import subprocess
@@ -127,7 +128,9 @@ def compile_for_hopper(preset: str, num_warps: int = 8, programs: int = 132) -> 
                           capture_output=True, text=True, check=True).stderr
     regs = int(re.search(r"Used (\d+) registers", info).group(1))
     spills = int(re.search(r"(\d+) bytes spill stores", info).group(1))
-    return dict(regs=regs, spill_bytes=spills, threads=32 * num_warps, shared=kernel.metadata.shared)
+    streamed = re.findall(r"ld\.global\.L1::evict_first\S*", kernel.asm["ptx"])  # weight and K/V tile loads
+    return dict(regs=regs, spill_bytes=spills, threads=32 * num_warps, shared=kernel.metadata.shared,
+                vector_loads=sum(".v4." in x for x in streamed), scalar_loads=sum(".v4." not in x for x in streamed))
 
 
 @torch.inference_mode()

@@ -71,6 +71,27 @@ def test_kernel_compiles_for_hopper_and_fits_one_program_per_sm(preset):
     print(f"\n{preset}: {r}")
     assert r["regs"] * r["threads"] <= 65536 and r["shared"] <= 227 * 1024
     assert r["spill_bytes"] <= 2048  # a few spilled values, not spilled tiles
+    # weights stream as 16-byte vectors: without the alignment hint on table pointers every load was 2 bytes
+    # (544 scalar loads; 2.6x slower on the H200, docs/LOG.md)
+    assert r["vector_loads"] > 0 and r["scalar_loads"] == 0
+
+
+def test_bind_refuses_a_misaligned_weight():
+    """The kernel declares table addresses 16-byte aligned; a view at an odd offset is named, not misread."""
+    from rlbench.rollout.fused import fuse_layers
+    from rlbench.rollout.kv_cache import CacheShape, KVCache
+    from rlbench.rollout.megakernel import DecodeMegakernel
+
+    model = build_model("tiny", dtype=torch.bfloat16)
+    layers = fuse_layers(model)
+    c = model.config
+    cache = KVCache(CacheShape(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 1, 64), torch.bfloat16, "cpu")
+    mk = DecodeMegakernel(model, layers, 64, torch.device("cpu"), programs=1)
+    mk.bind(layers, cache.k, cache.v)  # aligned: fine
+    w = layers[1].down
+    layers[1].down = torch.empty(w.numel() + 1, dtype=w.dtype)[1:].view_as(w).copy_(w)  # 2 bytes off
+    with pytest.raises(ValueError, match="layer 1's down tensor is not 16-byte aligned"):
+        mk.bind(layers, cache.k, cache.v)
 
 
 @needs_triton

@@ -110,20 +110,19 @@ class DecodeMegakernel:
         self._bound: tuple = ()
         self.num_warps = 8
         self.max_spins = MAX_SPINS
-        self.poll_atomic = True
         self.timed = False
         """Profiling: per-program cycles working/waiting per stage into `laps` (benchmarks/megakernel.py --stages)."""
         self.laps = torch.zeros(programs, 16, dtype=torch.int64, device=device)
 
     def bind(self, layers: list, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> None:
         """Point the table at these weights and caches (cheap when nothing moved; not inside a graph capture)."""
-        key = tuple(t.data_ptr() for w, kc, vc in zip(layers, k_cache, v_cache) for t in (w.qkv, w.o, kc, vc))
-        if key == self._bound:
-            return
         rows = []
         for w, kc, vc in zip(layers, k_cache, v_cache):
             tensors = [getattr(w, c) for c in TABLE[:-2]] + [kc, vc]  # absent (None) columns are never read
             rows.append([(w.qkv if t is None else t).data_ptr() for t in tensors])
+        key = (tuple(map(tuple, rows)), k_cache[0].stride(1))  # every address: any tensor may have moved
+        if key == self._bound:
+            return
         odd = [(i, TABLE[j]) for i, row in enumerate(rows) for j, p in enumerate(row) if p % 16]
         if odd:  # the kernel declares every table address 16-byte aligned (vector loads)
             raise ValueError(f"megakernel: layer {odd[0][0]}'s {odd[0][1]} tensor is not 16-byte aligned (a view "
@@ -152,7 +151,7 @@ class DecodeMegakernel:
                       BG=_pow2(self.group), BD=_pow2(self.d), SPLIT=SPLIT, CS=MERGE_CHUNK,
                       HAS_QKV_BIAS=self.has_bias, HAS_QK_NORM=self.has_qk_norm, BR_QKV=br_qkv, BK_QKV=bk_qkv,
                       BR_O=br_o, BK_O=bk_o, BR_GU=br_gu, BK_GU=bk_gu, BR_DN=br_dn, BK_DN=bk_dn,
-                      MAX_SPINS=self.max_spins, POLL_ATOMIC=self.poll_atomic, TIMED=self.timed)
+                      MAX_SPINS=self.max_spins, TIMED=self.timed)
         return args, consts
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
