@@ -11,8 +11,9 @@ Used for batch-1 decode steps on CUDA when `StepOptions.megakernel` is on and `u
 against it (bf16 fused Qwen3/Qwen2/Llama layers without o/MLP biases); other batches, models and devices
 keep the compiled path. On the CPU it runs under Triton's interpreter with one program (tests).
 
-Status: verified under the interpreter only (numerics vs float64 and the engine's layer stack); the GPU run
-with one program per SM, where the barriers actually wait, is pending, so the engine leaves it off by default.
+Status (H200, docs/LOG.md 2026-11-30): correct (error vs float64 equal to the bf16 layer stack's); the 0.6B
+step takes 0.96-0.98 ms against the compiled path's 1.19-1.48 ms (3.5x the floor, goal 2x), but the 4B shape is
+slower than its compiled path, so the engine leaves it off by default (opt-in: `megakernel=True`).
 The grid barrier needs every program resident at once: the grid is the SM count and each program fits one SM.
 """
 
