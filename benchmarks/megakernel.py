@@ -26,8 +26,7 @@ from rlbench.rollout.runner import ModelRunner, StepOptions
 def _barriers_only(sync, err, n, MAX_SPINS: tl.constexpr):
     arrived = tl.num_programs(0) * 0
     for _ in range(n):
-        arrived += tl.num_programs(0)
-        _grid_sync(sync, arrived, err, MAX_SPINS)
+        arrived = _grid_sync(sync, arrived, err, MAX_SPINS)
 
 
 def timed(fn, iters: int) -> float:
@@ -116,12 +115,9 @@ def main() -> None:
     sin = torch.zeros_like(cos)
     x = hidden.clone()
     print(f"{args.preset}: {sms} SMs, layer weights {layer_bytes / 1e9:.3f} GB", flush=True)
-    default_tile = megakernel.TILE_ELEMS
     for tile, per_sm, warps in [(t, p, w) for t in args.tile_elems for p in args.programs_per_sm for w in args.warps]:
-        megakernel.TILE_ELEMS = tile
         mk = megakernel.DecodeMegakernel(model, runner.layers, args.max_seq_len, torch.device("cuda"),
-                                         programs=sms * per_sm)
-        megakernel.TILE_ELEMS = default_tile
+                                         programs=sms * per_sm, tile_elems=tile)
         mk.bind(runner.layers, cache.k, cache.v)
         mk.num_warps = warps
         label = f"tile {tile:5} programs {mk.programs:3} warps {warps:2}"

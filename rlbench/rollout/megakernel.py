@@ -42,13 +42,13 @@ def _pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, n))))
 
 
-def _tiling(n_rows: int, k: int, programs: int, stacked: int = 1) -> tuple[int, int, int]:
+def _tiling(n_rows: int, k: int, programs: int, tile_elems: int, stacked: int = 1) -> tuple[int, int, int]:
     """(rows per task, row block, K block) so that `n_rows` split over `programs` tasks of ~equal bytes."""
     rows = math.ceil(n_rows / programs)
     block = _pow2(rows)
-    if block * stacked * _pow2(k) <= 2 * TILE_ELEMS:  # one chunk in the registers of a double buffer
+    if block * stacked * _pow2(k) <= 2 * tile_elems:  # one chunk in the registers of a double buffer
         return rows, block, _pow2(k)
-    return rows, block, max(16, TILE_ELEMS // (block * stacked))
+    return rows, block, max(16, tile_elems // (block * stacked))
 
 
 def unsupported(model: torch.nn.Module, layers: list | None, device: torch.device) -> str | None:
@@ -76,9 +76,10 @@ class DecodeMegakernel:
     """Scratch buffers, tiling and the per-layer pointer table for one model and one KV cache."""
 
     def __init__(self, model: torch.nn.Module, layers: list, max_seq_len: int, device: torch.device,
-                 programs: int | None = None, tile_programs: int | None = None):
+                 programs: int | None = None, tile_programs: int | None = None, tile_elems: int = TILE_ELEMS):
         """`programs`: the grid (default: the SM count; 1 on the CPU). `tile_programs`: the grid the GEMV tiles
-        are cut for (default `programs`; tests run a GPU's tiling with one interpreted program)."""
+        are cut for (default `programs`; tests run a GPU's tiling with one interpreted program). `tile_elems`:
+        see TILE_ELEMS (benchmarks/megakernel.py --tile-elems)."""
         c = model.config
         self.h, self.n_kv = c.num_attention_heads, c.num_key_value_heads
         self.d, self.i = c.hidden_size, c.intermediate_size
@@ -91,10 +92,10 @@ class DecodeMegakernel:
         self.programs = programs
         tiles = tile_programs or programs
         qkv_rows = (self.h + 2 * self.n_kv) * self.hd
-        self.t_qkv = _tiling(qkv_rows, self.d, tiles)
-        self.t_o = _tiling(self.d, self.h * self.hd, tiles)
-        self.t_gu = _tiling(self.i, self.d, tiles, stacked=2)
-        self.t_dn = _tiling(self.d, self.i, tiles)
+        self.t_qkv = _tiling(qkv_rows, self.d, tiles, tile_elems)
+        self.t_o = _tiling(self.d, self.h * self.hd, tiles, tile_elems)
+        self.t_gu = _tiling(self.i, self.d, tiles, tile_elems, stacked=2)
+        self.t_dn = _tiling(self.d, self.i, tiles, tile_elems)
         self.max_splits = math.ceil(max_seq_len / SPLIT)
         bg = _pow2(self.group)
         f32, bf16 = dict(dtype=torch.float32, device=device), dict(dtype=torch.bfloat16, device=device)

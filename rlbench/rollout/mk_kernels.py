@@ -57,10 +57,12 @@ def _ptr(table, layer, col: tl.constexpr):
 
 
 @triton.jit
-def _arrive(sync):
-    """First half of a grid barrier: this program's stores are done; count it in (release)."""
+def _arrive(sync, arrived):
+    """First half of a grid barrier: this program's stores are done; count it in (release). Returns the count
+    `_wait` waits for: `arrived` (all programs' arrivals so far) plus this barrier's."""
     tl.debug_barrier()
     tl.atomic_add(sync, 1, sem="release", scope="gpu")
+    return arrived + tl.num_programs(0)
 
 
 @triton.jit
@@ -88,10 +90,11 @@ def _wait(sync, target, err, MAX_SPINS: tl.constexpr):
 
 
 @triton.jit
-def _grid_sync(sync, target, err, MAX_SPINS: tl.constexpr):
-    """A whole grid barrier (benchmarks/megakernel.py times it alone)."""
-    _arrive(sync)
-    _wait(sync, target, err, MAX_SPINS)
+def _grid_sync(sync, arrived, err, MAX_SPINS: tl.constexpr):
+    """A whole grid barrier (benchmarks/megakernel.py times it alone); returns the new arrival count."""
+    arrived = _arrive(sync, arrived)
+    _wait(sync, arrived, err, MAX_SPINS)
+    return arrived
 
 
 @triton.jit
@@ -349,8 +352,7 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         _stage_qkv(_ptr(table, layer, QKV), _ptr(table, layer, IN_NORM), _ptr(table, layer, QKV_BIAS), x, qkv,
                    w_a, pid, nprog, eps, r_qkv, D, n_qkv, HAS_QKV_BIAS, BR_QKV, BK_QKV, BD)
         laps, t = _lap(laps, t, 0, TIMED)
-        arrived += nprog
-        _arrive(sync)
+        arrived = _arrive(sync, arrived)
         kc, vc = _ptr(table, layer, K_CACHE), _ptr(table, layer, V_CACHE)
         k0, v0 = _kv_tile(kc, vc, pid, NKV * n_splits, n_splits, pos, head_stride, HD, SPLIT)
         _wait(sync, arrived, err, MAX_SPINS)
@@ -359,8 +361,7 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
                       n_splits, k0, v0, part_acc, part_m, part_l, tickets, attn, pid, nprog, eps, scale, head_stride,
                       max_splits, H, NKV, HD, G, BG, SPLIT, HAS_QK_NORM, CS)
         laps, t = _lap(laps, t, 2, TIMED)
-        arrived += nprog
-        _arrive(sync)
+        arrived = _arrive(sync, arrived)
         w_o = _ptr(table, layer, O_PROJ)
         rows, rmask = _rows(pid, r_o, D, BR_O)
         w_c = _w_chunk(w_o, rows, rmask, H * HD, 0, BK_O)
@@ -368,8 +369,7 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         laps, t = _lap(laps, t, 3, TIMED)
         _stage_residual(w_o, w_c, x, attn, pid, nprog, r_o, D, H * HD, BR_O, BK_O)
         laps, t = _lap(laps, t, 4, TIMED)
-        arrived += nprog
-        _arrive(sync)
+        arrived = _arrive(sync, arrived)
         w_gu = _ptr(table, layer, GATE_UP)
         rows, rmask = _stacked_rows(pid, r_gu, FFN, BR_GU)
         w_d = _w_chunk(w_gu, rows, rmask, D, 0, BK_GU)
@@ -378,8 +378,7 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         _stage_gate_up(w_gu, _ptr(table, layer, POST_NORM), x, act, w_d, pid, nprog, eps, r_gu, D, FFN, BR_GU,
                        BK_GU, BD)
         laps, t = _lap(laps, t, 6, TIMED)
-        arrived += nprog
-        _arrive(sync)
+        arrived = _arrive(sync, arrived)
         w_dn = _ptr(table, layer, DOWN)
         rows, rmask = _rows(pid, r_dn, D, BR_DN)
         w_e = _w_chunk(w_dn, rows, rmask, FFN, 0, BK_DN)
@@ -387,8 +386,7 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         laps, t = _lap(laps, t, 7, TIMED)
         _stage_residual(w_dn, w_e, x, act, pid, nprog, r_dn, D, FFN, BR_DN, BK_DN)
         laps, t = _lap(laps, t, 8, TIMED)
-        arrived += nprog
-        _arrive(sync)
+        arrived = _arrive(sync, arrived)
         nxt = tl.minimum(layer + 1, num_layers - 1)  # the next layer's first QKV chunk (none after the last)
         rows, rmask = _rows(pid, r_qkv, n_qkv, BR_QKV)
         w_a = _w_chunk(_ptr(table, nxt, QKV), rows, rmask & (layer + 1 < num_layers), D, 0, BK_QKV)
