@@ -226,6 +226,7 @@ def _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos_ptr, sin_ptr, pos, n_s
                   NKV: tl.constexpr, HD: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, SPLIT: tl.constexpr,
                   HAS_NORM: tl.constexpr, CS: tl.constexpr):
     d = tl.arange(0, HD)
+    jj = tl.arange(0, BG)
     cos = tl.load(cos_ptr + d).to(tl.float32)
     sin = tl.load(sin_ptr + d).to(tl.float32)
     n_tasks = NKV * n_splits
@@ -235,12 +236,15 @@ def _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos_ptr, sin_ptr, pos, n_s
         k, v = k0, v0
         if t != pid:
             k, v = _kv_tile(kc, vc, t, n_tasks, n_splits, pos, head_stride, HD, SPLIT)
+        # Every load of the task in ONE round trip, before any store (a load after a store may alias it, so the
+        # compiler would wait): the group's q heads, and the new token's K and V (used by the last split only).
+        q = _norm_rope(qkv, g * G + jj, jj < G, q_norm, cos, sin, eps, HD, HAS_NORM)  # [BG, HD]
+        kv_head = tl.full([1], H, tl.int32) + g
+        k_new = _norm_rope(qkv, kv_head, kv_head >= 0, k_norm, cos, sin, eps, HD, HAS_NORM)  # [1, HD]
+        v_new = tl.load(qkv + (H + NKV + g) * HD + d, cache_modifier=".cg")
         k, v = k.to(tl.float32), v.to(tl.float32)
         offs = s * SPLIT + tl.arange(0, SPLIT)
         if s == n_splits - 1:  # this split holds the new token: K/V from the qkv buffer, written to the cache
-            kv_head = tl.full([1], H, tl.int32) + g
-            k_new = _norm_rope(qkv, kv_head, kv_head >= 0, k_norm, cos, sin, eps, HD, HAS_NORM)  # [1, HD]
-            v_new = tl.load(qkv + (H + NKV + g) * HD + d, cache_modifier=".cg")
             tl.store(kc + g * head_stride + pos * HD + d[None, :], _to_bf16(k_new))
             tl.store(vc + g * head_stride + pos * HD + d, v_new)
             new = (offs == pos)[:, None]
@@ -249,9 +253,8 @@ def _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos_ptr, sin_ptr, pos, n_s
         valid = offs <= pos
         slot = g * max_splits + s
         for j in tl.static_range(G):  # one q head at a time: [SPLIT, HD] temporaries, no [G, SPLIT, HD]
-            head = tl.full([1], j, tl.int32) + g * G
-            q = _norm_rope(qkv, head, head >= 0, q_norm, cos, sin, eps, HD, HAS_NORM)  # [1, HD]
-            scores = tl.where(valid, tl.sum(k * q, axis=1) * scale, float("-inf"))  # [SPLIT]
+            q_j = tl.sum(tl.where(jj[:, None] == j, q, 0.0), axis=0)  # row j of q (exact: one term)
+            scores = tl.where(valid, tl.sum(k * q_j[None, :], axis=1) * scale, float("-inf"))  # [SPLIT]
             m = tl.max(scores, axis=0)
             p = tl.exp(scores - m)
             tl.store(part_acc + (slot * BG + j) * HD + d, tl.sum(p[:, None] * v, axis=0))
