@@ -4,9 +4,10 @@ One persistent program per SM runs every decoder layer. A layer is five stages, 
 of about equal bytes, at most one per program for the GEMVs; programs meet at a grid barrier between stages:
 
   A  QKV      rows of `[qkv] @ rmsnorm(x)`                     -> qkv buffer (bf16, as F.linear rounds)
-  B  attend   (KV head, 64-position split) partial softmax; q/k-norm and RoPE recomputed per task; the
-              split holding the new position writes its K/V into the cache; the last split to finish
-              for a KV head (atomic ticket) merges the partials in split order (deterministic)
+  B  attend   (KV head, split of `per` 64-position blocks, no more tasks than programs) partial softmax;
+              q/k-norm and RoPE recomputed per task; the block holding the new position writes its K/V into
+              the cache; the last split to finish for a KV head (atomic ticket) merges the partials in split
+              order (deterministic)
   C  o_proj   rows of `x += o @ attn`
   D  gate/up  rows of `act = silu(gate @ rmsnorm(x)) * (up @ rmsnorm(x))`
   E  down     rows of `x += down @ act`
@@ -209,57 +210,80 @@ def _norm_rope(src, heads, hmask, norm, cos, sin, eps, HD: tl.constexpr, HAS_NOR
 
 
 @triton.jit
-def _kv_tile(kc, vc, t, n_tasks, n_splits, pos, head_stride, HD: tl.constexpr, SPLIT: tl.constexpr):
-    """Attention task t's cached K and V `[SPLIT, HD]` (bf16): positions before `pos` only (the new one is not
-    in the cache yet; the task holding it takes it from registers)."""
-    offs = (t % n_splits) * SPLIT + tl.arange(0, SPLIT)
-    cached = (offs < pos) & (t < n_tasks)
-    off = (t // n_splits) * head_stride + offs[:, None] * HD + tl.arange(0, HD)[None, :]
+def _kv_block(kc, vc, g, blk, pos, live, head_stride, HD: tl.constexpr, SPLIT: tl.constexpr):
+    """KV head g's cached K and V `[SPLIT, HD]` (bf16) of block `blk`: positions before `pos` only (the new one
+    is not in the cache yet; the task holding it takes it from registers); nothing is read unless `live`."""
+    offs = blk * SPLIT + tl.arange(0, SPLIT)
+    cached = (offs < pos) & live
+    off = g * head_stride + offs[:, None] * HD + tl.arange(0, HD)[None, :]
     k = tl.load(kc + off, mask=cached[:, None], other=0.0, eviction_policy="evict_first")
     v = tl.load(vc + off, mask=cached[:, None], other=0.0, eviction_policy="evict_first")
     return k, v
 
 
 @triton.jit
-def _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos_ptr, sin_ptr, pos, n_splits, k0, v0, part_acc, part_m,
-                  part_l, tickets, attn_out, pid, nprog, eps, scale, head_stride, max_splits, H: tl.constexpr,
-                  NKV: tl.constexpr, HD: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, SPLIT: tl.constexpr,
-                  HAS_NORM: tl.constexpr, CS: tl.constexpr):
+def _task(t, n_splits, per):
+    """Attention task t -> (KV head, split, first block): a split is `per` consecutive 64-position blocks."""
+    return t // n_splits, t % n_splits, (t % n_splits) * per
+
+
+@triton.jit
+def _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos_ptr, sin_ptr, pos, n_blocks, per, n_splits, k0, v0,
+                  part_acc, part_m, part_l, tickets, attn_out, pid, nprog, eps, scale, head_stride, max_splits,
+                  H: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
+                  SPLIT: tl.constexpr, HAS_NORM: tl.constexpr, CS: tl.constexpr):
+    """Tasks are (KV head, split); a split runs `per` blocks with an online softmax per q head, so that there are
+    never more tasks than programs (`per` grows with the context). Each task's partial goes to its slot, and the
+    last task of a KV head to finish (atomic ticket) merges the slots in split order."""
     d = tl.arange(0, HD)
     jj = tl.arange(0, BG)
     cos = tl.load(cos_ptr + d).to(tl.float32)
     sin = tl.load(sin_ptr + d).to(tl.float32)
     n_tasks = NKV * n_splits
-    for t in range(pid, n_tasks, nprog):
-        g = t // n_splits
-        s = t % n_splits
-        k, v = k0, v0
+    for t in range(pid, n_tasks, nprog):  # one task per program, unless max_splits caps the splits
+        g, s, first = _task(t, n_splits, per)
+        k_cur, v_cur = k0, v0
         if t != pid:
-            k, v = _kv_tile(kc, vc, t, n_tasks, n_splits, pos, head_stride, HD, SPLIT)
+            k_cur, v_cur = _kv_block(kc, vc, g, first, pos, True, head_stride, HD, SPLIT)
         # Every load of the task in ONE round trip, before any store (a load after a store may alias it, so the
-        # compiler would wait): the group's q heads, and the new token's K and V (used by the last split only).
+        # compiler would wait): the group's q heads, and the new token's K and V (used by the last block only).
         q = _norm_rope(qkv, g * G + jj, jj < G, q_norm, cos, sin, eps, HD, HAS_NORM)  # [BG, HD]
         kv_head = tl.full([1], H, tl.int32) + g
         k_new = _norm_rope(qkv, kv_head, kv_head >= 0, k_norm, cos, sin, eps, HD, HAS_NORM)  # [1, HD]
         v_new = tl.load(qkv + (H + NKV + g) * HD + d, cache_modifier=".cg")
-        k, v = k.to(tl.float32), v.to(tl.float32)
-        offs = s * SPLIT + tl.arange(0, SPLIT)
-        if s == n_splits - 1:  # this split holds the new token: K/V from the qkv buffer, written to the cache
-            tl.store(kc + g * head_stride + pos * HD + d[None, :], _to_bf16(k_new))
-            tl.store(vc + g * head_stride + pos * HD + d, v_new)
-            new = (offs == pos)[:, None]
-            k = tl.where(new, k_new, k)
-            v = tl.where(new, v_new.to(tl.float32)[None, :], v)
-        valid = offs <= pos
+        m_run = tl.full([BG], float("-inf"), tl.float32)
+        l_run = tl.zeros([BG], tl.float32)
+        acc = tl.zeros([BG, HD], tl.float32)
+        for blk in range(first, tl.minimum(first + per, n_blocks)):
+            k_next, v_next = _kv_block(kc, vc, g, blk + 1, pos, blk + 1 < tl.minimum(first + per, n_blocks),
+                                       head_stride, HD, SPLIT)  # in flight while this block is used
+            k, v = k_cur.to(tl.float32), v_cur.to(tl.float32)
+            offs = blk * SPLIT + tl.arange(0, SPLIT)
+            if blk == n_blocks - 1:  # this block holds the new token: K/V from the qkv buffer, written to the cache
+                tl.store(kc + g * head_stride + pos * HD + d[None, :], _to_bf16(k_new))
+                tl.store(vc + g * head_stride + pos * HD + d, v_new)
+                new = (offs == pos)[:, None]
+                k = tl.where(new, k_new, k)
+                v = tl.where(new, v_new.to(tl.float32)[None, :], v)
+            valid = offs <= pos
+            for j in tl.static_range(G):  # one q head at a time: [SPLIT, HD] temporaries, no [G, SPLIT, HD]
+                row = jj == j
+                q_j = tl.sum(tl.where(row[:, None], q, 0.0), axis=0)  # row j of q (exact: one term)
+                scores = tl.where(valid, tl.sum(k * q_j[None, :], axis=1) * scale, float("-inf"))  # [SPLIT]
+                m_old = tl.sum(tl.where(row, m_run, 0.0), axis=0)
+                m_new = tl.maximum(m_old, tl.max(scores, axis=0))  # finite: every block sees position blk * 64
+                keep = tl.exp(m_old - m_new)  # 0 for the first block (m_old = -inf)
+                p = tl.exp(scores - m_new)
+                l_j = tl.sum(tl.where(row, l_run, 0.0), axis=0) * keep + tl.sum(p, axis=0)
+                acc_j = tl.sum(tl.where(row[:, None], acc, 0.0), axis=0) * keep + tl.sum(p[:, None] * v, axis=0)
+                m_run = tl.where(row, m_new, m_run)
+                l_run = tl.where(row, l_j, l_run)
+                acc = tl.where(row[:, None], acc_j[None, :], acc)
+            k_cur, v_cur = k_next, v_next
         slot = g * max_splits + s
-        for j in tl.static_range(G):  # one q head at a time: [SPLIT, HD] temporaries, no [G, SPLIT, HD]
-            q_j = tl.sum(tl.where(jj[:, None] == j, q, 0.0), axis=0)  # row j of q (exact: one term)
-            scores = tl.where(valid, tl.sum(k * q_j[None, :], axis=1) * scale, float("-inf"))  # [SPLIT]
-            m = tl.max(scores, axis=0)
-            p = tl.exp(scores - m)
-            tl.store(part_acc + (slot * BG + j) * HD + d, tl.sum(p[:, None] * v, axis=0))
-            tl.store(part_m + slot * BG + j, m)
-            tl.store(part_l + slot * BG + j, tl.sum(p, axis=0))
+        tl.store(part_acc + (slot * BG + jj[:, None]) * HD + d[None, :], acc)
+        tl.store(part_m + slot * BG + jj, m_run)
+        tl.store(part_l + slot * BG + jj, l_run)
         tl.debug_barrier()
         ticket = tl.atomic_add(tickets + layer * NKV + g, 1, sem="acq_rel", scope="gpu")
         if ticket == n_splits - 1:  # the last split of this KV head merges all of them, in split order
@@ -341,7 +365,9 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     pos = tl.load(pos_ptr).to(tl.int32)
-    n_splits = pos // SPLIT + 1
+    n_blocks = pos // SPLIT + 1  # 64-position blocks per KV head
+    per = tl.cdiv(NKV * n_blocks, nprog)  # blocks per attention task: no more tasks than programs
+    n_splits = tl.cdiv(n_blocks, per)
     tickets = sync + 1
     arrived = nprog * 0
     n_qkv: tl.constexpr = (H + 2 * NKV) * HD
@@ -357,12 +383,13 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         laps, t = _lap(laps, t, 0, TIMED)
         arrived = _arrive(sync, arrived)
         kc, vc = _ptr(table, layer, K_CACHE), _ptr(table, layer, V_CACHE)
-        k0, v0 = _kv_tile(kc, vc, pid, NKV * n_splits, n_splits, pos, head_stride, HD, SPLIT)
+        g0, _, first0 = _task(pid, n_splits, per)
+        k0, v0 = _kv_block(kc, vc, g0, first0, pos, pid < NKV * n_splits, head_stride, HD, SPLIT)
         _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 1, TIMED)
         _stage_attend(kc, vc, _ptr(table, layer, Q_NORM), _ptr(table, layer, K_NORM), layer, qkv, cos, sin, pos,
-                      n_splits, k0, v0, part_acc, part_m, part_l, tickets, attn, pid, nprog, eps, scale, head_stride,
-                      max_splits, H, NKV, HD, G, BG, SPLIT, HAS_QK_NORM, CS)
+                      n_blocks, per, n_splits, k0, v0, part_acc, part_m, part_l, tickets, attn, pid, nprog, eps,
+                      scale, head_stride, max_splits, H, NKV, HD, G, BG, SPLIT, HAS_QK_NORM, CS)
         laps, t = _lap(laps, t, 2, TIMED)
         arrived = _arrive(sync, arrived)
         w_o = _ptr(table, layer, O_PROJ)
