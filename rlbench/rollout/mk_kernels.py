@@ -141,13 +141,22 @@ def _w_chunk(w, rows, rmask, K: tl.constexpr, k0, BK: tl.constexpr):
 
 
 @triton.jit
-def _v_chunk(v_ptr, norm_ptr, rstd, K: tl.constexpr, k0, NORMED: tl.constexpr, BK: tl.constexpr):
-    """Activation chunk `v[k0:k0+BK]` as fp32; with NORMED, `bf16(norm * bf16(v * rstd))` (HF RMSNorm)."""
+def _v_raw(v_ptr, norm_ptr, K: tl.constexpr, k0, NORMED: tl.constexpr, BK: tl.constexpr):
+    """The loads of activation chunk `v[k0:k0+BK]` (and its norm weights): (v, norm) as fp32, masked past K."""
     ks = k0 + tl.arange(0, BK)
     kmask = ks < K
     v = tl.load(v_ptr + ks, mask=kmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    scale = v
     if NORMED:
-        v = _bf(tl.load(norm_ptr + ks, mask=kmask, other=0.0).to(tl.float32) * _bf(v * rstd))
+        scale = tl.load(norm_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
+    return v, scale
+
+
+@triton.jit
+def _v_apply(v, scale, rstd, NORMED: tl.constexpr):
+    """With NORMED, `bf16(norm * bf16(v * rstd))` (HF RMSNorm) of a raw chunk; else the chunk itself."""
+    if NORMED:
+        v = _bf(scale * _bf(v * rstd))
     return v
 
 
@@ -156,9 +165,9 @@ def _gemv(w0, w, rows, rmask, K: tl.constexpr, v_ptr, norm_ptr, eps, NORMED: tl.
           BD: tl.constexpr):
     """fp32 `w[rows] @ v` for a row tile; `w0` is its first K chunk, loaded earlier (before a barrier).
 
-    Every chunk costs a round trip after the barrier (its activation load), so tiles are cut to be one chunk
-    where registers allow (TILE_ELEMS): then the weights are all in flight before the barrier. Otherwise
-    register double buffering keeps two chunks in flight. With NORMED, v is `rmsnorm(v) * norm` (`v` has BD
+    Every chunk can cost a round trip after the barrier, so tiles are cut to be one chunk where registers allow
+    (TILE_ELEMS): then the weights are all in flight before the barrier. Otherwise register double buffering
+    keeps the next chunk's weights and activation in flight. With NORMED, v is `rmsnorm(v) * norm` (`v` has BD
     entries, padded); a one-chunk tile takes the RMS from the chunk it loaded instead of a separate load."""
     if BK >= K:
         ks = tl.arange(0, BK)
@@ -168,14 +177,17 @@ def _gemv(w0, w, rows, rmask, K: tl.constexpr, v_ptr, norm_ptr, eps, NORMED: tl.
             v = _bf(scale * _bf(v * (1.0 / tl.sqrt(tl.sum(v * v, axis=0) / K + eps))))
         acc = tl.sum(w0.to(tl.float32) * v[None, :], axis=1)
     else:
+        # chunk k0 + BK (weights AND activation) is in flight while chunk k0 is used (masked past K: no load); the
+        # first activation chunk is loaded with the RMS, in the same trip
+        v_cur, s_cur = _v_raw(v_ptr, norm_ptr, K, 0, NORMED, BK)
         rstd = _rstd(v_ptr, K, eps, BD) if NORMED else 1.0
         acc = tl.zeros([rows.shape[0]], dtype=tl.float32)
         w_cur = w0
-        for k0 in range(0, K, BK):  # chunk k0 + BK is in flight while chunk k0 is used (masked past K: no load)
+        for k0 in range(0, K, BK):
             w_next = _w_chunk(w, rows, rmask, K, k0 + BK, BK)
-            v = _v_chunk(v_ptr, norm_ptr, rstd, K, k0, NORMED, BK)
-            acc += tl.sum(w_cur.to(tl.float32) * v[None, :], axis=1)
-            w_cur = w_next
+            v_next, s_next = _v_raw(v_ptr, norm_ptr, K, k0 + BK, NORMED, BK)
+            acc += tl.sum(w_cur.to(tl.float32) * _v_apply(v_cur, s_cur, rstd, NORMED)[None, :], axis=1)
+            w_cur, v_cur, s_cur = w_next, v_next, s_next
     return acc
 
 
