@@ -109,6 +109,23 @@ def _lap(laps, t, slot: tl.constexpr, TIMED: tl.constexpr):
 
 
 @triton.jit
+def _l2_prefetch(ptr, n_elems, pid, nprog, ON: tl.constexpr, LINES: tl.constexpr = 256):
+    """With ON, pull this program's 1/nprog share of the 128-byte lines of bf16 `ptr[:n_elems]` into L2:
+    fire-and-forget (`prefetch.global.L2`), no registers held, so HBM keeps streaming while programs wait at
+    barriers or sit in the latency-bound attention stage (experimental, `DecodeMegakernel.l2_prefetch`;
+    inline PTX, so not under the CPU interpreter)."""
+    if ON:
+        n_lines = tl.cdiv(n_elems, 64)
+        share = tl.cdiv(n_lines, nprog)
+        for l0 in range(0, share, LINES):
+            i = l0 + tl.arange(0, LINES)
+            line = pid * share + i
+            addr = tl.where((i < share) & (line < n_lines), ptr + line * 64, ptr)  # masked lanes: line 0 again
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [addr], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+
+
+@triton.jit
 def _rstd(x_ptr, D: tl.constexpr, eps, BD: tl.constexpr):
     d = tl.arange(0, BD)
     x = tl.load(x_ptr + d, mask=d < D, other=0.0, cache_modifier=".cg").to(tl.float32)
@@ -380,11 +397,13 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
                   HAS_QKV_BIAS: tl.constexpr, HAS_QK_NORM: tl.constexpr,
                   BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_O: tl.constexpr, BK_O: tl.constexpr,
                   BR_GU: tl.constexpr, BK_GU: tl.constexpr, BR_DN: tl.constexpr, BK_DN: tl.constexpr,
-                  MAX_SPINS: tl.constexpr, TIMED: tl.constexpr, GEMV_STAGES: tl.constexpr):
+                  MAX_SPINS: tl.constexpr, TIMED: tl.constexpr, GEMV_STAGES: tl.constexpr, L2_PF: tl.constexpr):
     """Every decoder layer for one token: x `[D]` bf16 is updated in place. `sync[0]` is the barrier counter,
     `sync[1:]` the per-(layer, KV head) merge tickets, all zero at launch; `err[0]` is set on a barrier timeout.
     With TIMED, `laps_out[pid, 2 s]` / `[pid, 2 s + 1]` get the SM cycles program pid spent working in / waiting
-    after stage s (0..4, summed over layers) and `[pid, 10]` / `[pid, 11]` its total cycles / nanoseconds."""
+    after stage s (0..4, summed over layers) and `[pid, 10]` / `[pid, 11]` its total cycles / nanoseconds.
+    With L2_PF, each stage first sends the same stage's weights of the NEXT layer to L2 (one layer of lead: ~1
+    layer of weights in L2 at a time), and the attention stage the next layer's cached K/V."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     pos = tl.load(pos_ptr).to(tl.int32)
@@ -396,11 +415,21 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
     n_qkv: tl.constexpr = (H + 2 * NKV) * HD
     rows, rmask = _rows(pid, r_qkv, n_qkv, BR_QKV)
     w_a = _w_chunk(_ptr(table, 0, QKV), rows, rmask, D, 0, BK_QKV)
+    n_o: tl.constexpr = D * H * HD
+    n_gu: tl.constexpr = 2 * FFN * D
+    n_dn: tl.constexpr = D * FFN
+    _l2_prefetch(_ptr(table, 0, O_PROJ), n_o, pid, nprog, L2_PF)  # layer 0's later stages (its QKV is loading)
+    _l2_prefetch(_ptr(table, 0, GATE_UP), n_gu, pid, nprog, L2_PF)
+    _l2_prefetch(_ptr(table, 0, DOWN), n_dn, pid, nprog, L2_PF)
     laps, t = _lap(tl.zeros([16], tl.int64), 0, 15, TIMED)
     t0, ns0 = t, 0
     if TIMED:
         ns0 = globaltimer()
     for layer in range(num_layers):  # each barrier: arrive, load the next stage's weights (or K/V), wait
+        nxt = tl.minimum(layer + 1, num_layers - 1)
+        more = layer + 1 < num_layers
+        if more:
+            _l2_prefetch(_ptr(table, nxt, QKV), n_qkv * D, pid, nprog, L2_PF)
         _stage_qkv(_ptr(table, layer, QKV), _ptr(table, layer, IN_NORM), _ptr(table, layer, QKV_BIAS), x, qkv,
                    w_a, pid, nprog, eps, r_qkv, D, n_qkv, HAS_QKV_BIAS, BR_QKV, BK_QKV, BD, GEMV_STAGES)
         laps, t = _lap(laps, t, 0, TIMED)
@@ -410,6 +439,10 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         k0, v0 = _kv_block(kc, vc, g0, first0, pos, pid < NKV * n_splits, head_stride, HD, SPLIT)
         _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 1, TIMED)
+        if more:
+            for h in range(NKV):  # the next layer's cached K and V, positions before pos
+                _l2_prefetch(_ptr(table, nxt, K_CACHE) + h * head_stride, pos * HD, pid, nprog, L2_PF)
+                _l2_prefetch(_ptr(table, nxt, V_CACHE) + h * head_stride, pos * HD, pid, nprog, L2_PF)
         _stage_attend(kc, vc, _ptr(table, layer, Q_NORM), _ptr(table, layer, K_NORM), layer, qkv, cos, sin, pos,
                       n_blocks, per, n_splits, k0, v0, part_acc, part_m, part_l, tickets, attn, pid, nprog, eps,
                       scale, head_stride, max_splits, H, NKV, HD, G, BG, SPLIT, HAS_QK_NORM, CS)
@@ -420,6 +453,8 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         w_c = _w_chunk(w_o, rows, rmask, H * HD, 0, BK_O)
         _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 3, TIMED)
+        if more:
+            _l2_prefetch(_ptr(table, nxt, O_PROJ), n_o, pid, nprog, L2_PF)
         _stage_residual(w_o, w_c, x, attn, pid, nprog, r_o, D, H * HD, BR_O, BK_O, GEMV_STAGES)
         laps, t = _lap(laps, t, 4, TIMED)
         arrived = _arrive(sync, arrived)
@@ -428,6 +463,8 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         w_d = _w_chunk(w_gu, rows, rmask, D, 0, BK_GU)
         _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 5, TIMED)
+        if more:
+            _l2_prefetch(_ptr(table, nxt, GATE_UP), n_gu, pid, nprog, L2_PF)
         _stage_gate_up(w_gu, _ptr(table, layer, POST_NORM), x, act, w_d, pid, nprog, eps, r_gu, D, FFN, BR_GU,
                        BK_GU, BD, GEMV_STAGES)
         laps, t = _lap(laps, t, 6, TIMED)
@@ -437,12 +474,13 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         w_e = _w_chunk(w_dn, rows, rmask, FFN, 0, BK_DN)
         _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 7, TIMED)
+        if more:
+            _l2_prefetch(_ptr(table, nxt, DOWN), n_dn, pid, nprog, L2_PF)
         _stage_residual(w_dn, w_e, x, act, pid, nprog, r_dn, D, FFN, BR_DN, BK_DN, GEMV_STAGES)
         laps, t = _lap(laps, t, 8, TIMED)
         arrived = _arrive(sync, arrived)
-        nxt = tl.minimum(layer + 1, num_layers - 1)  # the next layer's first QKV chunk (none after the last)
-        rows, rmask = _rows(pid, r_qkv, n_qkv, BR_QKV)
-        w_a = _w_chunk(_ptr(table, nxt, QKV), rows, rmask & (layer + 1 < num_layers), D, 0, BK_QKV)
+        rows, rmask = _rows(pid, r_qkv, n_qkv, BR_QKV)  # the next layer's first QKV chunk (none after the last)
+        w_a = _w_chunk(_ptr(table, nxt, QKV), rows, rmask & more, D, 0, BK_QKV)
         _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 9, TIMED)
     if TIMED:
