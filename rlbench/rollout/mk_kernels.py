@@ -120,9 +120,10 @@ def _l2_prefetch(ptr, n_elems, pid, nprog, ON: tl.constexpr, LINES: tl.constexpr
         for l0 in range(0, share, LINES):
             i = l0 + tl.arange(0, LINES)
             line = pid * share + i
-            addr = tl.where((i < share) & (line < n_lines), ptr + line * 64, ptr)  # masked lanes: line 0 again
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [addr], dtype=tl.int32,
-                                      is_pure=False, pack=1)
+            on = ((i < share) & (line < n_lines)).to(tl.int32)  # predicated: masked lanes issue nothing
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p prefetch.global.L2 [$1]; }\n mov.u32 $0, 0;",
+                "=r,l,r", [ptr + line * 64, on], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
