@@ -5,7 +5,6 @@ first-use (compile + capture) seconds, and optionally the kernel table.
         --decode-attention sdpa split
     python benchmarks/decode_profile.py --preset qwen3-4b-shape --kv 1024 --batch 1 --gemv-batch1 0 1 --profile
     python benchmarks/decode_profile.py --kv 256 1024 --batch 1 --megakernel 0 1   # megakernel: opt-in
-    python benchmarks/decode_profile.py --batch 1 --megakernel 1 --mk-options none l2_prefetch=1,gemv_stages=3
 
 Every variant (fused weights x decode attention x batch-1 GEMV graph x megakernel) gets a fresh engine on the same model;
 `first use` is the wall time of the first decode of a bucket (the compile, if any, plus the CUDA-graph capture).
@@ -51,18 +50,13 @@ def step_ms(engine: TorchEngine, b: int, kv: int, mode: str, steps: int = 200) -
     return start.elapsed_time(end) / steps, first
 
 
-def run_variant(model, args, fused: bool, attention: str, gemv: bool, mk: bool, mk_options: str,
-                floor: float) -> list[dict]:
+def run_variant(model, args, fused: bool, attention: str, gemv: bool, mk: bool, floor: float) -> list[dict]:
     cfg = TorchEngineConfig(max_seq_len=args.max_seq_len, num_slots=max(args.batch), fused_weights=fused,
                             decode_attention=attention, gemv_batch1=gemv, megakernel=mk)
     engine = TorchEngine(model, cfg)
     if mk and engine.runner.megakernel is None:
         print("megakernel requested but unsupported here; this variant runs the compiled path", flush=True)
-    for option in filter(None, mk_options.replace("none", "").split(",")):  # experimental knobs, before capture
-        key, value = option.split("=")
-        setattr(engine.runner.megakernel, key, type(getattr(engine.runner.megakernel, key))(int(value)))
     name = f"fused={int(engine.runner.fused)} attn={attention} gemv1={int(gemv)} mk={int(mk)}"
-    name += f" {mk_options}" if mk and mk_options != "none" else ""
     rows = []
     for b, kv, mode in itertools.product(args.batch, args.kv, args.modes):
         bucket = _bucket(b, engine.cache.shape.num_slots, engine.runner.min_batch)
@@ -91,9 +85,6 @@ def main() -> None:
     ap.add_argument("--decode-attention", nargs="+", default=["auto"], choices=["auto", "sdpa", "split"])
     ap.add_argument("--gemv-batch1", type=int, nargs="+", default=[1], choices=[0, 1])
     ap.add_argument("--megakernel", type=int, nargs="+", default=[0], choices=[0, 1])
-    ap.add_argument("--mk-options", nargs="+", default=["none"],
-                    help="megakernel variants: comma-separated DecodeMegakernel attributes (l2_prefetch=1,"
-                         "gemv_stages=3) or none")
     ap.add_argument("--max-seq-len", type=int, default=1536)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--bandwidth-tbs", type=float, default=4.3, help="HBM bandwidth for the floor (H200: 4.3)")
@@ -105,10 +96,9 @@ def main() -> None:
           f"({torch.__version__}, {torch.cuda.get_device_name()})", flush=True)
     rows = []
     variants = itertools.product(args.fused, args.decode_attention, args.gemv_batch1, args.megakernel)
-    variants = [(*v, o) for v in variants for o in (args.mk_options if v[-1] else ["none"])]
-    for fused, attention, gemv, mk, options in variants:
+    for fused, attention, gemv, mk in variants:
         t0 = time.perf_counter()
-        rows += run_variant(model, args, bool(fused), attention, bool(gemv), bool(mk), options, floor)
+        rows += run_variant(model, args, bool(fused), attention, bool(gemv), bool(mk), floor)
         print(f"  variant total {time.perf_counter() - t0:.1f} s", flush=True)
     print(f"\n{'variant':37} {'batch':>5} {'kv':>5} {'mode':>7} {'ms/step':>8} {'x floor':>8} {'first use s':>11}")
     for r in rows:

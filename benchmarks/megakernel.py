@@ -88,10 +88,6 @@ def main() -> None:
     ap.add_argument("--warps", type=int, nargs="+", default=[8])
     ap.add_argument("--tile-elems", type=int, nargs="+", default=[megakernel.TILE_ELEMS])
     ap.add_argument("--programs-per-sm", type=int, nargs="+", default=[1])
-    ap.add_argument("--l2-prefetch", type=int, nargs="+", default=[0], choices=[0, 1],
-                    help="each stage first sends the next layer's weights for it to L2")
-    ap.add_argument("--gemv-stages", type=int, nargs="+", default=[1],
-                    help="software-pipeline stages of multi-chunk GEMV tiles (1: register double buffering)")
     ap.add_argument("--barriers", action="store_true", help="also time grid barriers alone")
     ap.add_argument("--stages", action="store_true",
                     help="also run a TIMED build: per stage, us per layer each program works and waits")
@@ -119,14 +115,12 @@ def main() -> None:
     sin = torch.zeros_like(cos)
     x = hidden.clone()
     print(f"{args.preset}: {sms} SMs, layer weights {layer_bytes / 1e9:.3f} GB", flush=True)
-    configs = [(t, p, w, g, f) for t in args.tile_elems for p in args.programs_per_sm for w in args.warps
-               for g in args.gemv_stages for f in args.l2_prefetch]
-    for tile, per_sm, warps, stages, l2 in configs:
+    for tile, per_sm, warps in [(t, p, w) for t in args.tile_elems for p in args.programs_per_sm for w in args.warps]:
         mk = megakernel.DecodeMegakernel(model, runner.layers, args.max_seq_len, torch.device("cuda"),
                                          programs=sms * per_sm, tile_elems=tile)
         mk.bind(runner.layers, cache.k, cache.v)
-        mk.num_warps, mk.gemv_stages, mk.l2_prefetch = warps, stages, bool(l2)
-        label = f"tile {tile:5} programs {mk.programs:3} warps {warps:2} gemv stages {stages} l2 prefetch {l2}"
+        mk.num_warps = warps
+        label = f"tile {tile:5} programs {mk.programs:3} warps {warps:2}"
         for pos in args.pos:
             p = torch.tensor([pos], device="cuda")
             try:

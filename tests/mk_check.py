@@ -37,10 +37,9 @@ def _runner(model, max_seq_len, device, dtype=torch.bfloat16, megakernel=True):
 
 
 @torch.inference_mode()
-def compare_to_f64(preset, prompt_len, device, max_seq_len=256, tile_programs=None, options=None):
+def compare_to_f64(preset, prompt_len, device, max_seq_len=256, tile_programs=None):
     """One batch-1 decode step at position `prompt_len` three ways: the megakernel, the engine's bf16 layer
-    stack (HF's ops) and float64 (same weights, same cached K/V). Returns errors vs float64 and cache checks.
-    `options`: DecodeMegakernel attributes to set first (e.g. the experimental l2_prefetch, gemv_stages)."""
+    stack (HF's ops) and float64 (same weights, same cached K/V). Returns errors vs float64 and cache checks."""
     model = build_model(preset, device=device, dtype=torch.bfloat16, seed=0).eval()
     runner = _runner(model, max_seq_len, device)
     assert runner.megakernel is not None
@@ -56,8 +55,6 @@ def compare_to_f64(preset, prompt_len, device, max_seq_len=256, tile_programs=No
     mk = runner.megakernel
     if tile_programs is not None:  # the tiling of a GPU with that many SMs, run by this device's grid
         mk = DecodeMegakernel(model, runner.layers, max_seq_len, torch.device(device), tile_programs=tile_programs)
-    for key, value in (options or {}).items():
-        setattr(mk, key, value)
     mk.bind(runner.layers, runner.cache.k, runner.cache.v)
     h_mk = mk(hidden.clone(), cos, sin, pos)
 

@@ -113,10 +113,6 @@ class DecodeMegakernel:
         self.num_warps = 8
         self.max_spins = MAX_SPINS
         self.timed = False
-        self.gemv_stages = 1
-        self.l2_prefetch = False
-        """Experimental: every stage first sends the next layer's weights for that stage to L2 (CUDA only)."""
-        """Experimental: >1 sends a multi-chunk GEMV tile's later chunks through Triton's cp.async pipeline."""
         """Profiling: per-program cycles working/waiting per stage into `laps` (benchmarks/megakernel.py --stages)."""
         self.laps = torch.zeros(programs, 16, dtype=torch.int64, device=device)
 
@@ -157,8 +153,7 @@ class DecodeMegakernel:
                       BG=_pow2(self.group), BD=_pow2(self.d), SPLIT=SPLIT, CS=MERGE_CHUNK,
                       HAS_QKV_BIAS=self.has_bias, HAS_QK_NORM=self.has_qk_norm, BR_QKV=br_qkv, BK_QKV=bk_qkv,
                       BR_O=br_o, BK_O=bk_o, BR_GU=br_gu, BK_GU=bk_gu, BR_DN=br_dn, BK_DN=bk_dn,
-                      MAX_SPINS=self.max_spins, TIMED=self.timed,
-                      GEMV_STAGES=self.gemv_stages, L2_PF=self.l2_prefetch)
+                      MAX_SPINS=self.max_spins, TIMED=self.timed)
         return args, consts
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

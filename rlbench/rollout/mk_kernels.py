@@ -109,24 +109,6 @@ def _lap(laps, t, slot: tl.constexpr, TIMED: tl.constexpr):
 
 
 @triton.jit
-def _l2_prefetch(ptr, n_elems, pid, nprog, ON: tl.constexpr, LINES: tl.constexpr = 256):
-    """With ON, pull this program's 1/nprog share of the 128-byte lines of bf16 `ptr[:n_elems]` into L2:
-    fire-and-forget (`prefetch.global.L2`), no registers held, so HBM keeps streaming while programs wait at
-    barriers or sit in the latency-bound attention stage (experimental, `DecodeMegakernel.l2_prefetch`;
-    inline PTX, so not under the CPU interpreter)."""
-    if ON:
-        n_lines = tl.cdiv(n_elems, 64)
-        share = tl.cdiv(n_lines, nprog)
-        for l0 in range(0, share, LINES):
-            i = l0 + tl.arange(0, LINES)
-            line = pid * share + i
-            on = ((i < share) & (line < n_lines)).to(tl.int32)  # predicated: masked lanes issue nothing
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p prefetch.global.L2 [$1]; }\n mov.u32 $0, 0;",
-                "=r,l,r", [ptr + line * 64, on], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _rstd(x_ptr, D: tl.constexpr, eps, BD: tl.constexpr):
     d = tl.arange(0, BD)
     x = tl.load(x_ptr + d, mask=d < D, other=0.0, cache_modifier=".cg").to(tl.float32)
@@ -180,15 +162,13 @@ def _v_apply(v, scale, rstd, NORMED: tl.constexpr):
 
 @triton.jit
 def _gemv(w0, w, rows, rmask, K: tl.constexpr, v_ptr, norm_ptr, eps, NORMED: tl.constexpr, BK: tl.constexpr,
-          BD: tl.constexpr, STAGES: tl.constexpr):
+          BD: tl.constexpr):
     """fp32 `w[rows] @ v` for a row tile; `w0` is its first K chunk, loaded earlier (before a barrier).
 
     Every chunk can cost a round trip after the barrier, so tiles are cut to be one chunk where registers allow
     (TILE_ELEMS): then the weights are all in flight before the barrier. Otherwise register double buffering
     keeps the next chunk's weights and activation in flight. With NORMED, v is `rmsnorm(v) * norm` (`v` has BD
-    entries, padded); a one-chunk tile takes the RMS from the chunk it loaded instead of a separate load.
-    STAGES > 1 (experimental, `DecodeMegakernel.gemv_stages`): chunks after the first go through Triton's software
-    pipeline instead (cp.async into shared memory, STAGES - 1 chunks in flight, no registers held)."""
+    entries, padded); a one-chunk tile takes the RMS from the chunk it loaded instead of a separate load."""
     if BK >= K:
         ks = tl.arange(0, BK)
         v = tl.load(v_ptr + ks, mask=ks < K, other=0.0, cache_modifier=".cg").to(tl.float32)
@@ -201,33 +181,24 @@ def _gemv(w0, w, rows, rmask, K: tl.constexpr, v_ptr, norm_ptr, eps, NORMED: tl.
         # first activation chunk is loaded with the RMS, in the same trip
         v_cur, s_cur = _v_raw(v_ptr, norm_ptr, K, 0, NORMED, BK)
         rstd = _rstd(v_ptr, K, eps, BD) if NORMED else 1.0
-        if STAGES > 1:
-            acc = tl.sum(w0.to(tl.float32) * _v_apply(v_cur, s_cur, rstd, NORMED)[None, :], axis=1)
-            v_cur, s_cur = _v_raw(v_ptr, norm_ptr, K, BK, NORMED, BK)
-            for k0 in tl.range(BK, K, BK, num_stages=STAGES):
-                w_c = _w_chunk(w, rows, rmask, K, k0, BK)
-                v_next, s_next = _v_raw(v_ptr, norm_ptr, K, k0 + BK, NORMED, BK)
-                acc += tl.sum(w_c.to(tl.float32) * _v_apply(v_cur, s_cur, rstd, NORMED)[None, :], axis=1)
-                v_cur, s_cur = v_next, s_next
-        else:
-            acc = tl.zeros([rows.shape[0]], dtype=tl.float32)
-            w_cur = w0
-            for k0 in range(0, K, BK):
-                w_next = _w_chunk(w, rows, rmask, K, k0 + BK, BK)
-                v_next, s_next = _v_raw(v_ptr, norm_ptr, K, k0 + BK, NORMED, BK)
-                acc += tl.sum(w_cur.to(tl.float32) * _v_apply(v_cur, s_cur, rstd, NORMED)[None, :], axis=1)
-                w_cur, v_cur, s_cur = w_next, v_next, s_next
+        acc = tl.zeros([rows.shape[0]], dtype=tl.float32)
+        w_cur = w0
+        for k0 in range(0, K, BK):
+            w_next = _w_chunk(w, rows, rmask, K, k0 + BK, BK)
+            v_next, s_next = _v_raw(v_ptr, norm_ptr, K, k0 + BK, NORMED, BK)
+            acc += tl.sum(w_cur.to(tl.float32) * _v_apply(v_cur, s_cur, rstd, NORMED)[None, :], axis=1)
+            w_cur, v_cur, s_cur = w_next, v_next, s_next
     return acc
 
 
 @triton.jit
 def _stage_qkv(w, norm, bias, x, qkv_out, w0, pid, nprog, eps, rows_per, D: tl.constexpr, N: tl.constexpr,
-               HAS_BIAS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, STAGES: tl.constexpr):
+               HAS_BIAS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
     for t in range(pid, tl.cdiv(N, rows_per), nprog):
         rows, rmask = _rows(t, rows_per, N, BR)
         if t != pid:  # a second task of this program (only when tasks outnumber programs)
             w0 = _w_chunk(w, rows, rmask, D, 0, BK)
-        out = _gemv(w0, w, rows, rmask, D, x, norm, eps, True, BK, BD, STAGES)
+        out = _gemv(w0, w, rows, rmask, D, x, norm, eps, True, BK, BD)
         if HAS_BIAS:
             out += tl.load(bias + rows, mask=rmask, other=0.0).to(tl.float32)
         tl.store(qkv_out + rows, _to_bf16(out), mask=rmask)
@@ -361,26 +332,26 @@ def _merge(part_acc, part_m, part_l, attn_out, g, n_splits, max_splits, HD: tl.c
 
 @triton.jit
 def _stage_residual(w, w0, x, v_ptr, pid, nprog, rows_per, D: tl.constexpr, K: tl.constexpr, BR: tl.constexpr,
-                    BK: tl.constexpr, STAGES: tl.constexpr):
+                    BK: tl.constexpr):
     """x[rows] = bf16(x[rows] + bf16(w[rows] @ v)) (o_proj and down_proj with their residual add)."""
     for t in range(pid, tl.cdiv(D, rows_per), nprog):
         rows, rmask = _rows(t, rows_per, D, BR)
         if t != pid:
             w0 = _w_chunk(w, rows, rmask, K, 0, BK)
         res = tl.load(x + rows, mask=rmask, other=0.0, cache_modifier=".cg").to(tl.float32)  # same trip as v's
-        out = _bf(_gemv(w0, w, rows, rmask, K, v_ptr, v_ptr, 0.0, False, BK, BK, STAGES))
+        out = _bf(_gemv(w0, w, rows, rmask, K, v_ptr, v_ptr, 0.0, False, BK, BK))
         tl.store(x + rows, _to_bf16(res + out), mask=rmask)
 
 
 @triton.jit
 def _stage_gate_up(w, norm, x, act, w0, pid, nprog, eps, rows_per, D: tl.constexpr, FFN: tl.constexpr,
-                   BR: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, STAGES: tl.constexpr):
+                   BR: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
     """act[r] = bf16(bf16(silu(gate[r])) * up[r]); the tile stacks `[gate rows; up rows]` into one GEMV."""
     for t in range(pid, tl.cdiv(FFN, rows_per), nprog):
         rows, rmask = _stacked_rows(t, rows_per, FFN, BR)
         if t != pid:
             w0 = _w_chunk(w, rows, rmask, D, 0, BK)
-        out = _bf(_gemv(w0, w, rows, rmask, D, x, norm, eps, True, BK, BD, STAGES))  # [2 BR]
+        out = _bf(_gemv(w0, w, rows, rmask, D, x, norm, eps, True, BK, BD))  # [2 BR]
         pair = tl.reshape(out, (2, BR))
         first = (tl.arange(0, 2) == 0)[:, None]
         gate = tl.sum(tl.where(first, pair, 0.0), axis=0)
@@ -398,13 +369,11 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
                   HAS_QKV_BIAS: tl.constexpr, HAS_QK_NORM: tl.constexpr,
                   BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_O: tl.constexpr, BK_O: tl.constexpr,
                   BR_GU: tl.constexpr, BK_GU: tl.constexpr, BR_DN: tl.constexpr, BK_DN: tl.constexpr,
-                  MAX_SPINS: tl.constexpr, TIMED: tl.constexpr, GEMV_STAGES: tl.constexpr, L2_PF: tl.constexpr):
+                  MAX_SPINS: tl.constexpr, TIMED: tl.constexpr):
     """Every decoder layer for one token: x `[D]` bf16 is updated in place. `sync[0]` is the barrier counter,
     `sync[1:]` the per-(layer, KV head) merge tickets, all zero at launch; `err[0]` is set on a barrier timeout.
     With TIMED, `laps_out[pid, 2 s]` / `[pid, 2 s + 1]` get the SM cycles program pid spent working in / waiting
-    after stage s (0..4, summed over layers) and `[pid, 10]` / `[pid, 11]` its total cycles / nanoseconds.
-    With L2_PF, each stage first sends the same stage's weights of the NEXT layer to L2 (one layer of lead: ~1
-    layer of weights in L2 at a time), and the attention stage the next layer's cached K/V."""
+    after stage s (0..4, summed over layers) and `[pid, 10]` / `[pid, 11]` its total cycles / nanoseconds."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     pos = tl.load(pos_ptr).to(tl.int32)
@@ -416,23 +385,13 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
     n_qkv: tl.constexpr = (H + 2 * NKV) * HD
     rows, rmask = _rows(pid, r_qkv, n_qkv, BR_QKV)
     w_a = _w_chunk(_ptr(table, 0, QKV), rows, rmask, D, 0, BK_QKV)
-    n_o: tl.constexpr = D * H * HD
-    n_gu: tl.constexpr = 2 * FFN * D
-    n_dn: tl.constexpr = D * FFN
-    _l2_prefetch(_ptr(table, 0, O_PROJ), n_o, pid, nprog, L2_PF)  # layer 0's later stages (its QKV is loading)
-    _l2_prefetch(_ptr(table, 0, GATE_UP), n_gu, pid, nprog, L2_PF)
-    _l2_prefetch(_ptr(table, 0, DOWN), n_dn, pid, nprog, L2_PF)
     laps, t = _lap(tl.zeros([16], tl.int64), 0, 15, TIMED)
     t0, ns0 = t, 0
     if TIMED:
         ns0 = globaltimer()
     for layer in range(num_layers):  # each barrier: arrive, load the next stage's weights (or K/V), wait
-        nxt = tl.minimum(layer + 1, num_layers - 1)
-        more = layer + 1 < num_layers
-        if more:
-            _l2_prefetch(_ptr(table, nxt, QKV), n_qkv * D, pid, nprog, L2_PF)
         _stage_qkv(_ptr(table, layer, QKV), _ptr(table, layer, IN_NORM), _ptr(table, layer, QKV_BIAS), x, qkv,
-                   w_a, pid, nprog, eps, r_qkv, D, n_qkv, HAS_QKV_BIAS, BR_QKV, BK_QKV, BD, GEMV_STAGES)
+                   w_a, pid, nprog, eps, r_qkv, D, n_qkv, HAS_QKV_BIAS, BR_QKV, BK_QKV, BD)
         laps, t = _lap(laps, t, 0, TIMED)
         arrived = _arrive(sync, arrived)
         kc, vc = _ptr(table, layer, K_CACHE), _ptr(table, layer, V_CACHE)
@@ -440,10 +399,6 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         k0, v0 = _kv_block(kc, vc, g0, first0, pos, pid < NKV * n_splits, head_stride, HD, SPLIT)
         _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 1, TIMED)
-        if more:
-            for h in range(NKV):  # the next layer's cached K and V, positions before pos
-                _l2_prefetch(_ptr(table, nxt, K_CACHE) + h * head_stride, pos * HD, pid, nprog, L2_PF)
-                _l2_prefetch(_ptr(table, nxt, V_CACHE) + h * head_stride, pos * HD, pid, nprog, L2_PF)
         _stage_attend(kc, vc, _ptr(table, layer, Q_NORM), _ptr(table, layer, K_NORM), layer, qkv, cos, sin, pos,
                       n_blocks, per, n_splits, k0, v0, part_acc, part_m, part_l, tickets, attn, pid, nprog, eps,
                       scale, head_stride, max_splits, H, NKV, HD, G, BG, SPLIT, HAS_QK_NORM, CS)
@@ -454,9 +409,7 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         w_c = _w_chunk(w_o, rows, rmask, H * HD, 0, BK_O)
         _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 3, TIMED)
-        if more:
-            _l2_prefetch(_ptr(table, nxt, O_PROJ), n_o, pid, nprog, L2_PF)
-        _stage_residual(w_o, w_c, x, attn, pid, nprog, r_o, D, H * HD, BR_O, BK_O, GEMV_STAGES)
+        _stage_residual(w_o, w_c, x, attn, pid, nprog, r_o, D, H * HD, BR_O, BK_O)
         laps, t = _lap(laps, t, 4, TIMED)
         arrived = _arrive(sync, arrived)
         w_gu = _ptr(table, layer, GATE_UP)
@@ -464,10 +417,8 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         w_d = _w_chunk(w_gu, rows, rmask, D, 0, BK_GU)
         _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 5, TIMED)
-        if more:
-            _l2_prefetch(_ptr(table, nxt, GATE_UP), n_gu, pid, nprog, L2_PF)
         _stage_gate_up(w_gu, _ptr(table, layer, POST_NORM), x, act, w_d, pid, nprog, eps, r_gu, D, FFN, BR_GU,
-                       BK_GU, BD, GEMV_STAGES)
+                       BK_GU, BD)
         laps, t = _lap(laps, t, 6, TIMED)
         arrived = _arrive(sync, arrived)
         w_dn = _ptr(table, layer, DOWN)
@@ -475,13 +426,12 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         w_e = _w_chunk(w_dn, rows, rmask, FFN, 0, BK_DN)
         _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 7, TIMED)
-        if more:
-            _l2_prefetch(_ptr(table, nxt, DOWN), n_dn, pid, nprog, L2_PF)
-        _stage_residual(w_dn, w_e, x, act, pid, nprog, r_dn, D, FFN, BR_DN, BK_DN, GEMV_STAGES)
+        _stage_residual(w_dn, w_e, x, act, pid, nprog, r_dn, D, FFN, BR_DN, BK_DN)
         laps, t = _lap(laps, t, 8, TIMED)
         arrived = _arrive(sync, arrived)
-        rows, rmask = _rows(pid, r_qkv, n_qkv, BR_QKV)  # the next layer's first QKV chunk (none after the last)
-        w_a = _w_chunk(_ptr(table, nxt, QKV), rows, rmask & more, D, 0, BK_QKV)
+        nxt = tl.minimum(layer + 1, num_layers - 1)  # the next layer's first QKV chunk (none after the last)
+        rows, rmask = _rows(pid, r_qkv, n_qkv, BR_QKV)
+        w_a = _w_chunk(_ptr(table, nxt, QKV), rows, rmask & (layer + 1 < num_layers), D, 0, BK_QKV)
         _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 9, TIMED)
     if TIMED:
