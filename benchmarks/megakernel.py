@@ -77,6 +77,11 @@ def stage_table(mk, call, layers: int) -> str:
     for i, name in enumerate(STAGES):
         work, wait = us[:, 2 * i], us[:, 2 * i + 1]
         rows.append(f"  {name:8} {work.mean():9.2f} {work.max():9.2f} {wait.mean():9.2f}")
+    sub = laps[:, 12:15] / ghz[:, None] / 1e3 / layers
+    for i, name in enumerate(("  blocks", "  ticket", "  merge")):  # attention's parts, over the programs doing them
+        on = sub[:, i] > 0
+        if on.any():
+            rows.append(f"  {name:8} {sub[on, i].mean():9.2f} {sub[on, i].max():9.2f}      ({int(on.sum())} programs)")
     rows.append(f"  total    {laps[:, 11].mean() / 1e3 / layers:9.2f} us per layer (globaltimer, in-kernel)")
     return "\n".join(rows)
 
@@ -88,6 +93,8 @@ def main() -> None:
     ap.add_argument("--warps", type=int, nargs="+", default=[8])
     ap.add_argument("--tile-elems", type=int, nargs="+", default=[megakernel.TILE_ELEMS])
     ap.add_argument("--programs-per-sm", type=int, nargs="+", default=[1])
+    ap.add_argument("--carveout", type=int, nargs="+", default=[0],
+                    help="preferred shared-memory carveout in percent (-1: the driver's choice; default 0)")
     ap.add_argument("--barriers", action="store_true", help="also time grid barriers alone")
     ap.add_argument("--stages", action="store_true",
                     help="also run a TIMED build: per stage, us per layer each program works and waits")
@@ -115,12 +122,14 @@ def main() -> None:
     sin = torch.zeros_like(cos)
     x = hidden.clone()
     print(f"{args.preset}: {sms} SMs, layer weights {layer_bytes / 1e9:.3f} GB", flush=True)
-    for tile, per_sm, warps in [(t, p, w) for t in args.tile_elems for p in args.programs_per_sm for w in args.warps]:
+    configs = [(t, p, w, v) for t in args.tile_elems for p in args.programs_per_sm for w in args.warps
+               for v in args.carveout]
+    for tile, per_sm, warps, carve in configs:
         mk = megakernel.DecodeMegakernel(model, runner.layers, args.max_seq_len, torch.device("cuda"),
                                          programs=sms * per_sm, tile_elems=tile)
         mk.bind(runner.layers, cache.k, cache.v)
-        mk.num_warps = warps
-        label = f"tile {tile:5} programs {mk.programs:3} warps {warps:2}"
+        mk.num_warps, mk.carveout = warps, None if carve < 0 else carve
+        label = f"tile {tile:5} programs {mk.programs:3} warps {warps:2} carveout {carve:3}"
         for pos in args.pos:
             p = torch.tensor([pos], device="cuda")
             try:

@@ -92,8 +92,8 @@ def engine_samples(preset="tiny", max_new_tokens=8):
 
 def compile_for_hopper(preset: str, num_warps: int = 8, programs: int = 132) -> dict:
     """Compile `decode_layers` for sm_90 without a GPU (Triton + its bundled ptxas) for a preset's shapes, as
-    `DecodeMegakernel` would launch it on an H100/H200; returns registers per thread, spill bytes and how many of
-    the streamed (weight, K/V) loads in the PTX are 16-byte vector loads."""
+    `DecodeMegakernel` would launch it on an H100/H200; returns registers per thread, spill bytes, and how many
+    global loads in the PTX are 16-byte vectors and how many read 2 bytes."""
     import inspect
     import re
     import subprocess
@@ -108,6 +108,7 @@ def compile_for_hopper(preset: str, num_warps: int = 8, programs: int = 132) -> 
 
     model = build_model(preset, meta=True, dtype=torch.bfloat16)
     mk = DecodeMegakernel(model, fuse_layers(model), 1536, torch.device("cpu"), programs=programs)
+    mk.bf16_dot = True  # as on a GPU
     c = model.config
     bf16 = torch.zeros(1, 1, c.hidden_size, dtype=torch.bfloat16)
     args, consts = mk.launch_args(bf16, bf16[..., : mk.hd], bf16[..., : mk.hd], torch.zeros(1, dtype=torch.long))
@@ -128,9 +129,9 @@ def compile_for_hopper(preset: str, num_warps: int = 8, programs: int = 132) -> 
                           capture_output=True, text=True, check=True).stderr
     regs = int(re.search(r"Used (\d+) registers", info).group(1))
     spills = int(re.search(r"(\d+) bytes spill stores", info).group(1))
-    streamed = re.findall(r"ld\.global\.L1::evict_first\S*", kernel.asm["ptx"])  # weight and K/V tile loads
+    loads = re.findall(r"ld\.global\S*", kernel.asm["ptx"])
     return dict(regs=regs, spill_bytes=spills, threads=32 * num_warps, shared=kernel.metadata.shared,
-                vector_loads=sum(".v4." in x for x in streamed), scalar_loads=sum(".v4." not in x for x in streamed))
+                vector_loads=sum(".v4." in x for x in loads), two_byte_loads=sum(x.endswith(".b16") for x in loads))
 
 
 @torch.inference_mode()

@@ -71,9 +71,10 @@ def test_kernel_compiles_for_hopper_and_fits_one_program_per_sm(preset):
     print(f"\n{preset}: {r}")
     assert r["regs"] * r["threads"] <= 65536 and r["shared"] <= 227 * 1024
     assert r["spill_bytes"] <= 2048  # a few spilled values, not spilled tiles
-    # weights stream as 16-byte vectors: without the alignment hint on table pointers every load was 2 bytes
-    # (544 scalar loads; 2.6x slower on the H200, docs/LOG.md)
-    assert r["vector_loads"] > 0 and r["scalar_loads"] == 0
+    # weights stream as 16-byte vectors: without the alignment hint on table pointers every weight load was 2 bytes
+    # (544 of them; 2.6x slower on the H200, docs/LOG.md). The 2-byte loads left are the q/k gathers of rotate_half
+    # and single activations (27 for the 0.6B shape).
+    assert r["vector_loads"] >= 100 and r["two_byte_loads"] <= 40, r
 
 
 def test_bind_refuses_a_misaligned_weight():

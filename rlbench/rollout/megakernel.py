@@ -69,6 +69,8 @@ def unsupported(model: torch.nn.Module, layers: list | None, device: torch.devic
     hd = w.o.shape[1] // model.config.num_attention_heads
     if hd != _pow2(hd):
         return f"head_dim={hd} is not a power of two"
+    if model.config.num_attention_heads // model.config.num_key_value_heads > 16:
+        return "more than 16 q heads per KV head (an attention task holds one group in 16 rows)"
     return None
 
 
@@ -112,6 +114,11 @@ class DecodeMegakernel:
         self._bound: tuple = ()
         self.num_warps = 8
         self.max_spins = MAX_SPINS
+        self.bf16_dot = device.type == "cuda"  # the interpreter multiplies bf16 dot operands as raw integers
+        self.carveout: int | None = 0
+        """Preferred shared-memory carveout (percent) set on the compiled kernel; 0: the least shared memory the
+        kernel needs, the most L1 (the driver's own choice, None, left 0.6B's QKV stage 0.7 us slower per layer)."""
+        self._carved: tuple = ()
         self.timed = False
         """Profiling: per-program cycles working/waiting per stage into `laps` (benchmarks/megakernel.py --stages)."""
         self.laps = torch.zeros(programs, 16, dtype=torch.int64, device=device)
@@ -153,7 +160,7 @@ class DecodeMegakernel:
                       BG=_pow2(self.group), BD=_pow2(self.d), SPLIT=SPLIT, CS=MERGE_CHUNK,
                       HAS_QKV_BIAS=self.has_bias, HAS_QK_NORM=self.has_qk_norm, BR_QKV=br_qkv, BK_QKV=bk_qkv,
                       BR_O=br_o, BK_O=bk_o, BR_GU=br_gu, BK_GU=bk_gu, BR_DN=br_dn, BK_DN=bk_dn,
-                      MAX_SPINS=self.max_spins, TIMED=self.timed)
+                      MAX_SPINS=self.max_spins, TIMED=self.timed, BF16_DOT=self.bf16_dot)
         return args, consts
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -163,5 +170,19 @@ class DecodeMegakernel:
 
         self.sync.zero_()
         args, consts = self.launch_args(hidden, cos.contiguous(), sin.contiguous(), positions)
-        decode_layers[(self.programs,)](*args, **consts, num_warps=self.num_warps)
+        kernel = decode_layers[(self.programs,)](*args, **consts, num_warps=self.num_warps)
+        if hidden.is_cuda and self.carveout is not None and self._carved != (kernel.function, self.carveout):
+            _set_carveout(kernel.function, self.carveout)
+            self._carved = (kernel.function, self.carveout)
         return hidden
+
+
+def _set_carveout(function: int, percent: int) -> None:
+    """cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT): the share of the SM's unified L1/shared memory the
+    driver should give shared memory (0: as little as the kernel needs, leaving the most L1)."""
+    import ctypes
+
+    err = ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute(ctypes.c_void_p(function), ctypes.c_int(9),
+                                                         ctypes.c_int(percent))
+    if err:
+        raise RuntimeError(f"cuFuncSetAttribute(carveout={percent}) failed with CUresult {err}")

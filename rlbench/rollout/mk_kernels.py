@@ -31,6 +31,7 @@ from rlbench.rollout.megakernel import TABLE
 IN_NORM, QKV, QKV_BIAS, Q_NORM, K_NORM, O_PROJ, POST_NORM, GATE_UP, DOWN, K_CACHE, V_CACHE = (
     tl.constexpr(i) for i in range(len(TABLE)))  # the pointer table's columns, in TABLE's order
 N_COLS = tl.constexpr(len(TABLE))
+Q_ROWS = tl.constexpr(16)  # an attention task's q heads, padded to the tensor cores' minimum M
 
 
 @triton.jit
@@ -137,7 +138,7 @@ def _w_chunk(w, rows, rmask, K: tl.constexpr, k0, BK: tl.constexpr):
     """Weight tile `w[rows, k0:k0+BK]` (bf16), streamed (read once per step)."""
     ks = k0 + tl.arange(0, BK)
     return tl.load(w + rows[:, None] * K + ks[None, :], mask=rmask[:, None] & (ks < K)[None, :], other=0.0,
-                   eviction_policy="evict_first")
+                   cache_modifier=".cg")
 
 
 @triton.jit
@@ -153,6 +154,13 @@ def _v_raw(v_ptr, norm_ptr, K: tl.constexpr, k0, NORMED: tl.constexpr, BK: tl.co
 
 
 @triton.jit
+def _norm_chunk(norm_ptr, K: tl.constexpr, BK: tl.constexpr):
+    """The first chunk `[BK]` of an RMSNorm's weights as fp32 (token-independent: loaded before a barrier)."""
+    ks = tl.arange(0, BK)
+    return tl.load(norm_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _v_apply(v, scale, rstd, NORMED: tl.constexpr):
     """With NORMED, `bf16(norm * bf16(v * rstd))` (HF RMSNorm) of a raw chunk; else the chunk itself."""
     if NORMED:
@@ -161,9 +169,10 @@ def _v_apply(v, scale, rstd, NORMED: tl.constexpr):
 
 
 @triton.jit
-def _gemv(w0, w, rows, rmask, K: tl.constexpr, v_ptr, norm_ptr, eps, NORMED: tl.constexpr, BK: tl.constexpr,
+def _gemv(w0, s0, w, rows, rmask, K: tl.constexpr, v_ptr, norm_ptr, eps, NORMED: tl.constexpr, BK: tl.constexpr,
           BD: tl.constexpr):
-    """fp32 `w[rows] @ v` for a row tile; `w0` is its first K chunk, loaded earlier (before a barrier).
+    """fp32 `w[rows] @ v` for a row tile; `w0` is its first K chunk and `s0` (NORMED) the first chunk of the norm
+    weights, both loaded earlier (before a barrier).
 
     Every chunk can cost a round trip after the barrier, so tiles are cut to be one chunk where registers allow
     (TILE_ELEMS): then the weights are all in flight before the barrier. Otherwise register double buffering
@@ -173,13 +182,14 @@ def _gemv(w0, w, rows, rmask, K: tl.constexpr, v_ptr, norm_ptr, eps, NORMED: tl.
         ks = tl.arange(0, BK)
         v = tl.load(v_ptr + ks, mask=ks < K, other=0.0, cache_modifier=".cg").to(tl.float32)
         if NORMED:
-            scale = tl.load(norm_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-            v = _bf(scale * _bf(v * (1.0 / tl.sqrt(tl.sum(v * v, axis=0) / K + eps))))
+            v = _bf(s0 * _bf(v * (1.0 / tl.sqrt(tl.sum(v * v, axis=0) / K + eps))))
         acc = tl.sum(w0.to(tl.float32) * v[None, :], axis=1)
     else:
         # chunk k0 + BK (weights AND activation) is in flight while chunk k0 is used (masked past K: no load); the
         # first activation chunk is loaded with the RMS, in the same trip
-        v_cur, s_cur = _v_raw(v_ptr, norm_ptr, K, 0, NORMED, BK)
+        v_cur, s_cur = _v_raw(v_ptr, norm_ptr, K, 0, False, BK)
+        if NORMED:
+            s_cur = s0
         rstd = _rstd(v_ptr, K, eps, BD) if NORMED else 1.0
         acc = tl.zeros([rows.shape[0]], dtype=tl.float32)
         w_cur = w0
@@ -192,13 +202,13 @@ def _gemv(w0, w, rows, rmask, K: tl.constexpr, v_ptr, norm_ptr, eps, NORMED: tl.
 
 
 @triton.jit
-def _stage_qkv(w, norm, bias, x, qkv_out, w0, pid, nprog, eps, rows_per, D: tl.constexpr, N: tl.constexpr,
+def _stage_qkv(w, norm, bias, x, qkv_out, w0, s0, pid, nprog, eps, rows_per, D: tl.constexpr, N: tl.constexpr,
                HAS_BIAS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
     for t in range(pid, tl.cdiv(N, rows_per), nprog):
         rows, rmask = _rows(t, rows_per, N, BR)
         if t != pid:  # a second task of this program (only when tasks outnumber programs)
             w0 = _w_chunk(w, rows, rmask, D, 0, BK)
-        out = _gemv(w0, w, rows, rmask, D, x, norm, eps, True, BK, BD)
+        out = _gemv(w0, s0, w, rows, rmask, D, x, norm, eps, True, BK, BD)
         if HAS_BIAS:
             out += tl.load(bias + rows, mask=rmask, other=0.0).to(tl.float32)
         tl.store(qkv_out + rows, _to_bf16(out), mask=rmask)
@@ -207,7 +217,8 @@ def _stage_qkv(w, norm, bias, x, qkv_out, w0, pid, nprog, eps, rows_per, D: tl.c
 @triton.jit
 def _norm_rope(src, heads, hmask, norm, cos, sin, eps, HD: tl.constexpr, HAS_NORM: tl.constexpr):
     """Heads `[BG]` of `src` (`[*, HD]` rows, bf16) -> per-head RMSNorm (Qwen3) then HF RoPE, as fp32 `[BG, HD]`
-    holding bf16 values. rotate_half(x) = [-x2, x1] is read as a second, permuted load."""
+    holding bf16 values. rotate_half(x) = [-x2, x1] is read as a second, permuted load; `norm` is the pair of
+    norm weights and their permutation, and cos/sin, all `[HD]` fp32 loaded before the stage's barrier."""
     d = tl.arange(0, HD)
     rot = (d + HD // 2) % HD
     m = hmask[:, None]
@@ -215,10 +226,19 @@ def _norm_rope(src, heads, hmask, norm, cos, sin, eps, HD: tl.constexpr, HAS_NOR
     b = tl.load(src + heads[:, None] * HD + rot[None, :], mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
     if HAS_NORM:
         r = 1.0 / tl.sqrt(tl.sum(a * a, axis=1) / HD + eps)
-        a = _bf(tl.load(norm + d).to(tl.float32)[None, :] * _bf(a * r[:, None]))
-        b = _bf(tl.load(norm + rot).to(tl.float32)[None, :] * _bf(b * r[:, None]))
+        a = _bf(norm[0][None, :] * _bf(a * r[:, None]))
+        b = _bf(norm[1][None, :] * _bf(b * r[:, None]))
     b = tl.where(d[None, :] < HD // 2, -b, b)
     return _bf(_bf(a * cos[None, :]) + _bf(b * sin[None, :]))
+
+
+@triton.jit
+def _norm_pair(norm_ptr, HD: tl.constexpr, HAS_NORM: tl.constexpr):
+    """A head norm's weights `[HD]` and their rotate_half permutation, as fp32 (zeros without the norm)."""
+    d = tl.arange(0, HD)
+    rot = (d + HD // 2) % HD
+    return (tl.load(norm_ptr + d, mask=(d >= 0) & HAS_NORM, other=0.0).to(tl.float32),
+            tl.load(norm_ptr + rot, mask=(d >= 0) & HAS_NORM, other=0.0).to(tl.float32))
 
 
 @triton.jit
@@ -228,8 +248,8 @@ def _kv_block(kc, vc, g, blk, pos, live, head_stride, HD: tl.constexpr, SPLIT: t
     offs = blk * SPLIT + tl.arange(0, SPLIT)
     cached = (offs < pos) & live
     off = g * head_stride + offs[:, None] * HD + tl.arange(0, HD)[None, :]
-    k = tl.load(kc + off, mask=cached[:, None], other=0.0, eviction_policy="evict_first")
-    v = tl.load(vc + off, mask=cached[:, None], other=0.0, eviction_policy="evict_first")
+    k = tl.load(kc + off, mask=cached[:, None], other=0.0, cache_modifier=".cg")
+    v = tl.load(vc + off, mask=cached[:, None], other=0.0, cache_modifier=".cg")
     return k, v
 
 
@@ -240,66 +260,86 @@ def _task(t, n_splits, per):
 
 
 @triton.jit
-def _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos_ptr, sin_ptr, pos, n_blocks, per, n_splits, k0, v0,
+def _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos, sin, pos, n_blocks, per, n_splits, k0, v0,
                   part_acc, part_m, part_l, tickets, attn_out, pid, nprog, eps, scale, head_stride, max_splits,
-                  H: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
-                  SPLIT: tl.constexpr, HAS_NORM: tl.constexpr, CS: tl.constexpr):
-    """Tasks are (KV head, split); a split runs `per` blocks with an online softmax per q head, so that there are
-    never more tasks than programs (`per` grows with the context). Each task's partial goes to its slot, and the
-    last task of a KV head to finish (atomic ticket) merges the slots in split order."""
+                  laps, t_lap, H: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, G: tl.constexpr,
+                  BG: tl.constexpr, SPLIT: tl.constexpr, HAS_NORM: tl.constexpr, CS: tl.constexpr,
+                  BF16_DOT: tl.constexpr, TIMED: tl.constexpr):
+    """Tasks are (KV head, split); a split runs `per` blocks with an online softmax, so that there are never more
+    tasks than programs (`per` grows with the context). Each task's partial goes to its slot, and the last task
+    of a KV head to finish (atomic ticket) merges the slots in split order. With TIMED, laps 12-14: a task's
+    blocks, its partial store and ticket, the merge."""
     d = tl.arange(0, HD)
-    jj = tl.arange(0, BG)
-    cos = tl.load(cos_ptr + d).to(tl.float32)
-    sin = tl.load(sin_ptr + d).to(tl.float32)
-    n_tasks = NKV * n_splits
-    for t in range(pid, n_tasks, nprog):  # one task per program, unless max_splits caps the splits
+    jq = tl.arange(0, Q_ROWS)
+    for t in range(pid, NKV * n_splits, nprog):  # one task per program, unless max_splits caps the splits
         g, s, first = _task(t, n_splits, per)
         k_cur, v_cur = k0, v0
         if t != pid:
             k_cur, v_cur = _kv_block(kc, vc, g, first, pos, True, head_stride, HD, SPLIT)
         # Every load of the task in ONE round trip, before any store (a load after a store may alias it, so the
         # compiler would wait): the group's q heads, and the new token's K and V (used by the last block only).
-        q = _norm_rope(qkv, g * G + jj, jj < G, q_norm, cos, sin, eps, HD, HAS_NORM)  # [BG, HD]
+        q = _norm_rope(qkv, g * G + jq, jq < G, q_norm, cos, sin, eps, HD, HAS_NORM)  # [Q_ROWS, HD]
         kv_head = tl.full([1], H, tl.int32) + g
         k_new = _norm_rope(qkv, kv_head, kv_head >= 0, k_norm, cos, sin, eps, HD, HAS_NORM)  # [1, HD]
         v_new = tl.load(qkv + (H + NKV + g) * HD + d, cache_modifier=".cg")
-        m_run = tl.full([BG], float("-inf"), tl.float32)
-        l_run = tl.zeros([BG], tl.float32)
-        acc = tl.zeros([BG, HD], tl.float32)
-        for blk in range(first, tl.minimum(first + per, n_blocks)):
-            k_next, v_next = _kv_block(kc, vc, g, blk + 1, pos, blk + 1 < tl.minimum(first + per, n_blocks),
-                                       head_stride, HD, SPLIT)  # in flight while this block is used
-            k, v = k_cur.to(tl.float32), v_cur.to(tl.float32)
-            offs = blk * SPLIT + tl.arange(0, SPLIT)
-            if blk == n_blocks - 1:  # this block holds the new token: K/V from the qkv buffer, written to the cache
-                tl.store(kc + g * head_stride + pos * HD + d[None, :], _to_bf16(k_new))
-                tl.store(vc + g * head_stride + pos * HD + d, v_new)
-                new = (offs == pos)[:, None]
-                k = tl.where(new, k_new, k)
-                v = tl.where(new, v_new.to(tl.float32)[None, :], v)
-            valid = offs <= pos
-            for j in tl.static_range(G):  # one q head at a time: [SPLIT, HD] temporaries, no [G, SPLIT, HD]
-                row = jj == j
-                q_j = tl.sum(tl.where(row[:, None], q, 0.0), axis=0)  # row j of q (exact: one term)
-                scores = tl.where(valid, tl.sum(k * q_j[None, :], axis=1) * scale, float("-inf"))  # [SPLIT]
-                m_old = tl.sum(tl.where(row, m_run, 0.0), axis=0)
-                m_new = tl.maximum(m_old, tl.max(scores, axis=0))  # finite: every block sees position blk * 64
-                keep = tl.exp(m_old - m_new)  # 0 for the first block (m_old = -inf)
-                p = tl.exp(scores - m_new)
-                l_j = tl.sum(tl.where(row, l_run, 0.0), axis=0) * keep + tl.sum(p, axis=0)
-                acc_j = tl.sum(tl.where(row[:, None], acc, 0.0), axis=0) * keep + tl.sum(p[:, None] * v, axis=0)
-                m_run = tl.where(row, m_new, m_run)
-                l_run = tl.where(row, l_j, l_run)
-                acc = tl.where(row[:, None], acc_j[None, :], acc)
-            k_cur, v_cur = k_next, v_next
+        acc, m_run, l_run = _blocks(kc, vc, q, g, first, per, n_blocks, pos, k_cur, v_cur, k_new, v_new, scale,
+                                    head_stride, HD, SPLIT, BF16_DOT)
+        laps, t_lap = _lap(laps, t_lap, 12, TIMED)
         slot = g * max_splits + s
-        tl.store(part_acc + (slot * BG + jj[:, None]) * HD + d[None, :], acc)
-        tl.store(part_m + slot * BG + jj, m_run)
-        tl.store(part_l + slot * BG + jj, l_run)
+        tl.store(part_acc + (slot * BG + jq[:, None]) * HD + d[None, :], acc, mask=(jq < BG)[:, None])
+        tl.store(part_m + slot * BG + jq, m_run, mask=jq < BG)
+        tl.store(part_l + slot * BG + jq, l_run, mask=jq < BG)
         tl.debug_barrier()
         ticket = tl.atomic_add(tickets + layer * NKV + g, 1, sem="acq_rel", scope="gpu")
+        laps, t_lap = _lap(laps, t_lap, 13, TIMED)
         if ticket == n_splits - 1:  # the last split of this KV head merges all of them, in split order
             _merge(part_acc, part_m, part_l, attn_out, g, n_splits, max_splits, HD, G, BG, CS)
+            laps, t_lap = _lap(laps, t_lap, 14, TIMED)
+    return laps, t_lap
+
+
+@triton.jit
+def _blocks(kc, vc, q, g, first, per, n_blocks, pos, k_cur, v_cur, k_new, v_new, scale, head_stride,
+            HD: tl.constexpr, SPLIT: tl.constexpr, BF16_DOT: tl.constexpr):
+    """A task's blocks on the tensor cores, the group's q heads padded to Q_ROWS rows (mma's minimum): `q @ K^T`
+    then `p @ V`, fp32 sums. A block is a few block-wide reductions; one q head at a time with elementwise
+    products and sums took ~10 per head (0.6B: 6.2 -> 2.8 us per task at pos 256, docs/LOG.md).
+
+    BF16_DOT (GPU): bf16 operands, as flash attention (q, K, V are bf16 values; p is rounded to bf16), which
+    keeps the operand tiles in shared memory small (36 KB): with fp32 operands (72 KB) the L1 left to the kernel
+    shrank and every GEMV stage slowed. Under Triton's CPU interpreter, which multiplies bf16 dot operands as raw
+    uint16, the operands are fp32 (same q, K, V values; p unrounded). Returns acc `[Q_ROWS, HD]`, m, l `[Q_ROWS]`."""
+    d = tl.arange(0, HD)
+    m_run = tl.full([Q_ROWS], float("-inf"), tl.float32)
+    l_run = tl.zeros([Q_ROWS], tl.float32)
+    acc = tl.zeros([Q_ROWS, HD], tl.float32)
+    last = tl.minimum(first + per, n_blocks)
+    for blk in range(first, last):
+        k_next, v_next = _kv_block(kc, vc, g, blk + 1, pos, blk + 1 < last, head_stride, HD, SPLIT)  # in flight
+        k, v = k_cur, v_cur
+        offs = blk * SPLIT + tl.arange(0, SPLIT)
+        if blk == n_blocks - 1:  # this block holds the new token: K/V from the qkv buffer, written to the cache
+            tl.store(kc + g * head_stride + pos * HD + d[None, :], _to_bf16(k_new))
+            tl.store(vc + g * head_stride + pos * HD + d, v_new)
+            new = (offs == pos)[:, None]
+            k = tl.where(new, _to_bf16(k_new), k)
+            v = tl.where(new, v_new[None, :], v)
+        if BF16_DOT:
+            scores = tl.dot(_to_bf16(q), tl.trans(k))
+        else:
+            scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        scores = tl.where((offs <= pos)[None, :], scores * scale, float("-inf"))  # [Q_ROWS, SPLIT]
+        m_new = tl.maximum(m_run, tl.max(scores, axis=1))  # finite: every block sees position blk * 64
+        keep = tl.exp(m_run - m_new)  # 0 for the first block (m_run = -inf)
+        p = tl.exp(scores - m_new[:, None])
+        l_run = l_run * keep + tl.sum(p, axis=1)
+        if BF16_DOT:
+            acc = acc * keep[:, None] + tl.dot(_to_bf16(p), v)
+        else:
+            acc = acc * keep[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        m_run = m_new
+        k_cur, v_cur = k_next, v_next
+    return acc, m_run, l_run
 
 
 @triton.jit
@@ -339,19 +379,19 @@ def _stage_residual(w, w0, x, v_ptr, pid, nprog, rows_per, D: tl.constexpr, K: t
         if t != pid:
             w0 = _w_chunk(w, rows, rmask, K, 0, BK)
         res = tl.load(x + rows, mask=rmask, other=0.0, cache_modifier=".cg").to(tl.float32)  # same trip as v's
-        out = _bf(_gemv(w0, w, rows, rmask, K, v_ptr, v_ptr, 0.0, False, BK, BK))
+        out = _bf(_gemv(w0, 0.0, w, rows, rmask, K, v_ptr, v_ptr, 0.0, False, BK, BK))
         tl.store(x + rows, _to_bf16(res + out), mask=rmask)
 
 
 @triton.jit
-def _stage_gate_up(w, norm, x, act, w0, pid, nprog, eps, rows_per, D: tl.constexpr, FFN: tl.constexpr,
+def _stage_gate_up(w, norm, x, act, w0, s0, pid, nprog, eps, rows_per, D: tl.constexpr, FFN: tl.constexpr,
                    BR: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
     """act[r] = bf16(bf16(silu(gate[r])) * up[r]); the tile stacks `[gate rows; up rows]` into one GEMV."""
     for t in range(pid, tl.cdiv(FFN, rows_per), nprog):
         rows, rmask = _stacked_rows(t, rows_per, FFN, BR)
         if t != pid:
             w0 = _w_chunk(w, rows, rmask, D, 0, BK)
-        out = _bf(_gemv(w0, w, rows, rmask, D, x, norm, eps, True, BK, BD))  # [2 BR]
+        out = _bf(_gemv(w0, s0, w, rows, rmask, D, x, norm, eps, True, BK, BD))  # [2 BR]
         pair = tl.reshape(out, (2, BR))
         first = (tl.arange(0, 2) == 0)[:, None]
         gate = tl.sum(tl.where(first, pair, 0.0), axis=0)
@@ -369,7 +409,7 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
                   HAS_QKV_BIAS: tl.constexpr, HAS_QK_NORM: tl.constexpr,
                   BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_O: tl.constexpr, BK_O: tl.constexpr,
                   BR_GU: tl.constexpr, BK_GU: tl.constexpr, BR_DN: tl.constexpr, BK_DN: tl.constexpr,
-                  MAX_SPINS: tl.constexpr, TIMED: tl.constexpr):
+                  MAX_SPINS: tl.constexpr, BF16_DOT: tl.constexpr, TIMED: tl.constexpr):
     """Every decoder layer for one token: x `[D]` bf16 is updated in place. `sync[0]` is the barrier counter,
     `sync[1:]` the per-(layer, KV head) merge tickets, all zero at launch; `err[0]` is set on a barrier timeout.
     With TIMED, `laps_out[pid, 2 s]` / `[pid, 2 s + 1]` get the SM cycles program pid spent working in / waiting
@@ -385,23 +425,29 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
     n_qkv: tl.constexpr = (H + 2 * NKV) * HD
     rows, rmask = _rows(pid, r_qkv, n_qkv, BR_QKV)
     w_a = _w_chunk(_ptr(table, 0, QKV), rows, rmask, D, 0, BK_QKV)
+    s_a = _norm_chunk(_ptr(table, 0, IN_NORM), D, BK_QKV)
+    d = tl.arange(0, HD)
+    cos_v = tl.load(cos + d).to(tl.float32)  # the token's RoPE row: the same for every layer
+    sin_v = tl.load(sin + d).to(tl.float32)
     laps, t = _lap(tl.zeros([16], tl.int64), 0, 15, TIMED)
     t0, ns0 = t, 0
     if TIMED:
         ns0 = globaltimer()
     for layer in range(num_layers):  # each barrier: arrive, load the next stage's weights (or K/V), wait
         _stage_qkv(_ptr(table, layer, QKV), _ptr(table, layer, IN_NORM), _ptr(table, layer, QKV_BIAS), x, qkv,
-                   w_a, pid, nprog, eps, r_qkv, D, n_qkv, HAS_QKV_BIAS, BR_QKV, BK_QKV, BD)
+                   w_a, s_a, pid, nprog, eps, r_qkv, D, n_qkv, HAS_QKV_BIAS, BR_QKV, BK_QKV, BD)
         laps, t = _lap(laps, t, 0, TIMED)
         arrived = _arrive(sync, arrived)
         kc, vc = _ptr(table, layer, K_CACHE), _ptr(table, layer, V_CACHE)
         g0, _, first0 = _task(pid, n_splits, per)
         k0, v0 = _kv_block(kc, vc, g0, first0, pos, pid < NKV * n_splits, head_stride, HD, SPLIT)
+        q_norm = _norm_pair(_ptr(table, layer, Q_NORM), HD, HAS_QK_NORM)
+        k_norm = _norm_pair(_ptr(table, layer, K_NORM), HD, HAS_QK_NORM)
         _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 1, TIMED)
-        _stage_attend(kc, vc, _ptr(table, layer, Q_NORM), _ptr(table, layer, K_NORM), layer, qkv, cos, sin, pos,
-                      n_blocks, per, n_splits, k0, v0, part_acc, part_m, part_l, tickets, attn, pid, nprog, eps,
-                      scale, head_stride, max_splits, H, NKV, HD, G, BG, SPLIT, HAS_QK_NORM, CS)
+        laps, t = _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos_v, sin_v, pos, n_blocks, per, n_splits, k0, v0, part_acc, part_m, part_l, tickets, attn,
+                                pid, nprog, eps, scale, head_stride, max_splits, laps, t, H, NKV, HD, G, BG, SPLIT,
+                                HAS_QK_NORM, CS, BF16_DOT, TIMED)
         laps, t = _lap(laps, t, 2, TIMED)
         arrived = _arrive(sync, arrived)
         w_o = _ptr(table, layer, O_PROJ)
@@ -415,9 +461,10 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         w_gu = _ptr(table, layer, GATE_UP)
         rows, rmask = _stacked_rows(pid, r_gu, FFN, BR_GU)
         w_d = _w_chunk(w_gu, rows, rmask, D, 0, BK_GU)
+        s_d = _norm_chunk(_ptr(table, layer, POST_NORM), D, BK_GU)
         _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 5, TIMED)
-        _stage_gate_up(w_gu, _ptr(table, layer, POST_NORM), x, act, w_d, pid, nprog, eps, r_gu, D, FFN, BR_GU,
+        _stage_gate_up(w_gu, _ptr(table, layer, POST_NORM), x, act, w_d, s_d, pid, nprog, eps, r_gu, D, FFN, BR_GU,
                        BK_GU, BD)
         laps, t = _lap(laps, t, 6, TIMED)
         arrived = _arrive(sync, arrived)
@@ -432,6 +479,7 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         nxt = tl.minimum(layer + 1, num_layers - 1)  # the next layer's first QKV chunk (none after the last)
         rows, rmask = _rows(pid, r_qkv, n_qkv, BR_QKV)
         w_a = _w_chunk(_ptr(table, nxt, QKV), rows, rmask & (layer + 1 < num_layers), D, 0, BK_QKV)
+        s_a = _norm_chunk(_ptr(table, nxt, IN_NORM), D, BK_QKV)
         _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 9, TIMED)
     if TIMED:
