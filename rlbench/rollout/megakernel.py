@@ -11,9 +11,9 @@ Used for batch-1 decode steps on CUDA when `StepOptions.megakernel` is on and `u
 against it (bf16 fused Qwen3/Qwen2/Llama layers without o/MLP biases); other batches, models and devices
 keep the compiled path. On the CPU it runs under Triton's interpreter with one program (tests).
 
-Status (H200, docs/LOG.md 2026-11-30): correct (error vs float64 equal to the bf16 layer stack's); the 0.6B
-step takes 0.96-0.98 ms against the compiled path's 1.19-1.48 ms (3.5x the floor, goal 2x), but the 4B shape is
-slower than its compiled path, so the engine leaves it off by default (opt-in: `megakernel=True`).
+Status (H200, docs/LOG.md 2026-11-30, session 5): correct (error vs float64 equal to the bf16 layer stack's);
+the 0.6B step takes 0.86-0.89 ms against the compiled path's 1.21-1.34 ms (3.1x the floor, goal 2x), the 4B
+step 3.73 ms against 4.04 ms. Opt-in (`megakernel=True`) because it needs every SM to itself.
 The grid barrier needs every program resident at once: the grid is the SM count and each program fits one SM.
 """
 
