@@ -22,7 +22,9 @@ from rlbench.rollout.torch_engine import TorchEngine, TorchEngineConfig
 CPU_CASES = [("tiny", 63, None), ("tiny", 130, None), ("small", 64, None), ("tiny", 100, 12)]
 """(preset, position, tile_programs): split boundaries (63 -> 1 split of 64 positions, 64 -> 2, 130 -> 3); tiny
 has 2 q heads per KV head; tiles cut for 12 programs give rows per task that are not powers of two (11 of a
-16-row block for QKV, 6 of 8 for o_proj), run as 12 tasks by the one interpreted program."""
+16-row block for QKV, 6 of 8 for o_proj), run as 12 tasks by the one interpreted program. `small`'s tiles, cut for
+the one program, are multi-chunk: o_proj 4 chunks (register double buffering), QKV 8, gate/up 16 and down 12
+(the cp.async pipeline path, PIPELINE_MIN_CHUNKS)."""
 
 
 def case_name(preset, prompt_len, tile_programs):

@@ -134,6 +134,13 @@ def test_megakernel_06b_rounds_like_the_hf_layers(prompt_len):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda, reason="needs a CUDA device")
+def test_megakernel_4b_pipelined_tiles_round_like_the_hf_layers():
+    """qwen3-4b-shape: every GEMV tile has 8-40 K chunks, so every stage runs the cp.async pipeline path."""
+    _check(compare_to_f64("qwen3-4b-shape", 700, "cuda", max_seq_len=1536), "4b @ 700")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda, reason="needs a CUDA device")
 def test_megakernel_engine_greedy_matches_hf_up_to_near_ties():
     """Batch-1 greedy through graphs + megakernel vs HF generate, 96 tokens from 4 prompts one at a time."""
     model = build_model("qwen3-0.6b-shape", device="cuda", dtype=torch.bfloat16)

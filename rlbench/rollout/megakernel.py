@@ -13,7 +13,7 @@ keep the compiled path. On the CPU it runs under Triton's interpreter with one p
 
 Status (H200, docs/LOG.md 2026-11-30, session 5): correct (error vs float64 equal to the bf16 layer stack's);
 the 0.6B step takes 0.86-0.89 ms against the compiled path's 1.21-1.34 ms (3.1x the floor, goal 2x), the 4B
-step 3.73 ms against 4.04 ms. Opt-in (`megakernel=True`) because it needs every SM to itself.
+step 3.54 ms against 3.67 ms. Opt-in (`megakernel=True`) because it needs every SM to itself.
 The grid barrier needs every program resident at once: the grid is the SM count and each program fits one SM.
 """
 
@@ -33,6 +33,13 @@ MERGE_CHUNK = 32
 TILE_ELEMS = 16384
 """Weight elements a GEMV tile loads per K step when the tile is double buffered; a tile of up to twice that
 is loaded as one chunk (all in flight before the barrier, one round trip after it)."""
+PIPELINE_STAGES = 3
+PIPELINE_MIN_CHUNKS = 8
+"""A GEMV tile of at least PIPELINE_MIN_CHUNKS K chunks loads the chunks after its first through Triton's software
+pipeline (`cp.async` into shared memory, PIPELINE_STAGES - 1 chunks in flight without holding registers) instead
+of register double buffering. Measured on the H200 (docs/LOG.md, 2026-11-30): every 4B stage has 8-40 chunks,
+3,516 -> 3,305 us per call with 3 stages (3,333 with 4); the 0.6B shape's only multi-chunk tile (gate/up, 4
+chunks) was slower with it (4.59 -> 4.73 us per layer)."""
 MAX_SPINS = 1 << 22
 """Polls of the barrier counter before a program gives up on a barrier (~1.5 s at ~0.35 us per L2 round
 trip; estimated, not measured): a non-resident program then costs a stall and an error, not a hang."""
@@ -42,13 +49,15 @@ def _pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, n))))
 
 
-def _tiling(n_rows: int, k: int, programs: int, tile_elems: int, stacked: int = 1) -> tuple[int, int, int]:
-    """(rows per task, row block, K block) so that `n_rows` split over `programs` tasks of ~equal bytes."""
+def _tiling(n_rows: int, k: int, programs: int, tile_elems: int, stacked: int = 1) -> tuple[int, int, int, int]:
+    """(rows per task, row block, K block, pipeline stages) so that `n_rows` split over `programs` tasks of ~equal
+    bytes; tiles of PIPELINE_MIN_CHUNKS or more K chunks go through the cp.async pipeline (PIPELINE_STAGES)."""
     rows = math.ceil(n_rows / programs)
     block = _pow2(rows)
     if block * stacked * _pow2(k) <= 2 * tile_elems:  # one chunk in the registers of a double buffer
-        return rows, block, _pow2(k)
-    return rows, block, max(16, tile_elems // (block * stacked))
+        return rows, block, _pow2(k), 1
+    bk = max(16, tile_elems // (block * stacked))
+    return rows, block, bk, PIPELINE_STAGES if math.ceil(k / bk) >= PIPELINE_MIN_CHUNKS else 1
 
 
 def unsupported(model: torch.nn.Module, layers: list | None, device: torch.device) -> str | None:
@@ -151,8 +160,8 @@ class DecodeMegakernel:
 
     def launch_args(self, hidden, cos, sin, positions) -> tuple[tuple, dict]:
         """`decode_layers`' runtime arguments and constexprs (also used to compile it offline in tests)."""
-        (r_qkv, br_qkv, bk_qkv), (r_o, br_o, bk_o) = self.t_qkv, self.t_o
-        (r_gu, br_gu, bk_gu), (r_dn, br_dn, bk_dn) = self.t_gu, self.t_dn
+        (r_qkv, br_qkv, bk_qkv, st_qkv), (r_o, br_o, bk_o, st_o) = self.t_qkv, self.t_o
+        (r_gu, br_gu, bk_gu, st_gu), (r_dn, br_dn, bk_dn, st_dn) = self.t_gu, self.t_dn
         args = (self.table, hidden, cos, sin, positions, self.qkv, self.attn, self.act, self.part_acc, self.part_m,
                 self.part_l, self.sync, self.err, self.laps, self.table.shape[0], self.eps, self.scale, self.head_stride,
                 self.max_splits, r_qkv, r_o, r_gu, r_dn)
@@ -160,6 +169,7 @@ class DecodeMegakernel:
                       BG=_pow2(self.group), BD=_pow2(self.d), SPLIT=SPLIT, CS=MERGE_CHUNK,
                       HAS_QKV_BIAS=self.has_bias, HAS_QK_NORM=self.has_qk_norm, BR_QKV=br_qkv, BK_QKV=bk_qkv,
                       BR_O=br_o, BK_O=bk_o, BR_GU=br_gu, BK_GU=bk_gu, BR_DN=br_dn, BK_DN=bk_dn,
+                      ST_QKV=st_qkv, ST_O=st_o, ST_GU=st_gu, ST_DN=st_dn,
                       MAX_SPINS=self.max_spins, TIMED=self.timed, BF16_DOT=self.bf16_dot)
         return args, consts
 

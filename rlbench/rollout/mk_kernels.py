@@ -170,14 +170,16 @@ def _v_apply(v, scale, rstd, NORMED: tl.constexpr):
 
 @triton.jit
 def _gemv(w0, s0, w, rows, rmask, K: tl.constexpr, v_ptr, norm_ptr, eps, NORMED: tl.constexpr, BK: tl.constexpr,
-          BD: tl.constexpr):
+          BD: tl.constexpr, STAGES: tl.constexpr):
     """fp32 `w[rows] @ v` for a row tile; `w0` is its first K chunk and `s0` (NORMED) the first chunk of the norm
     weights, both loaded earlier (before a barrier).
 
     Every chunk can cost a round trip after the barrier, so tiles are cut to be one chunk where registers allow
     (TILE_ELEMS): then the weights are all in flight before the barrier. Otherwise register double buffering
     keeps the next chunk's weights and activation in flight. With NORMED, v is `rmsnorm(v) * norm` (`v` has BD
-    entries, padded); a one-chunk tile takes the RMS from the chunk it loaded instead of a separate load."""
+    entries, padded); a one-chunk tile takes the RMS from the chunk it loaded instead of a separate load.
+    STAGES > 1 (tiles of many chunks, `megakernel.PIPELINE_STAGES`): the chunks after the first go through
+    Triton's software pipeline instead (cp.async into shared memory, STAGES - 1 in flight, no registers held)."""
     if BK >= K:
         ks = tl.arange(0, BK)
         v = tl.load(v_ptr + ks, mask=ks < K, other=0.0, cache_modifier=".cg").to(tl.float32)
@@ -191,24 +193,33 @@ def _gemv(w0, s0, w, rows, rmask, K: tl.constexpr, v_ptr, norm_ptr, eps, NORMED:
         if NORMED:
             s_cur = s0
         rstd = _rstd(v_ptr, K, eps, BD) if NORMED else 1.0
-        acc = tl.zeros([rows.shape[0]], dtype=tl.float32)
-        w_cur = w0
-        for k0 in range(0, K, BK):
-            w_next = _w_chunk(w, rows, rmask, K, k0 + BK, BK)
-            v_next, s_next = _v_raw(v_ptr, norm_ptr, K, k0 + BK, NORMED, BK)
-            acc += tl.sum(w_cur.to(tl.float32) * _v_apply(v_cur, s_cur, rstd, NORMED)[None, :], axis=1)
-            w_cur, v_cur, s_cur = w_next, v_next, s_next
+        if STAGES > 1:
+            acc = tl.sum(w0.to(tl.float32) * _v_apply(v_cur, s_cur, rstd, NORMED)[None, :], axis=1)
+            v_cur, s_cur = _v_raw(v_ptr, norm_ptr, K, BK, NORMED, BK)
+            for k0 in tl.range(BK, K, BK, num_stages=STAGES):
+                w_c = _w_chunk(w, rows, rmask, K, k0, BK)
+                v_next, s_next = _v_raw(v_ptr, norm_ptr, K, k0 + BK, NORMED, BK)
+                acc += tl.sum(w_c.to(tl.float32) * _v_apply(v_cur, s_cur, rstd, NORMED)[None, :], axis=1)
+                v_cur, s_cur = v_next, s_next
+        else:
+            acc = tl.zeros([rows.shape[0]], dtype=tl.float32)
+            w_cur = w0
+            for k0 in range(0, K, BK):
+                w_next = _w_chunk(w, rows, rmask, K, k0 + BK, BK)
+                v_next, s_next = _v_raw(v_ptr, norm_ptr, K, k0 + BK, NORMED, BK)
+                acc += tl.sum(w_cur.to(tl.float32) * _v_apply(v_cur, s_cur, rstd, NORMED)[None, :], axis=1)
+                w_cur, v_cur, s_cur = w_next, v_next, s_next
     return acc
 
 
 @triton.jit
 def _stage_qkv(w, norm, bias, x, qkv_out, w0, s0, pid, nprog, eps, rows_per, D: tl.constexpr, N: tl.constexpr,
-               HAS_BIAS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
+               HAS_BIAS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, STAGES: tl.constexpr):
     for t in range(pid, tl.cdiv(N, rows_per), nprog):
         rows, rmask = _rows(t, rows_per, N, BR)
         if t != pid:  # a second task of this program (only when tasks outnumber programs)
             w0 = _w_chunk(w, rows, rmask, D, 0, BK)
-        out = _gemv(w0, s0, w, rows, rmask, D, x, norm, eps, True, BK, BD)
+        out = _gemv(w0, s0, w, rows, rmask, D, x, norm, eps, True, BK, BD, STAGES)
         if HAS_BIAS:
             out += tl.load(bias + rows, mask=rmask, other=0.0).to(tl.float32)
         tl.store(qkv_out + rows, _to_bf16(out), mask=rmask)
@@ -372,26 +383,26 @@ def _merge(part_acc, part_m, part_l, attn_out, g, n_splits, max_splits, HD: tl.c
 
 @triton.jit
 def _stage_residual(w, w0, x, v_ptr, pid, nprog, rows_per, D: tl.constexpr, K: tl.constexpr, BR: tl.constexpr,
-                    BK: tl.constexpr):
+                    BK: tl.constexpr, STAGES: tl.constexpr):
     """x[rows] = bf16(x[rows] + bf16(w[rows] @ v)) (o_proj and down_proj with their residual add)."""
     for t in range(pid, tl.cdiv(D, rows_per), nprog):
         rows, rmask = _rows(t, rows_per, D, BR)
         if t != pid:
             w0 = _w_chunk(w, rows, rmask, K, 0, BK)
         res = tl.load(x + rows, mask=rmask, other=0.0, cache_modifier=".cg").to(tl.float32)  # same trip as v's
-        out = _bf(_gemv(w0, 0.0, w, rows, rmask, K, v_ptr, v_ptr, 0.0, False, BK, BK))
+        out = _bf(_gemv(w0, 0.0, w, rows, rmask, K, v_ptr, v_ptr, 0.0, False, BK, BK, STAGES))
         tl.store(x + rows, _to_bf16(res + out), mask=rmask)
 
 
 @triton.jit
 def _stage_gate_up(w, norm, x, act, w0, s0, pid, nprog, eps, rows_per, D: tl.constexpr, FFN: tl.constexpr,
-                   BR: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
+                   BR: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, STAGES: tl.constexpr):
     """act[r] = bf16(bf16(silu(gate[r])) * up[r]); the tile stacks `[gate rows; up rows]` into one GEMV."""
     for t in range(pid, tl.cdiv(FFN, rows_per), nprog):
         rows, rmask = _stacked_rows(t, rows_per, FFN, BR)
         if t != pid:
             w0 = _w_chunk(w, rows, rmask, D, 0, BK)
-        out = _bf(_gemv(w0, s0, w, rows, rmask, D, x, norm, eps, True, BK, BD))  # [2 BR]
+        out = _bf(_gemv(w0, s0, w, rows, rmask, D, x, norm, eps, True, BK, BD, STAGES))  # [2 BR]
         pair = tl.reshape(out, (2, BR))
         first = (tl.arange(0, 2) == 0)[:, None]
         gate = tl.sum(tl.where(first, pair, 0.0), axis=0)
@@ -409,6 +420,7 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
                   HAS_QKV_BIAS: tl.constexpr, HAS_QK_NORM: tl.constexpr,
                   BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_O: tl.constexpr, BK_O: tl.constexpr,
                   BR_GU: tl.constexpr, BK_GU: tl.constexpr, BR_DN: tl.constexpr, BK_DN: tl.constexpr,
+                  ST_QKV: tl.constexpr, ST_O: tl.constexpr, ST_GU: tl.constexpr, ST_DN: tl.constexpr,
                   MAX_SPINS: tl.constexpr, BF16_DOT: tl.constexpr, TIMED: tl.constexpr):
     """Every decoder layer for one token: x `[D]` bf16 is updated in place. `sync[0]` is the barrier counter,
     `sync[1:]` the per-(layer, KV head) merge tickets, all zero at launch; `err[0]` is set on a barrier timeout.
@@ -435,7 +447,7 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         ns0 = globaltimer()
     for layer in range(num_layers):  # each barrier: arrive, load the next stage's weights (or K/V), wait
         _stage_qkv(_ptr(table, layer, QKV), _ptr(table, layer, IN_NORM), _ptr(table, layer, QKV_BIAS), x, qkv,
-                   w_a, s_a, pid, nprog, eps, r_qkv, D, n_qkv, HAS_QKV_BIAS, BR_QKV, BK_QKV, BD)
+                   w_a, s_a, pid, nprog, eps, r_qkv, D, n_qkv, HAS_QKV_BIAS, BR_QKV, BK_QKV, BD, ST_QKV)
         laps, t = _lap(laps, t, 0, TIMED)
         arrived = _arrive(sync, arrived)
         kc, vc = _ptr(table, layer, K_CACHE), _ptr(table, layer, V_CACHE)
@@ -455,7 +467,7 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         w_c = _w_chunk(w_o, rows, rmask, H * HD, 0, BK_O)
         _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 3, TIMED)
-        _stage_residual(w_o, w_c, x, attn, pid, nprog, r_o, D, H * HD, BR_O, BK_O)
+        _stage_residual(w_o, w_c, x, attn, pid, nprog, r_o, D, H * HD, BR_O, BK_O, ST_O)
         laps, t = _lap(laps, t, 4, TIMED)
         arrived = _arrive(sync, arrived)
         w_gu = _ptr(table, layer, GATE_UP)
@@ -465,7 +477,7 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 5, TIMED)
         _stage_gate_up(w_gu, _ptr(table, layer, POST_NORM), x, act, w_d, s_d, pid, nprog, eps, r_gu, D, FFN, BR_GU,
-                       BK_GU, BD)
+                       BK_GU, BD, ST_GU)
         laps, t = _lap(laps, t, 6, TIMED)
         arrived = _arrive(sync, arrived)
         w_dn = _ptr(table, layer, DOWN)
@@ -473,7 +485,7 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         w_e = _w_chunk(w_dn, rows, rmask, FFN, 0, BK_DN)
         _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 7, TIMED)
-        _stage_residual(w_dn, w_e, x, act, pid, nprog, r_dn, D, FFN, BR_DN, BK_DN)
+        _stage_residual(w_dn, w_e, x, act, pid, nprog, r_dn, D, FFN, BR_DN, BK_DN, ST_DN)
         laps, t = _lap(laps, t, 8, TIMED)
         arrived = _arrive(sync, arrived)
         nxt = tl.minimum(layer + 1, num_layers - 1)  # the next layer's first QKV chunk (none after the last)
