@@ -168,9 +168,39 @@ def _interpreter_numpy_shim():
     interp._patch_lang_tensor = patched
 
 
+@torch.inference_mode()
+def engine_stops_at_first_window() -> tuple[int, str]:
+    """An engine whose megakernel has a non-resident program (2 programs under the interpreter, as above): how
+    many batch-1 launches ran before `generate` raised, and the error (the engine checks after every window of
+    `steps_per_sync` steps, so a stalled kernel is not launched for the whole generate)."""
+    model = build_model("tiny", dtype=torch.bfloat16, seed=0).eval()
+    engine = TorchEngine(model, TorchEngineConfig(max_seq_len=128, num_slots=1, megakernel=True, steps_per_sync=4))
+    runner = engine.runner
+    mk = DecodeMegakernel(model, runner.layers, 128, torch.device("cpu"), programs=2)
+    mk.max_spins = 64
+
+    class Counted:  # the megakernel, counting its launches
+        launches = 0
+
+        def __call__(self, *args):
+            self.launches += 1
+            return mk(*args)
+
+        def __getattr__(self, name):
+            return getattr(mk, name)
+
+    runner.megakernel = counted = Counted()
+    try:
+        engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True))
+    except RuntimeError as err:
+        return counted.launches, str(err)
+    return counted.launches, "no error"
+
+
 if __name__ == "__main__":
     _interpreter_numpy_shim()
     out = {case_name(*c): compare_to_f64(p, n, "cpu", tile_programs=tp) for c in CPU_CASES for p, n, tp in [c]}
     out["engine"] = engine_samples()
     out["timeout"] = barrier_timeout()
+    out["engine_timeout"] = engine_stops_at_first_window()
     json.dump(out, sys.stdout)

@@ -102,6 +102,14 @@ def test_interpreted_barrier_that_cannot_complete_times_out_into_an_error(interp
     assert "timed out at a grid barrier: not all 2 programs were resident" in interpreted["timeout"]
 
 
+@needs_triton
+def test_engine_raises_after_the_first_window_of_a_stalled_megakernel(interpreted):
+    """Each launch with a non-resident program stalls for MAX_SPINS polls: the engine must not launch it for the
+    whole generate (16 tokens here) before saying so, but stop after its first window of 4 steps."""
+    launches, err = interpreted["engine_timeout"]
+    assert "timed out at a grid barrier" in err and launches == 4
+
+
 def test_unsupported_names_the_reason():
     from rlbench.rollout.fused import fuse_layers
     from rlbench.rollout.megakernel import unsupported

@@ -273,6 +273,8 @@ class TorchEngine:
             out_tok[step].copy_(st.out_tokens[:b])
             out_lp[step].copy_(st.out_log_probs[:b])
         toks, lps = out_tok.T.tolist(), out_lp.T.tolist()  # the one host sync of the window
+        if b == 1 and self.runner.megakernel is not None:
+            self.runner.megakernel.check()  # a timed-out barrier stalls every launch: stop at the first window
         for seq in list(running):
             for tok, lp in zip(toks[seq.slot], lps[seq.slot]):
                 if self._append(seq, tok, lp, sampling):
