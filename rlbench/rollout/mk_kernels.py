@@ -282,7 +282,7 @@ def _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos, sin, pos, n_blocks, p
     blocks, its partial store and ticket, the merge."""
     d = tl.arange(0, HD)
     jq = tl.arange(0, Q_ROWS)
-    for t in range(pid, NKV * n_splits, nprog):  # one task per program, unless max_splits caps the splits
+    for t in range(pid, NKV * n_splits, nprog):  # one per program (a second only where `per` rounds up short)
         g, s, first = _task(t, n_splits, per)
         k_cur, v_cur = k0, v0
         if t != pid:
@@ -457,9 +457,9 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         k_norm = _norm_pair(_ptr(table, layer, K_NORM), HD, HAS_QK_NORM)
         _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 1, TIMED)
-        laps, t = _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos_v, sin_v, pos, n_blocks, per, n_splits, k0, v0, part_acc, part_m, part_l, tickets, attn,
-                                pid, nprog, eps, scale, head_stride, max_splits, laps, t, H, NKV, HD, G, BG, SPLIT,
-                                HAS_QK_NORM, CS, BF16_DOT, TIMED)
+        laps, t = _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos_v, sin_v, pos, n_blocks, per, n_splits,
+                                k0, v0, part_acc, part_m, part_l, tickets, attn, pid, nprog, eps, scale, head_stride,
+                                max_splits, laps, t, H, NKV, HD, G, BG, SPLIT, HAS_QK_NORM, CS, BF16_DOT, TIMED)
         laps, t = _lap(laps, t, 2, TIMED)
         arrived = _arrive(sync, arrived)
         w_o = _ptr(table, layer, O_PROJ)
