@@ -110,6 +110,19 @@ def test_engine_raises_after_the_first_window_of_a_stalled_megakernel(interprete
     assert "timed out at a grid barrier" in err and launches == 4
 
 
+def test_carveout_hint_that_cannot_be_set_warns_instead_of_failing_the_decode(monkeypatch):
+    import ctypes
+
+    from rlbench.rollout.megakernel import _set_carveout
+
+    def no_driver(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_driver)
+    with pytest.warns(UserWarning, match="could not set the shared-memory carveout"):
+        _set_carveout(1234, 0)
+
+
 def test_unsupported_names_the_reason():
     from rlbench.rollout.fused import fuse_layers
     from rlbench.rollout.megakernel import unsupported
