@@ -181,8 +181,7 @@ def _gemv(w0, s0, w, rows, rmask, K: tl.constexpr, v_ptr, norm_ptr, eps, NORMED:
     STAGES > 1 (tiles of many chunks, `megakernel.PIPELINE_STAGES`): the chunks after the first go through
     Triton's software pipeline instead (cp.async into shared memory, STAGES - 1 in flight, no registers held)."""
     if BK >= K:
-        ks = tl.arange(0, BK)
-        v = tl.load(v_ptr + ks, mask=ks < K, other=0.0, cache_modifier=".cg").to(tl.float32)
+        v, _ = _v_raw(v_ptr, norm_ptr, K, 0, False, BK)
         if NORMED:
             v = _bf(s0 * _bf(v * (1.0 / tl.sqrt(tl.sum(v * v, axis=0) / K + eps))))
         acc = tl.sum(w0.to(tl.float32) * v[None, :], axis=1)
@@ -229,7 +228,8 @@ def _stage_qkv(w, norm, bias, x, qkv_out, w0, s0, pid, nprog, eps, rows_per, D: 
 def _norm_rope(src, heads, hmask, norm, cos, sin, eps, HD: tl.constexpr, HAS_NORM: tl.constexpr):
     """Heads `[BG]` of `src` (`[*, HD]` rows, bf16) -> per-head RMSNorm (Qwen3) then HF RoPE, as fp32 `[BG, HD]`
     holding bf16 values. rotate_half(x) = [-x2, x1] is read as a second, permuted load; `norm` is the pair of
-    norm weights and their permutation, and cos/sin, all `[HD]` fp32 loaded before the stage's barrier."""
+    norm weights and their permutation (loaded before the stage's barrier), cos/sin the token's RoPE row (loaded
+    once per launch), all `[HD]` fp32."""
     d = tl.arange(0, HD)
     rot = (d + HD // 2) % HD
     m = hmask[:, None]
@@ -335,22 +335,24 @@ def _blocks(kc, vc, q, g, first, per, n_blocks, pos, k_cur, v_cur, k_new, v_new,
             new = (offs == pos)[:, None]
             k = tl.where(new, _to_bf16(k_new), k)
             v = tl.where(new, v_new[None, :], v)
-        if BF16_DOT:
-            scores = tl.dot(_to_bf16(q), tl.trans(k))
-        else:
-            scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        scores = tl.where((offs <= pos)[None, :], scores * scale, float("-inf"))  # [Q_ROWS, SPLIT]
+        scores = tl.where((offs <= pos)[None, :], _dot(q, tl.trans(k), BF16_DOT) * scale, float("-inf"))
         m_new = tl.maximum(m_run, tl.max(scores, axis=1))  # finite: every block sees position blk * 64
         keep = tl.exp(m_run - m_new)  # 0 for the first block (m_run = -inf)
         p = tl.exp(scores - m_new[:, None])
         l_run = l_run * keep + tl.sum(p, axis=1)
-        if BF16_DOT:
-            acc = acc * keep[:, None] + tl.dot(_to_bf16(p), v)
-        else:
-            acc = acc * keep[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        acc = acc * keep[:, None] + _dot(p, v, BF16_DOT)
         m_run = m_new
         k_cur, v_cur = k_next, v_next
     return acc, m_run, l_run
+
+
+@triton.jit
+def _dot(a, b, BF16: tl.constexpr):
+    """fp32 `a @ b` for fp32 `a` (holding what is to be rounded) and bf16 `b`: bf16 operands with BF16 (GPU),
+    fp32 operands otherwise (Triton's CPU interpreter multiplies bf16 dot operands as raw integers)."""
+    if BF16:
+        return tl.dot(_to_bf16(a), b)
+    return tl.dot(a, b.to(tl.float32), input_precision="ieee")
 
 
 @triton.jit
@@ -413,8 +415,8 @@ def _stage_gate_up(w, norm, x, act, w0, s0, pid, nprog, eps, rows_per, D: tl.con
 
 
 @triton.jit
-def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, part_l, sync, err, laps_out, num_layers,
-                  eps, scale, head_stride, max_splits, r_qkv, r_o, r_gu, r_dn,
+def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, part_l, sync, err, laps_out,
+                  num_layers, eps, scale, head_stride, max_splits, r_qkv, r_o, r_gu, r_dn,
                   D: tl.constexpr, H: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, FFN: tl.constexpr,
                   G: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr, CS: tl.constexpr,
                   HAS_QKV_BIAS: tl.constexpr, HAS_QK_NORM: tl.constexpr,
