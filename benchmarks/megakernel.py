@@ -95,6 +95,9 @@ def main() -> None:
     ap.add_argument("--programs-per-sm", type=int, nargs="+", default=[1])
     ap.add_argument("--carveout", type=int, nargs="+", default=[0],
                     help="preferred shared-memory carveout in percent (-1: the driver's choice; default 0)")
+    ap.add_argument("--merge-in-o", type=int, nargs="+", default=[-1], choices=[-1, 0, 1],
+                    help="1: o_proj programs merge the attention partials, 0: the last split merges (ticket); "
+                         "-1: the default for the shape")
     ap.add_argument("--barriers", action="store_true", help="also time grid barriers alone")
     ap.add_argument("--stages", action="store_true",
                     help="also run a TIMED build: per stage, us per layer each program works and waits")
@@ -114,6 +117,8 @@ def main() -> None:
     c = model.config
     cache = KVCache(CacheShape(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 1, args.max_seq_len),
                     torch.bfloat16, "cuda")
+    for t in (*cache.k, *cache.v):  # cached K/V that are not all equal, so that the output checks below can fail
+        t.normal_(0.0, 1.0)
     runner = ModelRunner(model, cache, StepOptions(compile=False, cuda_graphs=False, megakernel=True))
     assert runner.megakernel is not None, "megakernel unsupported here"
     layer_bytes = sum(t.numel() * 2 for w in runner.layers for t in (w.qkv, w.o, w.gate_up, w.down))
@@ -122,14 +127,17 @@ def main() -> None:
     sin = torch.zeros_like(cos)
     x = hidden.clone()
     print(f"{args.preset}: {sms} SMs, layer weights {layer_bytes / 1e9:.3f} GB", flush=True)
-    configs = [(t, p, w, v) for t in args.tile_elems for p in args.programs_per_sm for w in args.warps
-               for v in args.carveout]
-    for tile, per_sm, warps, carve in configs:
+    configs = [(t, p, w, v, m) for t in args.tile_elems for p in args.programs_per_sm for w in args.warps
+               for v in args.carveout for m in args.merge_in_o]
+    first_out: dict[int, torch.Tensor] = {}
+    for tile, per_sm, warps, carve, merge in configs:
         mk = megakernel.DecodeMegakernel(model, runner.layers, args.max_seq_len, torch.device("cuda"),
                                          programs=sms * per_sm, tile_elems=tile)
         mk.bind(runner.layers, cache.k, cache.v)
         mk.num_warps, mk.carveout = warps, None if carve < 0 else carve
-        label = f"tile {tile:5} programs {mk.programs:3} warps {warps:2} carveout {carve:3}"
+        mk.merge_in_o = mk.merge_in_o if merge < 0 else bool(merge)
+        label = (f"tile {tile:5} programs {mk.programs:3} warps {warps:2} carveout {carve:3} "
+                 f"merge in o {int(mk.merge_in_o)}")
         for pos in args.pos:
             p = torch.tensor([pos], device="cuda")
             try:
@@ -138,11 +146,16 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - a configuration that does not launch is a row, not the end
                 print(f"{label} pos {pos:5}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
+            outs = [x.clone()] + [mk(x.copy_(hidden), cos, sin, p).clone() for _ in range(3)]
+            bits = [o.view(torch.int16) for o in outs]  # bitwise, NaN-proof
+            repeatable = all(torch.equal(bits[0], b) for b in bits[1:])
+            same = torch.equal(first_out.setdefault(pos, bits[0]), bits[0])
             kv_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 * (pos + 1)
             total = layer_bytes + kv_bytes
             print(f"{label} pos {pos:5}: {ms * 1e3:7.1f} us per call, {total / ms / 1e6:6.0f} GB/s "
                   f"({total / ms / 1e7 / args.bandwidth_tbs:4.1f}% of {args.bandwidth_tbs} TB/s), "
-                  f"{ms * 1e3 / c.num_hidden_layers:5.1f} us per layer", flush=True)
+                  f"{ms * 1e3 / c.num_hidden_layers:5.1f} us per layer; output repeatable (4 calls): {repeatable}, "
+                  f"== the first config's: {same}", flush=True)
             if args.stages:
                 print(stage_table(mk, lambda mk=mk, p=p: mk(x.copy_(hidden), cos, sin, p), c.num_hidden_layers))
 

@@ -24,7 +24,8 @@ CPU_CASES = [("tiny", 63, None), ("tiny", 130, None), ("small", 64, None), ("tin
 has 2 q heads per KV head; tiles cut for 12 programs give rows per task that are not powers of two (11 of a
 16-row block for QKV, 6 of 8 for o_proj), run as 12 tasks by the one interpreted program. `small`'s tiles, cut for
 the one program, are multi-chunk: o_proj 4 chunks (register double buffering), QKV 8, gate/up 16 and down 12
-(the cp.async pipeline path, PIPELINE_MIN_CHUNKS)."""
+(the cp.async pipeline path, PIPELINE_MIN_CHUNKS). tiny's one-chunk o_proj tiles merge the attention partials
+in o_proj (`merge_in_o`); small's multi-chunk ones take the ticket merge."""
 
 
 def case_name(preset, prompt_len, tile_programs):
@@ -39,9 +40,10 @@ def _runner(model, max_seq_len, device, dtype=torch.bfloat16, megakernel=True):
 
 
 @torch.inference_mode()
-def compare_to_f64(preset, prompt_len, device, max_seq_len=256, tile_programs=None):
+def compare_to_f64(preset, prompt_len, device, max_seq_len=256, tile_programs=None, merge_in_o=None):
     """One batch-1 decode step at position `prompt_len` three ways: the megakernel, the engine's bf16 layer
-    stack (HF's ops) and float64 (same weights, same cached K/V). Returns errors vs float64 and cache checks."""
+    stack (HF's ops) and float64 (same weights, same cached K/V). Returns errors vs float64 and cache checks.
+    `merge_in_o`: where the attention partials are merged (None: the kernel's default for the shape)."""
     model = build_model(preset, device=device, dtype=torch.bfloat16, seed=0).eval()
     runner = _runner(model, max_seq_len, device)
     assert runner.megakernel is not None
@@ -57,6 +59,8 @@ def compare_to_f64(preset, prompt_len, device, max_seq_len=256, tile_programs=No
     mk = runner.megakernel
     if tile_programs is not None:  # the tiling of a GPU with that many SMs, run by this device's grid
         mk = DecodeMegakernel(model, runner.layers, max_seq_len, torch.device(device), tile_programs=tile_programs)
+    if merge_in_o is not None:
+        mk.merge_in_o = merge_in_o
     mk.bind(runner.layers, runner.cache.k, runner.cache.v)
     h_mk = mk(hidden.clone(), cos, sin, pos)
 
@@ -75,7 +79,7 @@ def compare_to_f64(preset, prompt_len, device, max_seq_len=256, tile_programs=No
     untouched = all(torch.equal(a[0, :, :prompt_len], b[0, :, :prompt_len]) and
                     torch.equal(a[0, :, prompt_len + 1:], b[0, :, prompt_len + 1:])
                     for a, b in zip((*runner.cache.k, *runner.cache.v), (*k0, *v0)))
-    return dict(err, k_err=k_err, k_err_stack=k_err_stack, untouched=untouched)
+    return dict(err, k_err=k_err, k_err_stack=k_err_stack, untouched=untouched, merge_in_o=mk.merge_in_o)
 
 
 def engine_samples(preset="tiny", max_new_tokens=8):

@@ -2,7 +2,7 @@
 
 On the CPU the kernel runs under Triton's interpreter (one program, so the grid barriers pass at once and
 every task runs in order) in a subprocess, because the interpreter must be chosen before Triton is imported;
-the GPU tests run it with one program per SM, barriers and merge tickets live.
+the GPU tests run it with one program per SM, barriers and attention merges live.
 """
 
 from __future__ import annotations
@@ -51,6 +51,12 @@ def _check(r, label):
 @pytest.mark.parametrize("case", [case_name(*c) for c in CPU_CASES])
 def test_interpreted_megakernel_rounds_like_the_hf_layers(interpreted, case):
     _check(interpreted[case], case)
+
+
+@needs_triton
+def test_interpreted_cases_cover_both_attention_merges(interpreted):
+    """One-chunk o_proj tiles merge the attention partials in o_proj, multi-chunk ones by the last split."""
+    assert {interpreted[case_name(*c)]["merge_in_o"] for c in CPU_CASES} == {True, False}
 
 
 @needs_triton
@@ -147,10 +153,12 @@ def test_asking_for_it_where_unsupported_warns_and_decodes_normally():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda, reason="needs a CUDA device")
-@pytest.mark.parametrize("prompt_len", [5, 300, 1400])
-def test_megakernel_06b_rounds_like_the_hf_layers(prompt_len):
-    """qwen3-0.6b-shape with one program per SM: barriers, merge tickets and the cache write, live."""
-    _check(compare_to_f64("qwen3-0.6b-shape", prompt_len, "cuda", max_seq_len=1536), f"0.6b @ {prompt_len}")
+@pytest.mark.parametrize("prompt_len,merge_in_o", [(5, True), (300, True), (1400, True), (300, False)])
+def test_megakernel_06b_rounds_like_the_hf_layers(prompt_len, merge_in_o):
+    """qwen3-0.6b-shape with one program per SM: barriers, the attention merge (in o_proj, or by the last split
+    through a ticket) and the cache write, live."""
+    r = compare_to_f64("qwen3-0.6b-shape", prompt_len, "cuda", max_seq_len=1536, merge_in_o=merge_in_o)
+    _check(r, f"0.6b @ {prompt_len}, merge in o_proj {merge_in_o}")
 
 
 @pytest.mark.gpu
