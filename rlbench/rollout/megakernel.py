@@ -127,6 +127,8 @@ class DecodeMegakernel:
         self._bound: tuple = ()
         self.num_warps = 8
         self.max_spins = MAX_SPINS
+        self.acquire_polls = False
+        """Grid barrier: poll the counter with acquire atomics (True) or relaxed ones followed by one acquire."""
         self.bf16_dot = device.type == "cuda"  # the interpreter multiplies bf16 dot operands as raw integers
         self.merge_in_o = self.t_o[2] >= self.h * self.hd
         """Where the attention stage ends: False, the last split of each KV head (an atomic ticket) merges the
@@ -181,7 +183,7 @@ class DecodeMegakernel:
                       BR_O=br_o, BK_O=bk_o, BR_GU=br_gu, BK_GU=bk_gu, BR_DN=br_dn, BK_DN=bk_dn,
                       ST_QKV=st_qkv, ST_O=st_o, ST_GU=st_gu, ST_DN=st_dn,
                       MERGE_IN_O=self.merge_in_o, BH=_pow2(self.h), MERGE_STAGES=MERGE_STAGES,
-                      MAX_SPINS=self.max_spins, TIMED=self.timed, BF16_DOT=self.bf16_dot)
+                      MAX_SPINS=self.max_spins, ACQ_POLL=self.acquire_polls, TIMED=self.timed, BF16_DOT=self.bf16_dot)
         return args, consts
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

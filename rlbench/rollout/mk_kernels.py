@@ -69,7 +69,7 @@ def _arrive(sync, arrived):
 
 
 @triton.jit
-def _wait(sync, target, err, MAX_SPINS: tl.constexpr):
+def _wait(sync, target, err, MAX_SPINS: tl.constexpr, ACQ_POLL: tl.constexpr):
     """Second half: spin until `target` programs have arrived (the counter only grows), then acquire. One thread
     polls, with relaxed atomics (0.91 us per barrier at 132 programs x 8 warps, against 1.74 us when every warp
     polled with volatile loads; docs/LOG.md).
@@ -79,24 +79,29 @@ def _wait(sync, target, err, MAX_SPINS: tl.constexpr):
     A program that spins MAX_SPINS times (some program is not resident) adds 2**30 to the counter, more than any
     target of a launch, so no wait of this launch blocks again, and raises `err` for the host: a stall and an
     error, not a hang.
+
+    ACQ_POLL: every poll is an acquire, so the one that sees `target` completes the barrier; otherwise the polls
+    are relaxed and one more (acquire) atomic follows them: a round trip more per barrier.
     """
-    seen = tl.atomic_add(sync, 0, sem="relaxed", scope="gpu")
+    sem: tl.constexpr = "acquire" if ACQ_POLL else "relaxed"
+    seen = tl.atomic_add(sync, 0, sem=sem, scope="gpu")
     spins = tl.full([], 0, tl.int32)
     while (seen < target) & (spins < MAX_SPINS):
-        seen = tl.atomic_add(sync, 0, sem="relaxed", scope="gpu")
+        seen = tl.atomic_add(sync, 0, sem=sem, scope="gpu")
         spins += 1
     if seen < target:
         tl.atomic_add(sync, 1 << 30, sem="relaxed", scope="gpu")
         tl.store(err, 1)
-    tl.atomic_add(sync, 0, sem="acquire", scope="gpu")
+    if not ACQ_POLL:
+        tl.atomic_add(sync, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
 
 
 @triton.jit
-def _grid_sync(sync, arrived, err, MAX_SPINS: tl.constexpr):
+def _grid_sync(sync, arrived, err, MAX_SPINS: tl.constexpr, ACQ_POLL: tl.constexpr):
     """A whole grid barrier (benchmarks/megakernel.py times it alone); returns the new arrival count."""
     arrived = _arrive(sync, arrived)
-    _wait(sync, arrived, err, MAX_SPINS)
+    _wait(sync, arrived, err, MAX_SPINS, ACQ_POLL)
     return arrived
 
 
@@ -471,7 +476,7 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
                   BR_GU: tl.constexpr, BK_GU: tl.constexpr, BR_DN: tl.constexpr, BK_DN: tl.constexpr,
                   ST_QKV: tl.constexpr, ST_O: tl.constexpr, ST_GU: tl.constexpr, ST_DN: tl.constexpr,
                   MERGE_IN_O: tl.constexpr, BH: tl.constexpr, MERGE_STAGES: tl.constexpr,
-                  MAX_SPINS: tl.constexpr, BF16_DOT: tl.constexpr, TIMED: tl.constexpr):
+                  MAX_SPINS: tl.constexpr, ACQ_POLL: tl.constexpr, BF16_DOT: tl.constexpr, TIMED: tl.constexpr):
     """Every decoder layer for one token: x `[D]` bf16 is updated in place. `sync[0]` is the barrier counter,
     `sync[1:]` the per-(layer, KV head) merge tickets, all zero at launch; `err[0]` is set on a barrier timeout.
     With TIMED, `laps_out[pid, 2 s]` / `[pid, 2 s + 1]` get the SM cycles program pid spent working in / waiting
@@ -505,7 +510,7 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         k0, v0 = _kv_block(kc, vc, g0, first0, pos, pid < NKV * n_splits, head_stride, HD, SPLIT)
         q_norm = _norm_pair(_ptr(table, layer, Q_NORM), HD, HAS_QK_NORM)
         k_norm = _norm_pair(_ptr(table, layer, K_NORM), HD, HAS_QK_NORM)
-        _wait(sync, arrived, err, MAX_SPINS)
+        _wait(sync, arrived, err, MAX_SPINS, ACQ_POLL)
         laps, t = _lap(laps, t, 1, TIMED)
         laps, t = _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos_v, sin_v, pos, n_blocks, per, n_splits,
                                 k0, v0, part_acc, part_m, part_l, tickets, attn, pid, nprog, eps, scale, head_stride,
@@ -516,7 +521,7 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         w_o = _ptr(table, layer, O_PROJ)
         rows, rmask = _rows(pid, r_o, D, BR_O)
         w_c = _w_chunk(w_o, rows, rmask, H * HD, 0, BK_O)
-        _wait(sync, arrived, err, MAX_SPINS)
+        _wait(sync, arrived, err, MAX_SPINS, ACQ_POLL)
         laps, t = _lap(laps, t, 3, TIMED)
         if MERGE_IN_O:
             _stage_o_merged(w_o, w_c, x, part_acc, part_m, part_l, n_splits, max_splits, pid, nprog, r_o, D, H, HD,
@@ -529,7 +534,7 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         rows, rmask = _stacked_rows(pid, r_gu, FFN, BR_GU)
         w_d = _w_chunk(w_gu, rows, rmask, D, 0, BK_GU)
         s_d = _norm_chunk(_ptr(table, layer, POST_NORM), D, BK_GU)
-        _wait(sync, arrived, err, MAX_SPINS)
+        _wait(sync, arrived, err, MAX_SPINS, ACQ_POLL)
         laps, t = _lap(laps, t, 5, TIMED)
         _stage_gate_up(w_gu, _ptr(table, layer, POST_NORM), x, act, w_d, s_d, pid, nprog, eps, r_gu, D, FFN, BR_GU,
                        BK_GU, BD, ST_GU)
@@ -538,7 +543,7 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         w_dn = _ptr(table, layer, DOWN)
         rows, rmask = _rows(pid, r_dn, D, BR_DN)
         w_e = _w_chunk(w_dn, rows, rmask, FFN, 0, BK_DN)
-        _wait(sync, arrived, err, MAX_SPINS)
+        _wait(sync, arrived, err, MAX_SPINS, ACQ_POLL)
         laps, t = _lap(laps, t, 7, TIMED)
         _stage_residual(w_dn, w_e, x, act, pid, nprog, r_dn, D, FFN, BR_DN, BK_DN, ST_DN)
         laps, t = _lap(laps, t, 8, TIMED)
@@ -547,7 +552,7 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         rows, rmask = _rows(pid, r_qkv, n_qkv, BR_QKV)
         w_a = _w_chunk(_ptr(table, nxt, QKV), rows, rmask & (layer + 1 < num_layers), D, 0, BK_QKV)
         s_a = _norm_chunk(_ptr(table, nxt, IN_NORM), D, BK_QKV)
-        _wait(sync, arrived, err, MAX_SPINS)
+        _wait(sync, arrived, err, MAX_SPINS, ACQ_POLL)
         laps, t = _lap(laps, t, 9, TIMED)
     if TIMED:
         laps = tl.where(tl.arange(0, 16) == 10, t - t0, laps)
