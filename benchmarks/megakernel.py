@@ -23,10 +23,10 @@ from rlbench.rollout.runner import ModelRunner, StepOptions
 
 
 @triton.jit
-def _barriers_only(sync, err, n, MAX_SPINS: tl.constexpr, ACQ_POLL: tl.constexpr):
+def _barriers_only(sync, err, n, MAX_SPINS: tl.constexpr):
     arrived = tl.num_programs(0) * 0
     for _ in range(n):
-        arrived = _grid_sync(sync, arrived, err, MAX_SPINS, ACQ_POLL)
+        arrived = _grid_sync(sync, arrived, err, MAX_SPINS)
 
 
 def timed(fn, iters: int) -> float:
@@ -46,15 +46,14 @@ def timed(fn, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-def barrier_cost(sms: int, per_sm: int, warps: int, acq: bool, n: int = 140, iters: int = 100) -> float:
+def barrier_cost(sms: int, per_sm: int, warps: int, n: int = 140, iters: int = 100) -> float:
     """us per grid barrier with `sms * per_sm` programs (n barriers per launch, launch cost amortised)."""
     sync = torch.zeros(1, dtype=torch.int32, device="cuda")
     err = torch.zeros(1, dtype=torch.int32, device="cuda")
 
     def launch(k):
         sync.zero_()
-        _barriers_only[(sms * per_sm,)](sync, err, k, MAX_SPINS=megakernel.MAX_SPINS, ACQ_POLL=acq,
-                                             num_warps=warps)
+        _barriers_only[(sms * per_sm,)](sync, err, k, MAX_SPINS=megakernel.MAX_SPINS, num_warps=warps)
 
     ms = timed(lambda: launch(n), iters) - timed(lambda: launch(0), iters)
     assert int(err.item()) == 0, "a barrier timed out"
@@ -96,11 +95,6 @@ def main() -> None:
     ap.add_argument("--programs-per-sm", type=int, nargs="+", default=[1])
     ap.add_argument("--carveout", type=int, nargs="+", default=[0],
                     help="preferred shared-memory carveout in percent (-1: the driver's choice; default 0)")
-    ap.add_argument("--merge-in-o", type=int, nargs="+", default=[-1], choices=[-1, 0, 1],
-                    help="1: o_proj programs merge the attention partials, 0: the last split merges (ticket); "
-                         "-1: the default for the shape")
-    ap.add_argument("--acquire-polls", type=int, nargs="+", default=[0], choices=[0, 1],
-                    help="grid barrier polls: 1 acquire atomics, 0 relaxed ones then one acquire")
     ap.add_argument("--barriers", action="store_true", help="also time grid barriers alone")
     ap.add_argument("--stages", action="store_true",
                     help="also run a TIMED build: per stage, us per layer each program works and waits")
@@ -110,13 +104,12 @@ def main() -> None:
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if args.barriers:
-        for per_sm, warps, acq in [(p, w, a) for p in args.programs_per_sm for w in args.warps
-                                   for a in args.acquire_polls]:
+        for per_sm, warps in [(p, w) for p in args.programs_per_sm for w in args.warps]:
             try:
-                us = f"{barrier_cost(sms, per_sm, warps, bool(acq)):.2f} us"
+                us = f"{barrier_cost(sms, per_sm, warps):.2f} us"
             except Exception as e:  # noqa: BLE001 - e.g. a grid whose programs are not all resident
                 us = f"FAILED {type(e).__name__}: {str(e)[:120]}"
-            print(f"grid barrier, {sms * per_sm} programs x {warps} warps, acquire polls {acq}: {us}", flush=True)
+            print(f"grid barrier, {sms * per_sm} programs x {warps} warps: {us}", flush=True)
     model = build_model(args.preset, device="cuda", dtype=torch.bfloat16).eval()
     c = model.config
     cache = KVCache(CacheShape(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 1, args.max_seq_len),
@@ -131,18 +124,15 @@ def main() -> None:
     sin = torch.zeros_like(cos)
     x = hidden.clone()
     print(f"{args.preset}: {sms} SMs, layer weights {layer_bytes / 1e9:.3f} GB", flush=True)
-    configs = [(t, p, w, v, m, a) for t in args.tile_elems for p in args.programs_per_sm for w in args.warps
-               for v in args.carveout for m in args.merge_in_o for a in args.acquire_polls]
+    configs = [(t, p, w, v) for t in args.tile_elems for p in args.programs_per_sm for w in args.warps
+               for v in args.carveout]
     first_out: dict[int, torch.Tensor] = {}
-    for tile, per_sm, warps, carve, merge, acq in configs:
+    for tile, per_sm, warps, carve in configs:
         mk = megakernel.DecodeMegakernel(model, runner.layers, args.max_seq_len, torch.device("cuda"),
                                          programs=sms * per_sm, tile_elems=tile)
         mk.bind(runner.layers, cache.k, cache.v)
         mk.num_warps, mk.carveout = warps, None if carve < 0 else carve
-        mk.merge_in_o = mk.merge_in_o if merge < 0 else bool(merge)
-        mk.acquire_polls = bool(acq)
-        label = (f"tile {tile:5} programs {mk.programs:3} warps {warps:2} carveout {carve:3} "
-                 f"merge in o {int(mk.merge_in_o)} acquire polls {acq}")
+        label = f"tile {tile:5} programs {mk.programs:3} warps {warps:2} carveout {carve:3}"
         for pos in args.pos:
             p = torch.tensor([pos], device="cuda")
             try:

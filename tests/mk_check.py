@@ -24,8 +24,7 @@ CPU_CASES = [("tiny", 63, None), ("tiny", 130, None), ("small", 64, None), ("tin
 has 2 q heads per KV head; tiles cut for 12 programs give rows per task that are not powers of two (11 of a
 16-row block for QKV, 6 of 8 for o_proj), run as 12 tasks by the one interpreted program. `small`'s tiles, cut for
 the one program, are multi-chunk: o_proj 4 chunks (register double buffering), QKV 8, gate/up 16 and down 12
-(the cp.async pipeline path, PIPELINE_MIN_CHUNKS). tiny's one-chunk o_proj tiles merge the attention partials
-in o_proj (`merge_in_o`); small's multi-chunk ones take the ticket merge."""
+(the cp.async pipeline path, PIPELINE_MIN_CHUNKS)."""
 
 
 def case_name(preset, prompt_len, tile_programs):
@@ -40,10 +39,9 @@ def _runner(model, max_seq_len, device, dtype=torch.bfloat16, megakernel=True):
 
 
 @torch.inference_mode()
-def compare_to_f64(preset, prompt_len, device, max_seq_len=256, tile_programs=None, merge_in_o=None):
+def compare_to_f64(preset, prompt_len, device, max_seq_len=256, tile_programs=None):
     """One batch-1 decode step at position `prompt_len` three ways: the megakernel, the engine's bf16 layer
-    stack (HF's ops) and float64 (same weights, same cached K/V). Returns errors vs float64 and cache checks.
-    `merge_in_o`: where the attention partials are merged (None: the kernel's default for the shape)."""
+    stack (HF's ops) and float64 (same weights, same cached K/V). Returns errors vs float64 and cache checks."""
     model = build_model(preset, device=device, dtype=torch.bfloat16, seed=0).eval()
     runner = _runner(model, max_seq_len, device)
     assert runner.megakernel is not None
@@ -59,8 +57,6 @@ def compare_to_f64(preset, prompt_len, device, max_seq_len=256, tile_programs=No
     mk = runner.megakernel
     if tile_programs is not None:  # the tiling of a GPU with that many SMs, run by this device's grid
         mk = DecodeMegakernel(model, runner.layers, max_seq_len, torch.device(device), tile_programs=tile_programs)
-    if merge_in_o is not None:
-        mk.merge_in_o = merge_in_o
     mk.bind(runner.layers, runner.cache.k, runner.cache.v)
     h_mk = mk(hidden.clone(), cos, sin, pos)
 
@@ -79,7 +75,27 @@ def compare_to_f64(preset, prompt_len, device, max_seq_len=256, tile_programs=No
     untouched = all(torch.equal(a[0, :, :prompt_len], b[0, :, :prompt_len]) and
                     torch.equal(a[0, :, prompt_len + 1:], b[0, :, prompt_len + 1:])
                     for a, b in zip((*runner.cache.k, *runner.cache.v), (*k0, *v0)))
-    return dict(err, k_err=k_err, k_err_stack=k_err_stack, untouched=untouched, merge_in_o=mk.merge_in_o)
+    return dict(err, k_err=k_err, k_err_stack=k_err_stack, untouched=untouched)
+
+
+@torch.inference_mode()
+def distinct_outputs(preset, pos, device="cuda", calls=8, max_seq_len=1536) -> int:
+    """How many different outputs (bit patterns) the megakernel gives for one input over `calls` launches,
+    with random cached K/V: 1 unless some stage read data from before the barrier that should order it."""
+    model = build_model(preset, device=device, dtype=torch.bfloat16, seed=0).eval()
+    runner = _runner(model, max_seq_len, device)
+    for t in (*runner.cache.k, *runner.cache.v):
+        t.normal_(0.0, 1.0, generator=torch.Generator(device).manual_seed(0))
+    mk = runner.megakernel
+    mk.bind(runner.layers, runner.cache.k, runner.cache.v)
+    hidden = torch.randn(1, 1, model.config.hidden_size, device=device, dtype=torch.bfloat16,
+                         generator=torch.Generator(device).manual_seed(1))
+    cos = torch.ones(1, 1, mk.hd, device=device, dtype=torch.bfloat16)
+    pos_t = torch.tensor([pos], device=device)
+    outs = {mk(hidden.clone(), cos, torch.zeros_like(cos), pos_t).view(torch.int16).cpu().numpy().tobytes()
+            for _ in range(calls)}
+    mk.check()
+    return len(outs)
 
 
 def engine_samples(preset="tiny", max_new_tokens=8):
@@ -99,7 +115,7 @@ def engine_samples(preset="tiny", max_new_tokens=8):
 def compile_for_hopper(preset: str, num_warps: int = 8, programs: int = 132) -> dict:
     """Compile `decode_layers` for sm_90 without a GPU (Triton + its bundled ptxas) for a preset's shapes, as
     `DecodeMegakernel` would launch it on an H100/H200; returns registers per thread, spill bytes, and how many
-    global loads in the PTX are 16-byte vectors and how many read 2 bytes."""
+    global loads in the PTX are 16-byte vectors, how many read 2 bytes and how many are acquires (barrier polls)."""
     import inspect
     import re
     import subprocess
@@ -137,7 +153,8 @@ def compile_for_hopper(preset: str, num_warps: int = 8, programs: int = 132) -> 
     spills = int(re.search(r"(\d+) bytes spill stores", info).group(1))
     loads = re.findall(r"ld\.global\S*", kernel.asm["ptx"])
     return dict(regs=regs, spill_bytes=spills, threads=32 * num_warps, shared=kernel.metadata.shared,
-                vector_loads=sum(".v4." in x for x in loads), two_byte_loads=sum(x.endswith(".b16") for x in loads))
+                vector_loads=sum(".v4." in x for x in loads), two_byte_loads=sum(x.endswith(".b16") for x in loads),
+                acquire_loads=sum(".acquire." in x for x in loads))
 
 
 @torch.inference_mode()

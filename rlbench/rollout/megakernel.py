@@ -41,9 +41,6 @@ pipeline (`cp.async` into shared memory, PIPELINE_STAGES - 1 chunks in flight wi
 of register double buffering. Measured on the H200 (docs/LOG.md, 2026-11-30): every 4B stage has 8-40 chunks,
 3,516 -> 3,305 us per call with 3 stages (3,333 with 4); the 0.6B shape's only multi-chunk tile (gate/up, 4
 chunks) was slower with it (4.59 -> 4.73 us per layer)."""
-MERGE_STAGES = 4
-"""With `DecodeMegakernel.merge_in_o`, every o_proj program merges the attention partials itself, PIPELINE-style:
-MERGE_STAGES - 1 splits' partials (8 KB each for 16 q heads) in flight."""
 MAX_SPINS = 1 << 22
 """Polls of the barrier counter before a program gives up on a barrier (~1.5 s at ~0.35 us per L2 round
 trip; estimated, not measured): a non-resident program then costs a stall and an error, not a hang."""
@@ -127,14 +124,7 @@ class DecodeMegakernel:
         self._bound: tuple = ()
         self.num_warps = 8
         self.max_spins = MAX_SPINS
-        self.acquire_polls = False
-        """Grid barrier: poll the counter with acquire atomics (True) or relaxed ones followed by one acquire."""
         self.bf16_dot = device.type == "cuda"  # the interpreter multiplies bf16 dot operands as raw integers
-        self.merge_in_o = self.t_o[2] >= self.h * self.hd
-        """Where the attention stage ends: False, the last split of each KV head (an atomic ticket) merges the
-        partials into `attn` for o_proj to read; True, each o_proj program merges them itself as it loads its
-        activation, so the attention stage ends at its partial stores (one ticket round trip and one dependent
-        merge fewer before the barrier, ~5x the partial bytes read from L2). Only for one-chunk o_proj tiles."""
         self.carveout: int | None = 0
         """Preferred shared-memory carveout (percent) set on the compiled kernel; 0: the least shared memory the
         kernel needs, the most L1. The driver's own choice (None) measured 4% slower per call with 72 KB of shared
@@ -182,8 +172,7 @@ class DecodeMegakernel:
                       HAS_QKV_BIAS=self.has_bias, HAS_QK_NORM=self.has_qk_norm, BR_QKV=br_qkv, BK_QKV=bk_qkv,
                       BR_O=br_o, BK_O=bk_o, BR_GU=br_gu, BK_GU=bk_gu, BR_DN=br_dn, BK_DN=bk_dn,
                       ST_QKV=st_qkv, ST_O=st_o, ST_GU=st_gu, ST_DN=st_dn,
-                      MERGE_IN_O=self.merge_in_o, BH=_pow2(self.h), MERGE_STAGES=MERGE_STAGES,
-                      MAX_SPINS=self.max_spins, ACQ_POLL=self.acquire_polls, TIMED=self.timed, BF16_DOT=self.bf16_dot)
+                      MAX_SPINS=self.max_spins, TIMED=self.timed, BF16_DOT=self.bf16_dot)
         return args, consts
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -191,8 +180,6 @@ class DecodeMegakernel:
         """hidden `[1, 1, D]` (updated in place and returned), cos/sin `[1, 1, hd]`, positions `[1]` long."""
         from rlbench.rollout.mk_kernels import decode_layers
 
-        if self.merge_in_o and self.t_o[2] < self.h * self.hd:
-            raise ValueError("megakernel: merge_in_o needs o_proj tiles of one K chunk (a larger tile_elems)")
         self.sync.zero_()
         args, consts = self.launch_args(hidden, cos.contiguous(), sin.contiguous(), positions)
         kernel = decode_layers[(self.programs,)](*args, **consts, num_warps=self.num_warps)

@@ -7,8 +7,7 @@ of about equal bytes, at most one per program for the GEMVs; programs meet at a 
   B  attend   (KV head, split of `per` 64-position blocks, no more tasks than programs) partial softmax;
               q/k-norm and RoPE recomputed per task; the block holding the new position writes its K/V into
               the cache; the last split to finish for a KV head (atomic ticket) merges the partials in split
-              order (deterministic) -- or, with MERGE_IN_O (one-chunk o_proj tiles), every o_proj program
-              merges them itself as it loads its activation (`_attn_merged`), and the stage ends at its stores
+              order (deterministic)
   C  o_proj   rows of `x += o @ attn`
   D  gate/up  rows of `act = silu(gate @ rmsnorm(x)) * (up @ rmsnorm(x))`
   E  down     rows of `x += down @ act`
@@ -69,10 +68,10 @@ def _arrive(sync, arrived):
 
 
 @triton.jit
-def _wait(sync, target, err, MAX_SPINS: tl.constexpr, ACQ_POLL: tl.constexpr):
-    """Second half: spin until `target` programs have arrived (the counter only grows), then acquire. One thread
-    polls, with relaxed atomics (0.91 us per barrier at 132 programs x 8 warps, against 1.74 us when every warp
-    polled with volatile loads; docs/LOG.md).
+def _wait(sync, target, err, MAX_SPINS: tl.constexpr):
+    """Second half: spin until `target` programs have arrived (the counter only grows). One thread polls, with
+    atomics (0.91 us per barrier at 132 programs x 8 warps, against 1.74 us when every warp polled with volatile
+    loads; docs/LOG.md).
 
     Split from `_arrive` so that a program issues its next weight loads between the two: a release fence waits
     for the thread's outstanding loads, so loads issued before arriving would delay the arrival by their latency.
@@ -80,28 +79,29 @@ def _wait(sync, target, err, MAX_SPINS: tl.constexpr, ACQ_POLL: tl.constexpr):
     target of a launch, so no wait of this launch blocks again, and raises `err` for the host: a stall and an
     error, not a hang.
 
-    ACQ_POLL: every poll is an acquire, so the one that sees `target` completes the barrier; otherwise the polls
-    are relaxed and one more (acquire) atomic follows them: a round trip more per barrier.
+    Every poll is an ACQUIRE (`ld.global.gpu.acquire`) whose value the loop reads, so the poll that sees `target`
+    has completed before the CTA barrier lets the other threads on. Until session 6 the polls were relaxed and
+    followed by `atomic_add(sync, 0, sem="acquire")` with its result unused, which Triton drops: the PTX had no
+    acquire at all, and loads through L1 after the barrier (the cp.async pipeline's `cp.async.ca`) read stale
+    activations, so the 4B shape's output differed from call to call (docs/LOG.md, 2026-11-30 session 6; the
+    offline compile test now counts the acquires). Same barrier cost (0.90 vs 0.94 us).
     """
-    sem: tl.constexpr = "acquire" if ACQ_POLL else "relaxed"
-    seen = tl.atomic_add(sync, 0, sem=sem, scope="gpu")
+    seen = tl.atomic_add(sync, 0, sem="acquire", scope="gpu")
     spins = tl.full([], 0, tl.int32)
     while (seen < target) & (spins < MAX_SPINS):
-        seen = tl.atomic_add(sync, 0, sem=sem, scope="gpu")
+        seen = tl.atomic_add(sync, 0, sem="acquire", scope="gpu")
         spins += 1
     if seen < target:
         tl.atomic_add(sync, 1 << 30, sem="relaxed", scope="gpu")
         tl.store(err, 1)
-    if not ACQ_POLL:
-        tl.atomic_add(sync, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
 
 
 @triton.jit
-def _grid_sync(sync, arrived, err, MAX_SPINS: tl.constexpr, ACQ_POLL: tl.constexpr):
+def _grid_sync(sync, arrived, err, MAX_SPINS: tl.constexpr):
     """A whole grid barrier (benchmarks/megakernel.py times it alone); returns the new arrival count."""
     arrived = _arrive(sync, arrived)
-    _wait(sync, arrived, err, MAX_SPINS, ACQ_POLL)
+    _wait(sync, arrived, err, MAX_SPINS)
     return arrived
 
 
@@ -281,7 +281,7 @@ def _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos, sin, pos, n_blocks, p
                   part_acc, part_m, part_l, tickets, attn_out, pid, nprog, eps, scale, head_stride, max_splits,
                   laps, t_lap, H: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, G: tl.constexpr,
                   BG: tl.constexpr, SPLIT: tl.constexpr, HAS_NORM: tl.constexpr, CS: tl.constexpr,
-                  BF16_DOT: tl.constexpr, MERGE_IN_O: tl.constexpr, TIMED: tl.constexpr):
+                  BF16_DOT: tl.constexpr, TIMED: tl.constexpr):
     """Tasks are (KV head, split); a split runs `per` blocks with an online softmax, so that there are never more
     tasks than programs (`per` grows with the context). Each task's partial goes to its slot, and the last task
     of a KV head to finish (atomic ticket) merges the slots in split order. With TIMED, laps 12-14: a task's
@@ -306,13 +306,12 @@ def _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos, sin, pos, n_blocks, p
         tl.store(part_acc + (slot * BG + jq[:, None]) * HD + d[None, :], acc, mask=(jq < BG)[:, None])
         tl.store(part_m + slot * BG + jq, m_run, mask=jq < BG)
         tl.store(part_l + slot * BG + jq, l_run, mask=jq < BG)
-        if not MERGE_IN_O:  # otherwise every o_proj program merges the partials itself (_attn_merged)
-            tl.debug_barrier()
-            ticket = tl.atomic_add(tickets + layer * NKV + g, 1, sem="acq_rel", scope="gpu")
-            laps, t_lap = _lap(laps, t_lap, 13, TIMED)
-            if ticket == n_splits - 1:  # the last split of this KV head merges all of them, in split order
-                _merge(part_acc, part_m, part_l, attn_out, g, n_splits, max_splits, HD, G, BG, CS)
-                laps, t_lap = _lap(laps, t_lap, 14, TIMED)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(tickets + layer * NKV + g, 1, sem="acq_rel", scope="gpu")
+        laps, t_lap = _lap(laps, t_lap, 13, TIMED)
+        if ticket == n_splits - 1:  # the last split of this KV head merges all of them, in split order
+            _merge(part_acc, part_m, part_l, attn_out, g, n_splits, max_splits, HD, G, BG, CS)
+            laps, t_lap = _lap(laps, t_lap, 14, TIMED)
     return laps, t_lap
 
 
@@ -391,51 +390,6 @@ def _merge(part_acc, part_m, part_l, attn_out, g, n_splits, max_splits, HD: tl.c
 
 
 @triton.jit
-def _attn_merged(part_acc, part_m, part_l, n_splits, max_splits, H: tl.constexpr, HD: tl.constexpr, G: tl.constexpr,
-                 BG: tl.constexpr, BH: tl.constexpr, STAGES: tl.constexpr):
-    """The attention output `[BH * HD]` (fp32 holding the bf16 values `_merge` would store; padded heads 0),
-    merged straight from every q head's split partials, split by split in split order (online softmax merge).
-    A split's loads go through Triton's software pipeline (STAGES - 1 splits in flight), so a context of many
-    splits costs about one round trip, not one per split."""
-    h = tl.arange(0, BH)
-    hm = h < H
-    row = (h // G) * max_splits * BG + h % G  # q head h = g G + j has its split s partial at (g max_splits + s) BG + j
-    d = tl.arange(0, HD)
-    m_tot = tl.full([BH], float("-inf"), tl.float32)
-    l_tot = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([BH, HD], tl.float32)
-    for s in tl.range(0, n_splits, num_stages=STAGES):
-        idx = row + s * BG
-        m = tl.load(part_m + idx, mask=hm, other=0.0, cache_modifier=".cg")  # padded heads: m 0, l 1, acc 0 -> 0
-        s_l = tl.load(part_l + idx, mask=hm, other=1.0, cache_modifier=".cg")
-        a = tl.load(part_acc + idx[:, None] * HD + d[None, :], mask=hm[:, None], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m_tot, m)
-        keep = tl.exp(m_tot - m_new)  # 0 for the first split
-        w = tl.exp(m - m_new)
-        l_tot = l_tot * keep + w * s_l
-        acc = acc * keep[:, None] + w[:, None] * a
-        m_tot = m_new
-    return tl.reshape(_bf(acc / l_tot[:, None]), (BH * HD,))
-
-
-@triton.jit
-def _stage_o_merged(w, w0, x, part_acc, part_m, part_l, n_splits, max_splits, pid, nprog, rows_per,
-                    D: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
-                    BH: tl.constexpr, BR: tl.constexpr, STAGES: tl.constexpr):
-    """o_proj with its residual add (as `_stage_residual`) for a one-chunk tile, its activation merged from the
-    attention partials by `_attn_merged` instead of loaded from a buffer one merging program per KV head wrote:
-    the attention stage then ends at its partial stores (no ticket, no merge on the critical path)."""
-    for t in range(pid, tl.cdiv(D, rows_per), nprog):
-        rows, rmask = _rows(t, rows_per, D, BR)
-        if t != pid:
-            w0 = _w_chunk(w, rows, rmask, H * HD, 0, BH * HD)
-        res = tl.load(x + rows, mask=rmask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        v = _attn_merged(part_acc, part_m, part_l, n_splits, max_splits, H, HD, G, BG, BH, STAGES)
-        out = _bf(tl.sum(w0.to(tl.float32) * v[None, :], axis=1))
-        tl.store(x + rows, _to_bf16(res + out), mask=rmask)
-
-
-@triton.jit
 def _stage_residual(w, w0, x, v_ptr, pid, nprog, rows_per, D: tl.constexpr, K: tl.constexpr, BR: tl.constexpr,
                     BK: tl.constexpr, STAGES: tl.constexpr):
     """x[rows] = bf16(x[rows] + bf16(w[rows] @ v)) (o_proj and down_proj with their residual add)."""
@@ -475,8 +429,7 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
                   BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_O: tl.constexpr, BK_O: tl.constexpr,
                   BR_GU: tl.constexpr, BK_GU: tl.constexpr, BR_DN: tl.constexpr, BK_DN: tl.constexpr,
                   ST_QKV: tl.constexpr, ST_O: tl.constexpr, ST_GU: tl.constexpr, ST_DN: tl.constexpr,
-                  MERGE_IN_O: tl.constexpr, BH: tl.constexpr, MERGE_STAGES: tl.constexpr,
-                  MAX_SPINS: tl.constexpr, ACQ_POLL: tl.constexpr, BF16_DOT: tl.constexpr, TIMED: tl.constexpr):
+                  MAX_SPINS: tl.constexpr, BF16_DOT: tl.constexpr, TIMED: tl.constexpr):
     """Every decoder layer for one token: x `[D]` bf16 is updated in place. `sync[0]` is the barrier counter,
     `sync[1:]` the per-(layer, KV head) merge tickets, all zero at launch; `err[0]` is set on a barrier timeout.
     With TIMED, `laps_out[pid, 2 s]` / `[pid, 2 s + 1]` get the SM cycles program pid spent working in / waiting
@@ -510,31 +463,26 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         k0, v0 = _kv_block(kc, vc, g0, first0, pos, pid < NKV * n_splits, head_stride, HD, SPLIT)
         q_norm = _norm_pair(_ptr(table, layer, Q_NORM), HD, HAS_QK_NORM)
         k_norm = _norm_pair(_ptr(table, layer, K_NORM), HD, HAS_QK_NORM)
-        _wait(sync, arrived, err, MAX_SPINS, ACQ_POLL)
+        _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 1, TIMED)
         laps, t = _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos_v, sin_v, pos, n_blocks, per, n_splits,
                                 k0, v0, part_acc, part_m, part_l, tickets, attn, pid, nprog, eps, scale, head_stride,
-                                max_splits, laps, t, H, NKV, HD, G, BG, SPLIT, HAS_QK_NORM, CS, BF16_DOT, MERGE_IN_O,
-                                TIMED)
+                                max_splits, laps, t, H, NKV, HD, G, BG, SPLIT, HAS_QK_NORM, CS, BF16_DOT, TIMED)
         laps, t = _lap(laps, t, 2, TIMED)
         arrived = _arrive(sync, arrived)
         w_o = _ptr(table, layer, O_PROJ)
         rows, rmask = _rows(pid, r_o, D, BR_O)
         w_c = _w_chunk(w_o, rows, rmask, H * HD, 0, BK_O)
-        _wait(sync, arrived, err, MAX_SPINS, ACQ_POLL)
+        _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 3, TIMED)
-        if MERGE_IN_O:
-            _stage_o_merged(w_o, w_c, x, part_acc, part_m, part_l, n_splits, max_splits, pid, nprog, r_o, D, H, HD,
-                            G, BG, BH, BR_O, MERGE_STAGES)
-        else:
-            _stage_residual(w_o, w_c, x, attn, pid, nprog, r_o, D, H * HD, BR_O, BK_O, ST_O)
+        _stage_residual(w_o, w_c, x, attn, pid, nprog, r_o, D, H * HD, BR_O, BK_O, ST_O)
         laps, t = _lap(laps, t, 4, TIMED)
         arrived = _arrive(sync, arrived)
         w_gu = _ptr(table, layer, GATE_UP)
         rows, rmask = _stacked_rows(pid, r_gu, FFN, BR_GU)
         w_d = _w_chunk(w_gu, rows, rmask, D, 0, BK_GU)
         s_d = _norm_chunk(_ptr(table, layer, POST_NORM), D, BK_GU)
-        _wait(sync, arrived, err, MAX_SPINS, ACQ_POLL)
+        _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 5, TIMED)
         _stage_gate_up(w_gu, _ptr(table, layer, POST_NORM), x, act, w_d, s_d, pid, nprog, eps, r_gu, D, FFN, BR_GU,
                        BK_GU, BD, ST_GU)
@@ -543,7 +491,7 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         w_dn = _ptr(table, layer, DOWN)
         rows, rmask = _rows(pid, r_dn, D, BR_DN)
         w_e = _w_chunk(w_dn, rows, rmask, FFN, 0, BK_DN)
-        _wait(sync, arrived, err, MAX_SPINS, ACQ_POLL)
+        _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 7, TIMED)
         _stage_residual(w_dn, w_e, x, act, pid, nprog, r_dn, D, FFN, BR_DN, BK_DN, ST_DN)
         laps, t = _lap(laps, t, 8, TIMED)
@@ -552,7 +500,7 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         rows, rmask = _rows(pid, r_qkv, n_qkv, BR_QKV)
         w_a = _w_chunk(_ptr(table, nxt, QKV), rows, rmask & (layer + 1 < num_layers), D, 0, BK_QKV)
         s_a = _norm_chunk(_ptr(table, nxt, IN_NORM), D, BK_QKV)
-        _wait(sync, arrived, err, MAX_SPINS, ACQ_POLL)
+        _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 9, TIMED)
     if TIMED:
         laps = tl.where(tl.arange(0, 16) == 10, t - t0, laps)
