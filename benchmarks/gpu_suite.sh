@@ -5,7 +5,7 @@
 #   lane0    GPU0: rollout benchmark (engine vs HF generate), then the colocated GRPO loop (tests/test_e2e_gpu.py)
 #   lane1    GPU1: FSDP + packed-attention GPU tests, then the 0.6B training benchmark
 #   mk       GPU0: the batch-1 decode megakernel: GPU tests (barriers live), kernel-alone timing, decode step vs compiled
-#   gstream  GPU0: branch gluon-stream2's Gluon weight-streaming microbenchmark (producer warp + TMA ring; stream/gemv)
+#   gstream  GPU0: branch gluon-stream2's Gluon weight-streaming microbenchmark (producer warp + TMA ring; stream/gemv/gemv_thread, TIMED stall table)
 #   extra    GPU1 after lane1 (add it only when there is time): rollout GPU tests, decode variants, 4B training, packing
 set -u
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -30,8 +30,8 @@ for part in "$@"; do case $part in
         python3 benchmarks/decode_profile.py --preset qwen3-4b-shape --kv 1024 --batch 1 --megakernel 0 1 --steps 30;
         python3 benchmarks/rollout.py --device cuda --preset qwen3-0.6b-shape --batch-sizes 1 --prompt-len 512 \
           --new-tokens 1024 --hf-new-tokens 256 --megakernel --out $OUT/rollout_mk.json" ;;
-  gstream) run gstream 0 "$(lim 240)" "python3 benchmarks/gluon_stream.py --slots 8 24 48;
-        python3 benchmarks/gluon_stream.py --preset qwen3-4b-shape --slots 24 --iters 20" ;;
+  gstream) run gstream 0 "$(lim 240)" "python3 benchmarks/gluon_stream.py --slots 24 48 --modes stream gemv gemv_thread --timed;
+        python3 benchmarks/gluon_stream.py --preset qwen3-4b-shape --slots 24 --modes stream gemv gemv_thread --iters 20" ;;
   extra) run extra 1 "$(lim 400)" "python3 -m pytest -m gpu tests/test_rollout_gpu.py -q -s;
            python3 benchmarks/decode_profile.py --preset qwen3-0.6b-shape --kv 256 1024 --batch 1 --fused 1 --decode-attention sdpa split --gemv-batch1 0 1;
            python3 benchmarks/train.py --preset qwen3-4b-shape --attn flex_attention --compile --steps 3 --warmup 2 --json $OUT/train.jsonl;
