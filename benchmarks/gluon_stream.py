@@ -72,7 +72,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 BR = gl.constexpr(8)  # rows per TMA box
 BK = gl.constexpr(256)  # columns per TMA box: a box is 4 KB of bf16
 XR = gl.constexpr(16)  # rows of BK stage-input values per global load into the shared x buffer (16 KB of fp32)
-MODES = ("stream", "stream_thread", "gemv", "gemv_thread")
+MODES = ("stream", "stream_thread", "gemv", "gemv_thread", "barrier_only", "barrier_load")
 # columns of the TIMED output, one row per program (SM cycles unless named ns)
 STATS = ("prod_wait_empty", "prod_total", "cons_wait_ready", "cons_grid_barrier", "cons_x_load", "cons_total",
          "cons_total_ns", "boxes")
@@ -109,14 +109,19 @@ def _globaltimer(TIMED: gl.constexpr):
 
 @gluon.jit
 def _produce_stage(desc, ring, ready, empty, i, tw, base, row0, N: gl.constexpr, ROWS: gl.constexpr,
-                   K: gl.constexpr, SLOTS: gl.constexpr, TIMED: gl.constexpr):
+                   K: gl.constexpr, SLOTS: gl.constexpr, TIMED: gl.constexpr, SELF: gl.constexpr):
     """Issue this program's boxes of one stage (ROWS rows from row0 < N, all K columns) into the ring; `base` is
-    the layer's first row in the stacked weights. With TIMED, `tw` adds the cycles spent waiting for a free slot."""
+    the layer's first row in the stacked weights. With TIMED, `tw` adds the cycles spent waiting for a free slot.
+    SELF (mode barrier_load): nobody consumes; a slot is free once its previous box has landed."""
     for r in gl.static_range(ROWS // BR):
         for c in range(gl.where(row0 + r * BR < N, K // BK, 0)):
             slot = i % SLOTS
             t0 = _clock(TIMED)
-            mbarrier.wait(empty.index(slot), ((i // SLOTS) & 1) ^ 1)  # a fresh barrier passes parity 1
+            if SELF:
+                if i >= SLOTS:
+                    mbarrier.wait(ready.index(slot), ((i // SLOTS) - 1) & 1)
+            else:
+                mbarrier.wait(empty.index(slot), ((i // SLOTS) & 1) ^ 1)  # a fresh barrier passes parity 1
             tw += _clock(TIMED) - t0
             mbarrier.expect(ready.index(slot), BR * BK * 2)
             tma.async_copy_global_to_shared(desc, [base + row0 + r * BR, c * BK], ready.index(slot),
@@ -130,18 +135,23 @@ def _producer(d_qkv, d_o, d_gu, d_dn, ring, ready, empty, stats, n_layers, pid,
               N_QKV: gl.constexpr, N_O: gl.constexpr, N_GU: gl.constexpr, N_DN: gl.constexpr,
               R_QKV: gl.constexpr, R_O: gl.constexpr, R_GU: gl.constexpr, R_DN: gl.constexpr,
               K_QKV: gl.constexpr, K_O: gl.constexpr, K_GU: gl.constexpr, K_DN: gl.constexpr, SLOTS: gl.constexpr,
-              TIMED: gl.constexpr):
+              TIMED: gl.constexpr, MODE: gl.constexpr):
+    SELF: gl.constexpr = MODE == "barrier_load"
     i = 0
     tw = _clock(TIMED) * 0  # an int64 with TIMED
     t_start = _clock(TIMED)
-    for layer in range(n_layers):
+    for layer in range(gl.where(MODE == "barrier_only", 0, n_layers)):
         i, tw = _produce_stage(d_qkv, ring, ready, empty, i, tw, layer * N_QKV, pid * R_QKV, N_QKV, R_QKV, K_QKV,
-                               SLOTS, TIMED)
-        i, tw = _produce_stage(d_o, ring, ready, empty, i, tw, layer * N_O, pid * R_O, N_O, R_O, K_O, SLOTS, TIMED)
+                               SLOTS, TIMED, SELF)
+        i, tw = _produce_stage(d_o, ring, ready, empty, i, tw, layer * N_O, pid * R_O, N_O, R_O, K_O, SLOTS, TIMED,
+                               SELF)
         i, tw = _produce_stage(d_gu, ring, ready, empty, i, tw, layer * N_GU, pid * R_GU, N_GU, R_GU, K_GU, SLOTS,
-                               TIMED)
+                               TIMED, SELF)
         i, tw = _produce_stage(d_dn, ring, ready, empty, i, tw, layer * N_DN, pid * R_DN, N_DN, R_DN, K_DN, SLOTS,
-                               TIMED)
+                               TIMED, SELF)
+    if SELF:  # every box must land before the kernel's shared memory goes away
+        for j in range(gl.maximum(i - SLOTS, 0), i):
+            mbarrier.wait(ready.index(j % SLOTS), (j // SLOTS) & 1)
     if TIMED:  # the producer's total ends when its last box is issued, not when it lands
         gl.store(stats + pid * 8 + 0, tw)
         gl.store(stats + pid * 8 + 1, _clock(TIMED) - t_start)
@@ -149,13 +159,14 @@ def _producer(d_qkv, d_o, d_gu, d_dn, ring, ready, empty, stats, n_layers, pid,
 
 @gluon.jit
 def _grid_barrier(sync, arrived, nprog):
+    """As the megakernel's: one thread's release add, then acquire polls whose value the loop reads (an unused
+    acquire add of 0 after relaxed polls is dropped by the compiler: no acquire at all; docs/LOG.md session 6)."""
     gl.thread_barrier()
     gl.atomic_add(sync, 1, sem="release", scope="gpu")
     target = arrived + nprog
-    seen = gl.atomic_add(sync, 0, sem="relaxed", scope="gpu")
+    seen = gl.atomic_add(sync, 0, sem="acquire", scope="gpu")
     while seen < target:
-        seen = gl.atomic_add(sync, 0, sem="relaxed", scope="gpu")
-    gl.atomic_add(sync, 0, sem="acquire", scope="gpu")
+        seen = gl.atomic_add(sync, 0, sem="acquire", scope="gpu")
     gl.thread_barrier()
     return target
 
@@ -242,6 +253,7 @@ def _consumer(x_qkv, x_o, x_gu, x_dn, ring, ready, empty, xbuf, sync, stats, n_l
               TIMED: gl.constexpr):
     # stage s reads the output of stage s - 1 (x_dn -> QKV -> x_qkv -> o -> x_o -> gate/up -> x_gu -> down -> x_dn)
     gl.static_assert(gl.num_warps() == NUM_WARPS, "NUM_WARPS must be the launch's num_warps")
+    CONSUME: gl.constexpr = MODE != "barrier_only" and MODE != "barrier_load"  # those modes: only grid barriers
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NUM_WARPS, 1], [1, 0])
     i = 0
     arrived = 0
@@ -251,20 +263,24 @@ def _consumer(x_qkv, x_o, x_gu, x_dn, ring, ready, empty, xbuf, sync, stats, n_l
     t_start = _clock(TIMED)
     ns_start = _globaltimer(TIMED)
     for _layer in range(n_layers):
-        i, tr, tx = _consume_stage(x_dn, x_qkv, ring, ready, empty, xbuf, i, tr, tx, pid * R_QKV, N_QKV, R_QKV,
-                                   K_QKV, SLOTS, MODE, TIMED, layout)
+        if CONSUME:
+            i, tr, tx = _consume_stage(x_dn, x_qkv, ring, ready, empty, xbuf, i, tr, tx, pid * R_QKV, N_QKV, R_QKV,
+                                       K_QKV, SLOTS, MODE, TIMED, layout)
         if BARRIERS:
             arrived, tb = _timed_barrier(sync, arrived, nprog, tb, TIMED)
-        i, tr, tx = _consume_stage(x_qkv, x_o, ring, ready, empty, xbuf, i, tr, tx, pid * R_O, N_O, R_O, K_O, SLOTS,
-                                   MODE, TIMED, layout)
+        if CONSUME:
+            i, tr, tx = _consume_stage(x_qkv, x_o, ring, ready, empty, xbuf, i, tr, tx, pid * R_O, N_O, R_O, K_O, SLOTS,
+                                       MODE, TIMED, layout)
         if BARRIERS:
             arrived, tb = _timed_barrier(sync, arrived, nprog, tb, TIMED)
-        i, tr, tx = _consume_stage(x_o, x_gu, ring, ready, empty, xbuf, i, tr, tx, pid * R_GU, N_GU, R_GU, K_GU,
-                                   SLOTS, MODE, TIMED, layout)
+        if CONSUME:
+            i, tr, tx = _consume_stage(x_o, x_gu, ring, ready, empty, xbuf, i, tr, tx, pid * R_GU, N_GU, R_GU, K_GU,
+                                       SLOTS, MODE, TIMED, layout)
         if BARRIERS:
             arrived, tb = _timed_barrier(sync, arrived, nprog, tb, TIMED)
-        i, tr, tx = _consume_stage(x_gu, x_dn, ring, ready, empty, xbuf, i, tr, tx, pid * R_DN, N_DN, R_DN, K_DN,
-                                   SLOTS, MODE, TIMED, layout)
+        if CONSUME:
+            i, tr, tx = _consume_stage(x_gu, x_dn, ring, ready, empty, xbuf, i, tr, tx, pid * R_DN, N_DN, R_DN, K_DN,
+                                       SLOTS, MODE, TIMED, layout)
         if BARRIERS:
             arrived, tb = _timed_barrier(sync, arrived, nprog, tb, TIMED)
     if TIMED:  # every consumer thread stores the same columns; their values differ by a few cycles at most
@@ -287,8 +303,8 @@ def stream_layers(d_qkv, d_o, d_gu, d_dn, x_qkv, x_o, x_gu, x_dn, sync, stats, n
                   TIMED: gl.constexpr):
     """`stats` ([programs, 8] int64, columns STATS) is written only with TIMED."""
     gl.static_assert(K_QKV <= KMAX and K_O <= KMAX and K_GU <= KMAX and K_DN <= KMAX, "KMAX is the largest K")
-    gl.static_assert(MODE == "stream" or MODE == "stream_thread" or MODE == "gemv" or MODE == "gemv_thread",
-                     "MODE: stream, stream_thread, gemv or gemv_thread")
+    gl.static_assert(MODE == "stream" or MODE == "stream_thread" or MODE == "gemv" or MODE == "gemv_thread"
+                     or MODE == "barrier_only" or MODE == "barrier_load", "MODE: one of MODES")
     THREAD_ARRIVE: gl.constexpr = MODE == "stream_thread" or MODE == "gemv_thread"
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -309,7 +325,7 @@ def stream_layers(d_qkv, d_o, d_gu, d_dn, x_qkv, x_o, x_gu, x_dn, sync, stats, n
                      N_GU, N_DN, R_QKV, R_O, R_GU, R_DN, K_QKV, K_O, K_GU, K_DN, SLOTS, BARRIERS, MODE, NUM_WARPS,
                      TIMED)),
         (_producer, (d_qkv, d_o, d_gu, d_dn, ring, ready, empty, stats, n_layers, pid, N_QKV, N_O, N_GU, N_DN,
-                     R_QKV, R_O, R_GU, R_DN, K_QKV, K_O, K_GU, K_DN, SLOTS, TIMED)),
+                     R_QKV, R_O, R_GU, R_DN, K_QKV, K_O, K_GU, K_DN, SLOTS, TIMED, MODE)),
     ], [1], [40])
 
 

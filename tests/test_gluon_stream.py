@@ -88,6 +88,18 @@ def test_gluon_stream_compiles_for_hopper(mode, slots):
 
 
 @needs_gluon
+@pytest.mark.parametrize("mode", ["barrier_only", "barrier_load"])
+def test_barrier_modes_compile_for_hopper(mode):
+    """The consumer only meets the grid barriers (acquire polls); barrier_load's producer streams the boxes
+    meanwhile, reusing a slot once its previous box has landed; barrier_only's loads nothing."""
+    _, kernel = _build(mode, 24)
+    ptx = kernel.asm["ptx"]
+    assert "atom.global.gpu.release" in ptx and "ld.global.gpu.acquire" in ptx
+    assert ("cp.async.bulk.tensor" in ptx) == (mode == "barrier_load")
+    assert "ld.shared.v4" not in ptx
+
+
+@needs_gluon
 @pytest.mark.parametrize("work", ["stream", "gemv"])
 def test_thread_release_needs_fewer_bar_syncs(work):
     """mbarrier.arrive (one thread) costs a partition-wide bar.sync before it and another after it, per box;
