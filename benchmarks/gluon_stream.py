@@ -72,7 +72,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 BR = gl.constexpr(8)  # rows per TMA box
 BK = gl.constexpr(256)  # columns per TMA box: a box is 4 KB of bf16
 XR = gl.constexpr(16)  # rows of BK stage-input values per global load into the shared x buffer (16 KB of fp32)
-MODES = ("stream", "stream_thread", "gemv", "gemv_thread", "barrier_only", "barrier_load")
+MODES = ("stream", "stream_thread", "gemv", "gemv_thread", "barrier_only", "barrier_load", "barrier_load_half")
 # columns of the TIMED output, one row per program (SM cycles unless named ns)
 STATS = ("prod_wait_empty", "prod_total", "cons_wait_ready", "cons_grid_barrier", "cons_x_load", "cons_total",
          "cons_total_ns", "boxes")
@@ -136,11 +136,16 @@ def _producer(d_qkv, d_o, d_gu, d_dn, ring, ready, empty, stats, n_layers, pid,
               R_QKV: gl.constexpr, R_O: gl.constexpr, R_GU: gl.constexpr, R_DN: gl.constexpr,
               K_QKV: gl.constexpr, K_O: gl.constexpr, K_GU: gl.constexpr, K_DN: gl.constexpr, SLOTS: gl.constexpr,
               TIMED: gl.constexpr, MODE: gl.constexpr):
-    SELF: gl.constexpr = MODE == "barrier_load"
+    SELF: gl.constexpr = MODE == "barrier_load" or MODE == "barrier_load_half"
     i = 0
     tw = _clock(TIMED) * 0  # an int64 with TIMED
     t_start = _clock(TIMED)
-    for layer in range(gl.where(MODE == "barrier_only", 0, n_layers)):
+    n_stream = n_layers
+    if MODE == "barrier_only":
+        n_stream = 0
+    if MODE == "barrier_load_half":  # odd programs stream, even ones only meet the barriers
+        n_stream = gl.where(pid % 2 == 1, n_layers, 0)
+    for layer in range(n_stream):
         i, tw = _produce_stage(d_qkv, ring, ready, empty, i, tw, layer * N_QKV, pid * R_QKV, N_QKV, R_QKV, K_QKV,
                                SLOTS, TIMED, SELF)
         i, tw = _produce_stage(d_o, ring, ready, empty, i, tw, layer * N_O, pid * R_O, N_O, R_O, K_O, SLOTS, TIMED,
@@ -253,7 +258,7 @@ def _consumer(x_qkv, x_o, x_gu, x_dn, ring, ready, empty, xbuf, sync, stats, n_l
               TIMED: gl.constexpr):
     # stage s reads the output of stage s - 1 (x_dn -> QKV -> x_qkv -> o -> x_o -> gate/up -> x_gu -> down -> x_dn)
     gl.static_assert(gl.num_warps() == NUM_WARPS, "NUM_WARPS must be the launch's num_warps")
-    CONSUME: gl.constexpr = MODE != "barrier_only" and MODE != "barrier_load"  # those modes: only grid barriers
+    CONSUME: gl.constexpr = not MODE.startswith("barrier_")  # those modes: only grid barriers
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NUM_WARPS, 1], [1, 0])
     i = 0
     arrived = 0
@@ -304,7 +309,8 @@ def stream_layers(d_qkv, d_o, d_gu, d_dn, x_qkv, x_o, x_gu, x_dn, sync, stats, n
     """`stats` ([programs, 8] int64, columns STATS) is written only with TIMED."""
     gl.static_assert(K_QKV <= KMAX and K_O <= KMAX and K_GU <= KMAX and K_DN <= KMAX, "KMAX is the largest K")
     gl.static_assert(MODE == "stream" or MODE == "stream_thread" or MODE == "gemv" or MODE == "gemv_thread"
-                     or MODE == "barrier_only" or MODE == "barrier_load", "MODE: one of MODES")
+                     or MODE == "barrier_only" or MODE == "barrier_load" or MODE == "barrier_load_half",
+                     "MODE: one of MODES")
     THREAD_ARRIVE: gl.constexpr = MODE == "stream_thread" or MODE == "gemv_thread"
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -341,12 +347,18 @@ def shapes(preset: str) -> tuple[dict[str, tuple[int, int]], int]:
                 dn=(c.hidden_size, c.intermediate_size)), c.num_hidden_layers
 
 
-def stall_table(stats: torch.Tensor, layers: int) -> str:
+def stall_table(stats: torch.Tensor, layers: int, halves: bool = False) -> str:
     """Mean and max over programs of the TIMED columns in us per layer; cycles become ns at each program's own
-    rate (its consumer's cycles over its globaltimer ns)."""
+    rate (its consumer's cycles over its globaltimer ns). `halves` (mode barrier_load_half): also the mean time in
+    the grid barriers of the streaming (odd) and the idle (even) programs."""
     st = stats.double()
     ghz = st[:, STATS.index("cons_total")] / st[:, STATS.index("cons_total_ns")].clamp(min=1)
     parts = []
+    if halves:
+        j = STATS.index("cons_grid_barrier")
+        us = st[:, j] / 1e3 / layers / ghz.clamp(min=1e-3)
+        parts.append(f"cons_grid_barrier streaming/idle programs {us[1::2].mean().item():.2f}/"
+                     f"{us[0::2].mean().item():.2f}")
     for j, name in enumerate(STATS):
         if name == "boxes":
             parts.append(f"boxes/layer {st[:, j].mean().item() / layers:.1f}")
@@ -428,8 +440,8 @@ def main() -> None:
             call(timed=True)
             end.record()
             end.synchronize()
-            print(f"{name} TIMED: {start.elapsed_time(end) * 1e3:8.1f} us per call; {stall_table(stats, layers)}",
-                  flush=True)
+            table = stall_table(stats, layers, halves=mode == "barrier_load_half")
+            print(f"{name} TIMED: {start.elapsed_time(end) * 1e3:8.1f} us per call; {table}", flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"{name} TIMED: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
 

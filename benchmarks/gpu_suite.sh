@@ -30,7 +30,7 @@ for part in "$@"; do case $part in
         python3 benchmarks/decode_profile.py --preset qwen3-4b-shape --kv 1024 --batch 1 --megakernel 0 1 --steps 30;
         python3 benchmarks/rollout.py --device cuda --preset qwen3-0.6b-shape --batch-sizes 1 --prompt-len 512 \
           --new-tokens 1024 --hf-new-tokens 256 --megakernel --out $OUT/rollout_mk.json" ;;
-  gstream) run gstream 0 "$(lim 300)" "python3 benchmarks/gluon_stream.py --slots 24 --modes barrier_only barrier_load stream gemv --timed" ;;
+  gstream) run gstream 0 "$(lim 300)" "python3 benchmarks/gluon_stream.py --slots 24 --modes barrier_only barrier_load barrier_load_half --timed" ;;
   extra) run extra 1 "$(lim 400)" "python3 -m pytest -m gpu tests/test_rollout_gpu.py -q -s;
            python3 benchmarks/decode_profile.py --preset qwen3-0.6b-shape --kv 256 1024 --batch 1 --fused 1 --decode-attention sdpa split --gemv-batch1 0 1;
            python3 benchmarks/train.py --preset qwen3-4b-shape --attn flex_attention --compile --steps 3 --warmup 2 --json $OUT/train.jsonl;
