@@ -52,6 +52,14 @@ v3 answers them in one run:
 
     python benchmarks/gluon_stream.py --slots 24 48 --modes stream gemv gemv_thread --timed
 
+v3 (measured on the H200, docs/LOG.md 2026-11-30 session 6): the stream with barriers is barrier-bound. The
+producer waits for a free slot 9.4 of 11.2 us per layer (ring full, 24 or 48 slots alike) while the consumers,
+their data ready, sit in the 4 grid barriers ~1.9 us each. Per-thread release: -2% (0.6B), 2.3x slower (4B).
+Modes barrier_only / barrier_load / barrier_load_half (the consumer only meets the grid barriers; nobody, every
+program or every odd program streams meanwhile): 0.90 us per grid barrier idle, 2.43 under the full stream,
+1.47 under half of it -- the same for the SMs that do not stream: the barrier's L2 round trips slow with the
+GPU-wide memory load.
+
 Shared memory (227 KB per block): ring slots * 4 KB plus, in modes gemv*, the x buffer (0.6B 16 KB, 4B 48 KB), so
 the 4B preset fits 24 slots, not 48.
 """

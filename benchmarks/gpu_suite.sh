@@ -5,7 +5,7 @@
 #   lane0    GPU0: rollout benchmark (engine vs HF generate), then the colocated GRPO loop (tests/test_e2e_gpu.py)
 #   lane1    GPU1: FSDP + packed-attention GPU tests, then the 0.6B training benchmark
 #   mk       GPU0: the batch-1 decode megakernel: GPU tests (barriers live), kernel-alone timing, decode step vs compiled
-#   gstream  GPU0: branch gluon-stream2's Gluon weight-streaming microbenchmark (producer warp + TMA ring; stream/gemv/gemv_thread, TIMED stall table)
+#   gstream  GPU0: the Gluon weight-streaming microbenchmark (producer warp + TMA ring): grid barrier cost idle / under the stream
 #   extra    GPU1 after lane1 (add it only when there is time): rollout GPU tests, decode variants, 4B training, packing
 set -u
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
