@@ -387,6 +387,9 @@ def main() -> None:
     ap.add_argument("--warps", type=int, default=4, help="consumer warps (num_warps), a multiple of 4")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--bandwidth-tbs", type=float, default=4.3)
+    ap.add_argument("--programs", type=int, default=0,
+                    help="the grid (default 0: one program per SM); fewer programs get more rows each: how much of "
+                         "HBM's bandwidth that many SMs can pull (e.g. one thread-block cluster's 16)")
     ap.add_argument("--timed", action="store_true",
                     help="after each variant's timing, one TIMED launch (clock64 around the waits and barriers): "
                          "print its stall table")
@@ -395,7 +398,7 @@ def main() -> None:
         ap.error("--warps must be a positive multiple of 4 (warp specialization)")
     dims, layers = shapes(args.preset)
     kmax = max(k for _, k in dims.values())
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = args.programs or torch.cuda.get_device_properties(0).multi_processor_count
     br, bk = BR.value, BK.value
     rows = {k: triton.cdiv(triton.cdiv(n, sms), br) * br for k, (n, _) in dims.items()}  # per program, whole boxes
     assert all(k % bk == 0 for _, k in dims.values()), "K must be a multiple of BK"

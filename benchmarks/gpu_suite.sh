@@ -6,6 +6,7 @@
 #   lane1    GPU1: FSDP + packed-attention GPU tests, then the 0.6B training benchmark
 #   mk       GPU0: the batch-1 decode megakernel: GPU tests (barriers live), kernel-alone timing, decode step vs compiled
 #   gstream  GPU0: the Gluon weight-streaming microbenchmark (producer warp + TMA ring): grid barrier cost idle / under the stream
+#   gprog    GPU0: how much HBM bandwidth 16 / 33 / 66 / 132 SMs pull with the Gluon TMA stream
 #   extra    GPU1 after lane1 (add it only when there is time): rollout GPU tests, decode variants, 4B training, packing
 set -u
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -31,6 +32,7 @@ for part in "$@"; do case $part in
         python3 benchmarks/rollout.py --device cuda --preset qwen3-0.6b-shape --batch-sizes 1 --prompt-len 512 \
           --new-tokens 1024 --hf-new-tokens 256 --megakernel --out $OUT/rollout_mk.json" ;;
   gstream) run gstream 0 "$(lim 300)" "python3 benchmarks/gluon_stream.py --slots 24 --modes barrier_only barrier_load barrier_load_half --timed" ;;
+  gprog) run gprog 0 "$(lim 300)" "for p in 16 33 66 132; do python3 benchmarks/gluon_stream.py --programs \$p --slots 48 --modes stream --iters 20; done" ;;
   extra) run extra 1 "$(lim 400)" "python3 -m pytest -m gpu tests/test_rollout_gpu.py -q -s;
            python3 benchmarks/decode_profile.py --preset qwen3-0.6b-shape --kv 256 1024 --batch 1 --fused 1 --decode-attention sdpa split --gemv-batch1 0 1;
            python3 benchmarks/train.py --preset qwen3-4b-shape --attn flex_attention --compile --steps 3 --warmup 2 --json $OUT/train.jsonl;
