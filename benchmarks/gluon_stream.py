@@ -233,16 +233,14 @@ def _consume_stage(x, out, ring, ready, empty, xbuf, i, tr, tx, row0, n_rows, RO
             slot = i % SLOTS
             if GEMV:
                 xv = xrow.index(c).load(gl.SliceLayout(0, layout))  # does not wait for the box
-                t0 = _clock(TIMED)
-                mbarrier.wait(ready.index(slot), (i // SLOTS) & 1)
-                tr += _clock(TIMED) - t0
+            t0 = _clock(TIMED)
+            mbarrier.wait(ready.index(slot), (i // SLOTS) & 1)
+            tr += _clock(TIMED) - t0
+            if GEMV:
                 w = ring.index(slot).load(layout)
                 _release(empty.index(slot), THREAD_ARRIVE)
                 acc += w.to(gl.float32) * xv[None, :]  # lanes reduce once per row group, below
             else:
-                t0 = _clock(TIMED)
-                mbarrier.wait(ready.index(slot), (i // SLOTS) & 1)
-                tr += _clock(TIMED) - t0
                 _release(empty.index(slot), THREAD_ARRIVE)
             i += 1
         rows = row0 + r * BR + rs
@@ -361,18 +359,18 @@ def stall_table(stats: torch.Tensor, layers: int, halves: bool = False) -> str:
     the grid barriers of the streaming (odd) and the idle (even) programs."""
     st = stats.double()
     ghz = st[:, STATS.index("cons_total")] / st[:, STATS.index("cons_total_ns")].clamp(min=1)
+
+    def us(name):  # per program, us per layer
+        return st[:, STATS.index(name)] / 1e3 / layers / (1.0 if name.endswith("_ns") else ghz.clamp(min=1e-3))
+
     parts = []
     if halves:
-        j = STATS.index("cons_grid_barrier")
-        us = st[:, j] / 1e3 / layers / ghz.clamp(min=1e-3)
-        parts.append(f"cons_grid_barrier streaming/idle programs {us[1::2].mean().item():.2f}/"
-                     f"{us[0::2].mean().item():.2f}")
-    for j, name in enumerate(STATS):
-        if name == "boxes":
-            parts.append(f"boxes/layer {st[:, j].mean().item() / layers:.1f}")
-            continue
-        us = st[:, j] / 1e3 / layers / (1.0 if name.endswith("_ns") else ghz.clamp(min=1e-3))
-        parts.append(f"{name} {us.mean().item():.2f}/{us.max().item():.2f}")
+        b = us("cons_grid_barrier")
+        parts.append(f"cons_grid_barrier streaming/idle programs {b[1::2].mean().item():.2f}/"
+                     f"{b[0::2].mean().item():.2f}")
+    for name in STATS[:-1]:
+        parts.append(f"{name} {us(name).mean().item():.2f}/{us(name).max().item():.2f}")
+    parts.append(f"boxes/layer {st[:, STATS.index('boxes')].mean().item() / layers:.1f}")
     return f"clock {ghz.mean().item():.2f} GHz; us per layer (mean/max over programs): " + ", ".join(parts)
 
 
