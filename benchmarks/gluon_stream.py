@@ -60,6 +60,13 @@ program or every odd program streams meanwhile): 0.90 us per grid barrier idle, 
 1.47 under half of it -- the same for the SMs that do not stream: the barrier's L2 round trips slow with the
 GPU-wide memory load.
 
+Modes chase_only / chase_load (session 7): the consumer does CHASE dependent L2 loads where the barriers were
+(nobody / every program streams meanwhile); the stall table prints the mean L2 round trip. A grid barrier is about
+three round trips on its critical path (the arrive's release, the poll that sees the count, the load of the data
+after it), so this is the price of any cross-SM dependency under the stream, whatever its protocol.
+
+    python benchmarks/gluon_stream.py --slots 24 --modes chase_only chase_load barrier_only barrier_load --timed
+
 Shared memory (227 KB per block): ring slots * 4 KB plus, in modes gemv*, the x buffer (0.6B 16 KB, 4B 48 KB), so
 the 4B preset fits 24 slots, not 48.
 """
@@ -80,7 +87,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 BR = gl.constexpr(8)  # rows per TMA box
 BK = gl.constexpr(256)  # columns per TMA box: a box is 4 KB of bf16
 XR = gl.constexpr(16)  # rows of BK stage-input values per global load into the shared x buffer (16 KB of fp32)
-MODES = ("stream", "stream_thread", "gemv", "gemv_thread", "barrier_only", "barrier_load", "barrier_load_half")
+MODES = ("stream", "stream_thread", "gemv", "gemv_thread", "barrier_only", "barrier_load", "barrier_load_half",
+         "chase_only", "chase_load")
+CHASE = gl.constexpr(4)  # modes chase_*: dependent L2 loads in place of each grid barrier
+CHASE_STRIDE = 1031  # entries (4 KB) between consecutive loads of the chase: a different L2 line every time
 # columns of the TIMED output, one row per program (SM cycles unless named ns)
 STATS = ("prod_wait_empty", "prod_total", "cons_wait_ready", "cons_grid_barrier", "cons_x_load", "cons_total",
          "cons_total_ns", "boxes")
@@ -144,12 +154,12 @@ def _producer(d_qkv, d_o, d_gu, d_dn, ring, ready, empty, stats, n_layers, pid,
               R_QKV: gl.constexpr, R_O: gl.constexpr, R_GU: gl.constexpr, R_DN: gl.constexpr,
               K_QKV: gl.constexpr, K_O: gl.constexpr, K_GU: gl.constexpr, K_DN: gl.constexpr, SLOTS: gl.constexpr,
               TIMED: gl.constexpr, MODE: gl.constexpr):
-    SELF: gl.constexpr = MODE == "barrier_load" or MODE == "barrier_load_half"
+    SELF: gl.constexpr = MODE == "barrier_load" or MODE == "barrier_load_half" or MODE == "chase_load"
     i = 0
     tw = _clock(TIMED) * 0  # an int64 with TIMED
     t_start = _clock(TIMED)
     n_stream = n_layers
-    if MODE == "barrier_only":
+    if MODE == "barrier_only" or MODE == "chase_only":
         n_stream = 0
     if MODE == "barrier_load_half":  # odd programs stream, even ones only meet the barriers
         n_stream = gl.where(pid % 2 == 1, n_layers, 0)
@@ -256,6 +266,16 @@ def _timed_barrier(sync, arrived, nprog, tb, TIMED: gl.constexpr):
 
 
 @gluon.jit
+def _timed_chase(table, idx, tb, TIMED: gl.constexpr):
+    """Modes chase_*: CHASE loads, each from the address the previous one returned (`table` holds the chase as
+    fp32 integers, `.cg`: L2), in place of a grid barrier: the L2 round trip alone, idle or under the stream."""
+    t0 = _clock(TIMED)
+    for _ in gl.static_range(CHASE):
+        idx = gl.load(table + idx, cache_modifier=".cg").to(gl.int32)
+    return idx, tb + (_clock(TIMED) - t0)
+
+
+@gluon.jit
 def _consumer(x_qkv, x_o, x_gu, x_dn, ring, ready, empty, xbuf, sync, stats, n_layers, pid, nprog,
               N_QKV: gl.constexpr, N_O: gl.constexpr, N_GU: gl.constexpr, N_DN: gl.constexpr,
               R_QKV: gl.constexpr, R_O: gl.constexpr, R_GU: gl.constexpr, R_DN: gl.constexpr,
@@ -264,7 +284,9 @@ def _consumer(x_qkv, x_o, x_gu, x_dn, ring, ready, empty, xbuf, sync, stats, n_l
               TIMED: gl.constexpr):
     # stage s reads the output of stage s - 1 (x_dn -> QKV -> x_qkv -> o -> x_o -> gate/up -> x_gu -> down -> x_dn)
     gl.static_assert(gl.num_warps() == NUM_WARPS, "NUM_WARPS must be the launch's num_warps")
-    CONSUME: gl.constexpr = not MODE.startswith("barrier_")  # those modes: only grid barriers
+    CONSUME: gl.constexpr = not MODE.startswith("barrier_") and not MODE.startswith("chase_")  # only barriers
+    CHASED: gl.constexpr = MODE.startswith("chase_")  # dependent L2 loads instead of the barriers
+    idx = (pid * 37) % 4096
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NUM_WARPS, 1], [1, 0])
     i = 0
     arrived = 0
@@ -277,23 +299,33 @@ def _consumer(x_qkv, x_o, x_gu, x_dn, ring, ready, empty, xbuf, sync, stats, n_l
         if CONSUME:
             i, tr, tx = _consume_stage(x_dn, x_qkv, ring, ready, empty, xbuf, i, tr, tx, pid * R_QKV, N_QKV, R_QKV,
                                        K_QKV, SLOTS, MODE, TIMED, layout)
-        if BARRIERS:
+        if CHASED:
+            idx, tb = _timed_chase(x_qkv, idx, tb, TIMED)
+        elif BARRIERS:
             arrived, tb = _timed_barrier(sync, arrived, nprog, tb, TIMED)
         if CONSUME:
             i, tr, tx = _consume_stage(x_qkv, x_o, ring, ready, empty, xbuf, i, tr, tx, pid * R_O, N_O, R_O, K_O, SLOTS,
                                        MODE, TIMED, layout)
-        if BARRIERS:
+        if CHASED:
+            idx, tb = _timed_chase(x_qkv, idx, tb, TIMED)
+        elif BARRIERS:
             arrived, tb = _timed_barrier(sync, arrived, nprog, tb, TIMED)
         if CONSUME:
             i, tr, tx = _consume_stage(x_o, x_gu, ring, ready, empty, xbuf, i, tr, tx, pid * R_GU, N_GU, R_GU, K_GU,
                                        SLOTS, MODE, TIMED, layout)
-        if BARRIERS:
+        if CHASED:
+            idx, tb = _timed_chase(x_qkv, idx, tb, TIMED)
+        elif BARRIERS:
             arrived, tb = _timed_barrier(sync, arrived, nprog, tb, TIMED)
         if CONSUME:
             i, tr, tx = _consume_stage(x_gu, x_dn, ring, ready, empty, xbuf, i, tr, tx, pid * R_DN, N_DN, R_DN, K_DN,
                                        SLOTS, MODE, TIMED, layout)
-        if BARRIERS:
+        if CHASED:
+            idx, tb = _timed_chase(x_qkv, idx, tb, TIMED)
+        elif BARRIERS:
             arrived, tb = _timed_barrier(sync, arrived, nprog, tb, TIMED)
+    if CHASED:  # where the chase ended (unused, but without a use the compiler drops the loads)
+        gl.store(sync, idx)
     if TIMED:  # every consumer thread stores the same columns; their values differ by a few cycles at most
         t_total = _clock(TIMED) - t_start
         ns_total = _globaltimer(TIMED) - ns_start
@@ -315,8 +347,8 @@ def stream_layers(d_qkv, d_o, d_gu, d_dn, x_qkv, x_o, x_gu, x_dn, sync, stats, n
     """`stats` ([programs, 8] int64, columns STATS) is written only with TIMED."""
     gl.static_assert(K_QKV <= KMAX and K_O <= KMAX and K_GU <= KMAX and K_DN <= KMAX, "KMAX is the largest K")
     gl.static_assert(MODE == "stream" or MODE == "stream_thread" or MODE == "gemv" or MODE == "gemv_thread"
-                     or MODE == "barrier_only" or MODE == "barrier_load" or MODE == "barrier_load_half",
-                     "MODE: one of MODES")
+                     or MODE == "barrier_only" or MODE == "barrier_load" or MODE == "barrier_load_half"
+                     or MODE == "chase_only" or MODE == "chase_load", "MODE: one of MODES")
     THREAD_ARRIVE: gl.constexpr = MODE == "stream_thread" or MODE == "gemv_thread"
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -353,10 +385,11 @@ def shapes(preset: str) -> tuple[dict[str, tuple[int, int]], int]:
                 dn=(c.hidden_size, c.intermediate_size)), c.num_hidden_layers
 
 
-def stall_table(stats: torch.Tensor, layers: int, halves: bool = False) -> str:
+def stall_table(stats: torch.Tensor, layers: int, halves: bool = False, chase: bool = False) -> str:
     """Mean and max over programs of the TIMED columns in us per layer; cycles become ns at each program's own
     rate (its consumer's cycles over its globaltimer ns). `halves` (mode barrier_load_half): also the mean time in
-    the grid barriers of the streaming (odd) and the idle (even) programs."""
+    the grid barriers of the streaming (odd) and the idle (even) programs. `chase` (modes chase_*): also the
+    mean L2 round trip, from the time cons_grid_barrier holds there (4 x CHASE dependent loads per layer)."""
     st = stats.double()
     ghz = st[:, STATS.index("cons_total")] / st[:, STATS.index("cons_total_ns")].clamp(min=1)
 
@@ -368,6 +401,8 @@ def stall_table(stats: torch.Tensor, layers: int, halves: bool = False) -> str:
         b = us("cons_grid_barrier")
         parts.append(f"cons_grid_barrier streaming/idle programs {b[1::2].mean().item():.2f}/"
                      f"{b[0::2].mean().item():.2f}")
+    if chase:
+        parts.append(f"l2_round_trip_ns {us('cons_grid_barrier').mean().item() * 1e3 / (4 * CHASE.value):.0f}")
     for name in STATS[:-1]:
         parts.append(f"{name} {us(name).mean().item():.2f}/{us(name).max().item():.2f}")
     parts.append(f"boxes/layer {st[:, STATS.index('boxes')].mean().item() / layers:.1f}")
@@ -415,6 +450,10 @@ def main() -> None:
               "waits for a free slot (ring full: consumer-bound); cons_wait_ready: the consumer waits for a box "
               "(HBM/TMA-bound); cons_grid_barrier: the consumer in grid barriers", flush=True)
     for mode, slots, barriers in itertools.product(args.modes, args.slots, (False, True)):
+        if mode.startswith("chase_") and not barriers:
+            continue  # the chase stands in for the barriers: one row
+        if mode.startswith("chase_"):  # x_qkv holds the chase: entry i -> i + CHASE_STRIDE (mod 4096)
+            xs["qkv"][:4096] = ((torch.arange(4096, device="cuda") + CHASE_STRIDE) % 4096).float()
         def call(slots=slots, barriers=barriers, mode=mode, timed=False):
             sync.zero_()
             stream_layers[(sms,)](descs["qkv"], descs["o"], descs["gu"], descs["dn"], xs["qkv"], xs["o"],
@@ -449,7 +488,7 @@ def main() -> None:
             call(timed=True)
             end.record()
             end.synchronize()
-            table = stall_table(stats, layers, halves=mode == "barrier_load_half")
+            table = stall_table(stats, layers, halves=mode == "barrier_load_half", chase=mode.startswith("chase_"))
             print(f"{name} TIMED: {start.elapsed_time(end) * 1e3:8.1f} us per call; {table}", flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"{name} TIMED: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)

@@ -100,6 +100,18 @@ def test_barrier_modes_compile_for_hopper(mode):
 
 
 @needs_gluon
+@pytest.mark.parametrize("mode", ["chase_only", "chase_load"])
+def test_chase_modes_compile_for_hopper(mode):
+    """In place of the grid barriers, CHASE dependent L2 loads (.cg, each address from the previous value); no
+    barrier atomics; chase_load's producer streams the boxes meanwhile."""
+    g, kernel = _build(mode, 24)
+    ptx = kernel.asm["ptx"]
+    assert "atom.global" not in ptx and "ld.global.gpu.acquire" not in ptx
+    assert len(re.findall(r"ld\.global\.cg\.b32", ptx)) >= g.CHASE.value
+    assert ("cp.async.bulk.tensor" in ptx) == (mode == "chase_load")
+
+
+@needs_gluon
 @pytest.mark.parametrize("work", ["stream", "gemv"])
 def test_thread_release_needs_fewer_bar_syncs(work):
     """mbarrier.arrive (one thread) costs a partition-wide bar.sync before it and another after it, per box;
