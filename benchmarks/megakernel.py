@@ -5,7 +5,6 @@ programs per SM; and the cost of one grid barrier on its own (5 per layer in the
     python benchmarks/megakernel.py --preset qwen3-0.6b-shape --pos 256 1024 --warps 4 8 16
     python benchmarks/megakernel.py --tile-elems 4096 8192 --programs-per-sm 1 2 --warps 4 8 --barriers
     python benchmarks/megakernel.py --pos 256 1024 --stages   # where a layer's time goes, per stage
-    python benchmarks/megakernel.py --counters 1 16 --barriers  # barrier arrivals on one address or spread
 """
 
 from __future__ import annotations
@@ -24,10 +23,10 @@ from rlbench.rollout.runner import ModelRunner, StepOptions
 
 
 @triton.jit
-def _barriers_only(sync, err, n, MAX_SPINS: tl.constexpr, NC: tl.constexpr):
+def _barriers_only(sync, err, n, MAX_SPINS: tl.constexpr):
     arrived = tl.num_programs(0) * 0
     for _ in range(n):
-        arrived = _grid_sync(sync, arrived, err, MAX_SPINS, NC, True)
+        arrived = _grid_sync(sync, arrived, err, MAX_SPINS)
 
 
 def timed(fn, iters: int) -> float:
@@ -47,15 +46,14 @@ def timed(fn, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-def barrier_cost(sms: int, per_sm: int, warps: int, counters: int, n: int = 140, iters: int = 100) -> float:
-    """us per grid barrier with `sms * per_sm` programs counting in on `counters` counters (n barriers per launch,
-    launch cost amortised)."""
-    sync = torch.zeros(32 * counters, dtype=torch.int32, device="cuda")
+def barrier_cost(sms: int, per_sm: int, warps: int, n: int = 140, iters: int = 100) -> float:
+    """us per grid barrier with `sms * per_sm` programs (n barriers per launch, launch cost amortised)."""
+    sync = torch.zeros(1, dtype=torch.int32, device="cuda")
     err = torch.zeros(1, dtype=torch.int32, device="cuda")
 
     def launch(k):
         sync.zero_()
-        _barriers_only[(sms * per_sm,)](sync, err, k, MAX_SPINS=megakernel.MAX_SPINS, NC=counters, num_warps=warps)
+        _barriers_only[(sms * per_sm,)](sync, err, k, MAX_SPINS=megakernel.MAX_SPINS, num_warps=warps)
 
     ms = timed(lambda: launch(n), iters) - timed(lambda: launch(0), iters)
     assert int(err.item()) == 0, "a barrier timed out"
@@ -97,8 +95,6 @@ def main() -> None:
     ap.add_argument("--programs-per-sm", type=int, nargs="+", default=[1])
     ap.add_argument("--carveout", type=int, nargs="+", default=[0],
                     help="preferred shared-memory carveout in percent (-1: the driver's choice; default 0)")
-    ap.add_argument("--counters", type=int, nargs="+", default=[megakernel.BARRIER_COUNTERS],
-                    help="grid-barrier arrival counters (powers of 2; 1: every program on one address)")
     ap.add_argument("--barriers", action="store_true", help="also time grid barriers alone")
     ap.add_argument("--stages", action="store_true",
                     help="also run a TIMED build: per stage, us per layer each program works and waits")
@@ -108,12 +104,12 @@ def main() -> None:
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if args.barriers:
-        for per_sm, warps, nc in [(p, w, n) for p in args.programs_per_sm for w in args.warps for n in args.counters]:
+        for per_sm, warps in [(p, w) for p in args.programs_per_sm for w in args.warps]:
             try:
-                us = f"{barrier_cost(sms, per_sm, warps, nc):.2f} us"
+                us = f"{barrier_cost(sms, per_sm, warps):.2f} us"
             except Exception as e:  # noqa: BLE001 - e.g. a grid whose programs are not all resident
                 us = f"FAILED {type(e).__name__}: {str(e)[:120]}"
-            print(f"grid barrier, {sms * per_sm} programs x {warps} warps, {nc:2} counters: {us}", flush=True)
+            print(f"grid barrier, {sms * per_sm} programs x {warps} warps: {us}", flush=True)
     model = build_model(args.preset, device="cuda", dtype=torch.bfloat16).eval()
     c = model.config
     cache = KVCache(CacheShape(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 1, args.max_seq_len),
@@ -128,15 +124,15 @@ def main() -> None:
     sin = torch.zeros_like(cos)
     x = hidden.clone()
     print(f"{args.preset}: {sms} SMs, layer weights {layer_bytes / 1e9:.3f} GB", flush=True)
-    configs = [(t, p, w, v, n) for t in args.tile_elems for p in args.programs_per_sm for w in args.warps
-               for v in args.carveout for n in args.counters]
+    configs = [(t, p, w, v) for t in args.tile_elems for p in args.programs_per_sm for w in args.warps
+               for v in args.carveout]
     first_out: dict[int, torch.Tensor] = {}
-    for tile, per_sm, warps, carve, nc in configs:
+    for tile, per_sm, warps, carve in configs:
         mk = megakernel.DecodeMegakernel(model, runner.layers, args.max_seq_len, torch.device("cuda"),
-                                         programs=sms * per_sm, tile_elems=tile, counters=nc)
+                                         programs=sms * per_sm, tile_elems=tile)
         mk.bind(runner.layers, cache.k, cache.v)
         mk.num_warps, mk.carveout = warps, None if carve < 0 else carve
-        label = f"tile {tile:5} programs {mk.programs:3} warps {warps:2} carveout {carve:3} counters {nc:2}"
+        label = f"tile {tile:5} programs {mk.programs:3} warps {warps:2} carveout {carve:3}"
         for pos in args.pos:
             p = torch.tensor([pos], device="cuda")
             try:

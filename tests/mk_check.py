@@ -79,15 +79,14 @@ def compare_to_f64(preset, prompt_len, device, max_seq_len=256, tile_programs=No
 
 
 @torch.inference_mode()
-def output_bits(preset, pos, counters, device="cuda", calls=8, max_seq_len=1536) -> set[bytes]:
-    """The outputs (bit patterns) the megakernel gives for one input over `calls` launches with `counters` barrier
-    counters, with random cached K/V: one unless some stage read data from before the barrier that should order
-    it."""
+def distinct_outputs(preset, pos, device="cuda", calls=8, max_seq_len=1536) -> int:
+    """How many different outputs (bit patterns) the megakernel gives for one input over `calls` launches,
+    with random cached K/V: 1 unless some stage read data from before the barrier that should order it."""
     model = build_model(preset, device=device, dtype=torch.bfloat16, seed=0).eval()
     runner = _runner(model, max_seq_len, device)
     for t in (*runner.cache.k, *runner.cache.v):
         t.normal_(0.0, 1.0, generator=torch.Generator(device).manual_seed(0))
-    mk = DecodeMegakernel(model, runner.layers, max_seq_len, torch.device(device), counters=counters)
+    mk = runner.megakernel
     mk.bind(runner.layers, runner.cache.k, runner.cache.v)
     hidden = torch.randn(1, 1, model.config.hidden_size, device=device, dtype=torch.bfloat16,
                          generator=torch.Generator(device).manual_seed(1))
@@ -96,7 +95,7 @@ def output_bits(preset, pos, counters, device="cuda", calls=8, max_seq_len=1536)
     outs = {mk(hidden.clone(), cos, torch.zeros_like(cos), pos_t).view(torch.int16).cpu().numpy().tobytes()
             for _ in range(calls)}
     mk.check()
-    return outs
+    return len(outs)
 
 
 def engine_samples(preset="tiny", max_new_tokens=8):
@@ -116,8 +115,7 @@ def engine_samples(preset="tiny", max_new_tokens=8):
 def compile_for_hopper(preset: str, num_warps: int = 8, programs: int = 132) -> dict:
     """Compile `decode_layers` for sm_90 without a GPU (Triton + its bundled ptxas) for a preset's shapes, as
     `DecodeMegakernel` would launch it on an H100/H200; returns registers per thread, spill bytes, and how many
-    global loads in the PTX are 16-byte vectors, how many read 2 bytes and how many are acquires, and the barrier
-    polls' relaxed loads and acq_rel fences (`mk_kernels._poll_ptx`)."""
+    global loads in the PTX are 16-byte vectors, how many read 2 bytes and how many are acquires (barrier polls)."""
     import inspect
     import re
     import subprocess
@@ -132,7 +130,7 @@ def compile_for_hopper(preset: str, num_warps: int = 8, programs: int = 132) -> 
 
     model = build_model(preset, meta=True, dtype=torch.bfloat16)
     mk = DecodeMegakernel(model, fuse_layers(model), 1536, torch.device("cpu"), programs=programs)
-    mk.gpu_code = True  # as on a GPU
+    mk.bf16_dot = True  # as on a GPU
     c = model.config
     bf16 = torch.zeros(1, 1, c.hidden_size, dtype=torch.bfloat16)
     args, consts = mk.launch_args(bf16, bf16[..., : mk.hd], bf16[..., : mk.hd], torch.zeros(1, dtype=torch.long))
@@ -156,9 +154,7 @@ def compile_for_hopper(preset: str, num_warps: int = 8, programs: int = 132) -> 
     loads = re.findall(r"ld\.global\S*", kernel.asm["ptx"])
     return dict(regs=regs, spill_bytes=spills, threads=32 * num_warps, shared=kernel.metadata.shared,
                 vector_loads=sum(".v4." in x for x in loads), two_byte_loads=sum(x.endswith(".b16") for x in loads),
-                acquire_loads=sum(".acquire." in x for x in loads),
-                relaxed_polls=kernel.asm["ptx"].count("ld.relaxed.gpu.global"),
-                acq_rel_fences=kernel.asm["ptx"].count("fence.acq_rel.gpu"))
+                acquire_loads=sum(".acquire." in x for x in loads))
 
 
 @torch.inference_mode()

@@ -41,10 +41,6 @@ pipeline (`cp.async` into shared memory, PIPELINE_STAGES - 1 chunks in flight wi
 of register double buffering. Measured on the H200 (docs/LOG.md, 2026-11-30): every 4B stage has 8-40 chunks,
 3,516 -> 3,305 us per call with 3 stages (3,333 with 4); the 0.6B shape's only multi-chunk tile (gate/up, 4
 chunks) was slower with it (4.59 -> 4.73 us per layer)."""
-BARRIER_COUNTERS = 16
-"""Grid-barrier arrival counters, on separate 128-byte lines: program p counts in on counter p % 16 and a waiting
-program sums them. Arrivals on one address serialize in its L2 slice (~4 ns each: a 132-program barrier cost 0.89
-us on an idle H200 against 0.15 us for an L2 round trip; docs/LOG.md session 7)."""
 MAX_SPINS = 1 << 22
 """Polls of the barrier counter before a program gives up on a barrier (~1.5 s at ~0.35 us per L2 round
 trip; estimated, not measured): a non-resident program then costs a stall and an error, not a hang."""
@@ -92,11 +88,10 @@ class DecodeMegakernel:
     """Scratch buffers, tiling and the per-layer pointer table for one model and one KV cache."""
 
     def __init__(self, model: torch.nn.Module, layers: list, max_seq_len: int, device: torch.device,
-                 programs: int | None = None, tile_programs: int | None = None, tile_elems: int = TILE_ELEMS,
-                 counters: int = BARRIER_COUNTERS):
+                 programs: int | None = None, tile_programs: int | None = None, tile_elems: int = TILE_ELEMS):
         """`programs`: the grid (default: the SM count; 1 on the CPU). `tile_programs`: the grid the GEMV tiles
         are cut for (default `programs`; tests run a GPU's tiling with one interpreted program). `tile_elems`:
-        see TILE_ELEMS (benchmarks/megakernel.py --tile-elems). `counters`: see BARRIER_COUNTERS (a power of 2)."""
+        see TILE_ELEMS (benchmarks/megakernel.py --tile-elems)."""
         c = model.config
         self.h, self.n_kv = c.num_attention_heads, c.num_key_value_heads
         self.d, self.i = c.hidden_size, c.intermediate_size
@@ -122,19 +117,14 @@ class DecodeMegakernel:
         self.part_acc = torch.empty(self.n_kv * self.max_splits * bg * self.hd, **f32)
         self.part_m = torch.empty(self.n_kv * self.max_splits * bg, **f32)
         self.part_l = torch.empty(self.n_kv * self.max_splits * bg, **f32)
-        if counters < 1 or counters & (counters - 1):
-            raise ValueError(f"megakernel: counters={counters} must be a power of 2")
-        self.counters = counters
-        self.sync = torch.zeros(32 * counters + c.num_hidden_layers * self.n_kv, dtype=torch.int32, device=device)
+        self.sync = torch.zeros(1 + c.num_hidden_layers * self.n_kv, dtype=torch.int32, device=device)
         self.err = torch.zeros(1, dtype=torch.int32, device=device)
         self.table = torch.zeros(c.num_hidden_layers, len(TABLE), dtype=torch.int64, device=device)
         self.head_stride = 0
         self._bound: tuple = ()
         self.num_warps = 8
         self.max_spins = MAX_SPINS
-        self.gpu_code = device.type == "cuda"
-        """Compile for a GPU, not Triton's CPU interpreter: bf16 dot operands (the interpreter multiplies them as raw
-        integers) and inline PTX (which it does not run)."""
+        self.bf16_dot = device.type == "cuda"  # the interpreter multiplies bf16 dot operands as raw integers
         self.carveout: int | None = 0
         """Preferred shared-memory carveout (percent) set on the compiled kernel; 0: the least shared memory the
         kernel needs, the most L1. The driver's own choice (None) measured 4% slower per call with 72 KB of shared
@@ -182,7 +172,7 @@ class DecodeMegakernel:
                       HAS_QKV_BIAS=self.has_bias, HAS_QK_NORM=self.has_qk_norm, BR_QKV=br_qkv, BK_QKV=bk_qkv,
                       BR_O=br_o, BK_O=bk_o, BR_GU=br_gu, BK_GU=bk_gu, BR_DN=br_dn, BK_DN=bk_dn,
                       ST_QKV=st_qkv, ST_O=st_o, ST_GU=st_gu, ST_DN=st_dn,
-                      MAX_SPINS=self.max_spins, TIMED=self.timed, GPU=self.gpu_code, NC=self.counters)
+                      MAX_SPINS=self.max_spins, TIMED=self.timed, BF16_DOT=self.bf16_dot)
         return args, consts
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

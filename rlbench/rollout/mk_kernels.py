@@ -26,34 +26,12 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
-from rlbench.rollout import megakernel
 from rlbench.rollout.megakernel import TABLE
 
 IN_NORM, QKV, QKV_BIAS, Q_NORM, K_NORM, O_PROJ, POST_NORM, GATE_UP, DOWN, K_CACHE, V_CACHE = (
     tl.constexpr(i) for i in range(len(TABLE)))  # the pointer table's columns, in TABLE's order
 N_COLS = tl.constexpr(len(TABLE))
 Q_ROWS = tl.constexpr(16)  # an attention task's q heads, padded to the tensor cores' minimum M
-
-
-def _poll_ptx(counters: int) -> str:
-    """`_wait`'s poll on a GPU with `counters` arrival counters (128 bytes apart): thread 0 reads them all, relaxed
-    and in flight together (one L2 round trip per poll; acquire loads would each wait for the one before), until
-    their sum reaches the target ($2), then fences (acq_rel, gpu): with the relaxed loads that saw every arrival's
-    release, an acquire; the CTA barrier after it orders the other threads. The other threads skip to that
-    barrier. After $3 polls it adds 2**30 to counter 0 and sets `err` ($4), as `_wait` does."""
-    regs = [f"sp_v{c}" for c in range(counters)]
-    loads = "".join(f"ld.relaxed.gpu.global.b32 {r}, [$1+{128 * c}];\n" for c, r in enumerate(regs))
-    sums = "".join(f"add.s32 sp_s, sp_s, {r};\n" for r in regs)
-    return ("{\n.reg .pred sp_p;\n.reg .b32 sp_t, sp_s, sp_n, " + ", ".join(regs) + ";\n"
-            "mov.b32 $0, 0;\nmov.u32 sp_t, %tid.x;\nsetp.ne.u32 sp_p, sp_t, 0;\n@sp_p bra DONE;\nmov.b32 sp_n, 0;\n"
-            f"POLL:\n{loads}mov.b32 sp_s, 0;\n{sums}setp.ge.s32 sp_p, sp_s, $2;\n@sp_p bra OK;\n"
-            "add.s32 sp_n, sp_n, 1;\nsetp.lt.s32 sp_p, sp_n, $3;\n@sp_p bra POLL;\n"
-            "red.relaxed.gpu.global.add.u32 [$1], 1073741824;\nmov.b32 sp_t, 1;\nst.global.b32 [$4], sp_t;\n"
-            "OK:\nfence.acq_rel.gpu;\nDONE:\n}")
-
-
-POLL_COUNTERS = tl.constexpr(megakernel.BARRIER_COUNTERS)
-POLL_PTX = tl.constexpr(_poll_ptx(megakernel.BARRIER_COUNTERS))
 
 
 @triton.jit
@@ -81,24 +59,19 @@ def _ptr(table, layer, col: tl.constexpr):
 
 
 @triton.jit
-def _arrive(sync, arrived, NC: tl.constexpr):
-    """First half of a grid barrier: this program's stores are done; count it in (release) on counter
-    `pid % NC` (counter c is `sync[32 c]`, one 128-byte line each). Returns the count `_wait` waits for: `arrived`
-    (all programs' arrivals so far) plus this barrier's.
-
-    NC > 1: the arrivals on one address serialize in its L2 slice, ~4 ns each (a barrier costs 0.89 us on an
-    idle H200 with 132 programs on one counter, while an L2 round trip takes 0.15 us; docs/LOG.md session 7), so
-    they are spread over NC lines and `_wait` sums them."""
+def _arrive(sync, arrived):
+    """First half of a grid barrier: this program's stores are done; count it in (release). Returns the count
+    `_wait` waits for: `arrived` (all programs' arrivals so far) plus this barrier's."""
     tl.debug_barrier()
-    tl.atomic_add(sync + (tl.program_id(0) % NC) * 32, 1, sem="release", scope="gpu")
+    tl.atomic_add(sync, 1, sem="release", scope="gpu")
     return arrived + tl.num_programs(0)
 
 
 @triton.jit
-def _wait(sync, target, err, MAX_SPINS: tl.constexpr, NC: tl.constexpr, GPU: tl.constexpr):
-    """Second half: spin until `target` programs have arrived (the counters only grow). One thread polls (NC > 1:
-    one per counter, summed), with atomics (0.91 us per barrier at 132 programs x 8 warps, against 1.74 us when
-    every warp polled with volatile loads; docs/LOG.md).
+def _wait(sync, target, err, MAX_SPINS: tl.constexpr):
+    """Second half: spin until `target` programs have arrived (the counter only grows). One thread polls, with
+    atomics (0.91 us per barrier at 132 programs x 8 warps, against 1.74 us when every warp polled with volatile
+    loads; docs/LOG.md).
 
     Split from `_arrive` so that a program issues its next weight loads between the two: a release fence waits
     for the thread's outstanding loads, so loads issued before arriving would delay the arrival by their latency.
@@ -113,37 +86,22 @@ def _wait(sync, target, err, MAX_SPINS: tl.constexpr, NC: tl.constexpr, GPU: tl.
     activations, so the 4B shape's output differed from call to call (docs/LOG.md, 2026-11-30 session 6; the
     offline compile test now counts the acquires). Same barrier cost (0.90 vs 0.94 us).
     """
-    if NC > 1 and GPU:  # thread 0 polls the NC counters in PTX, the others wait at the CTA barrier
-        tl.static_assert(NC == POLL_COUNTERS, "the PTX poll is built for megakernel.BARRIER_COUNTERS counters")
-        tl.inline_asm_elementwise(POLL_PTX, "=r,l,r,r,l", [sync, target, MAX_SPINS, err], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-    else:
-        seen = _arrivals(sync, NC)
-        spins = tl.full([], 0, tl.int32)
-        while (seen < target) & (spins < MAX_SPINS):
-            seen = _arrivals(sync, NC)
-            spins += 1
-        if seen < target:
-            tl.atomic_add(sync, 1 << 30, sem="relaxed", scope="gpu")
-            tl.store(err, 1)
+    seen = tl.atomic_add(sync, 0, sem="acquire", scope="gpu")
+    spins = tl.full([], 0, tl.int32)
+    while (seen < target) & (spins < MAX_SPINS):
+        seen = tl.atomic_add(sync, 0, sem="acquire", scope="gpu")
+        spins += 1
+    if seen < target:
+        tl.atomic_add(sync, 1 << 30, sem="relaxed", scope="gpu")
+        tl.store(err, 1)
     tl.debug_barrier()
 
 
 @triton.jit
-def _arrivals(sync, NC: tl.constexpr):
-    """The arrivals so far: the NC counters' sum, each read with an acquire (by one thread when NC is 1; NC > 1 is
-    the CPU interpreter's path, the GPU polls in `POLL_PTX`)."""
-    if NC == 1:
-        return tl.atomic_add(sync, 0, sem="acquire", scope="gpu")
-    else:
-        return tl.sum(tl.atomic_add(sync + tl.arange(0, NC) * 32, 0, sem="acquire", scope="gpu"), axis=0)
-
-
-@triton.jit
-def _grid_sync(sync, arrived, err, MAX_SPINS: tl.constexpr, NC: tl.constexpr, GPU: tl.constexpr):
+def _grid_sync(sync, arrived, err, MAX_SPINS: tl.constexpr):
     """A whole grid barrier (benchmarks/megakernel.py times it alone); returns the new arrival count."""
-    arrived = _arrive(sync, arrived, NC)
-    _wait(sync, arrived, err, MAX_SPINS, NC, GPU)
+    arrived = _arrive(sync, arrived)
+    _wait(sync, arrived, err, MAX_SPINS)
     return arrived
 
 
@@ -471,10 +429,9 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
                   BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_O: tl.constexpr, BK_O: tl.constexpr,
                   BR_GU: tl.constexpr, BK_GU: tl.constexpr, BR_DN: tl.constexpr, BK_DN: tl.constexpr,
                   ST_QKV: tl.constexpr, ST_O: tl.constexpr, ST_GU: tl.constexpr, ST_DN: tl.constexpr,
-                  MAX_SPINS: tl.constexpr, GPU: tl.constexpr, TIMED: tl.constexpr, NC: tl.constexpr):
-    """Every decoder layer for one token: x `[D]` bf16 is updated in place. `sync[32 c]` for c < NC are the
-    barrier counters, `sync[32 NC:]` the per-(layer, KV head) merge tickets, all zero at launch; `err[0]` is set on
-    a barrier timeout. GPU: compiled for a GPU, not run by Triton's CPU interpreter (bf16 dot operands, inline PTX).
+                  MAX_SPINS: tl.constexpr, BF16_DOT: tl.constexpr, TIMED: tl.constexpr):
+    """Every decoder layer for one token: x `[D]` bf16 is updated in place. `sync[0]` is the barrier counter,
+    `sync[1:]` the per-(layer, KV head) merge tickets, all zero at launch; `err[0]` is set on a barrier timeout.
     With TIMED, `laps_out[pid, 2 s]` / `[pid, 2 s + 1]` get the SM cycles program pid spent working in / waiting
     after stage s (0..4, summed over layers) and `[pid, 10]` / `[pid, 11]` its total cycles / nanoseconds."""
     pid = tl.program_id(0)
@@ -483,7 +440,7 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
     n_blocks = pos // SPLIT + 1  # 64-position blocks per KV head
     per = tl.cdiv(NKV * n_blocks, nprog)  # blocks per attention task: no more tasks than programs
     n_splits = tl.cdiv(n_blocks, per)
-    tickets = sync + 32 * NC
+    tickets = sync + 1
     arrived = nprog * 0
     n_qkv: tl.constexpr = (H + 2 * NKV) * HD
     rows, rmask = _rows(pid, r_qkv, n_qkv, BR_QKV)
@@ -500,50 +457,50 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
         _stage_qkv(_ptr(table, layer, QKV), _ptr(table, layer, IN_NORM), _ptr(table, layer, QKV_BIAS), x, qkv,
                    w_a, s_a, pid, nprog, eps, r_qkv, D, n_qkv, HAS_QKV_BIAS, BR_QKV, BK_QKV, BD, ST_QKV)
         laps, t = _lap(laps, t, 0, TIMED)
-        arrived = _arrive(sync, arrived, NC)
+        arrived = _arrive(sync, arrived)
         kc, vc = _ptr(table, layer, K_CACHE), _ptr(table, layer, V_CACHE)
         g0, _, first0 = _task(pid, n_splits, per)
         k0, v0 = _kv_block(kc, vc, g0, first0, pos, pid < NKV * n_splits, head_stride, HD, SPLIT)
         q_norm = _norm_pair(_ptr(table, layer, Q_NORM), HD, HAS_QK_NORM)
         k_norm = _norm_pair(_ptr(table, layer, K_NORM), HD, HAS_QK_NORM)
-        _wait(sync, arrived, err, MAX_SPINS, NC, GPU)
+        _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 1, TIMED)
         laps, t = _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos_v, sin_v, pos, n_blocks, per, n_splits,
                                 k0, v0, part_acc, part_m, part_l, tickets, attn, pid, nprog, eps, scale, head_stride,
-                                max_splits, laps, t, H, NKV, HD, G, BG, SPLIT, HAS_QK_NORM, CS, GPU, TIMED)
+                                max_splits, laps, t, H, NKV, HD, G, BG, SPLIT, HAS_QK_NORM, CS, BF16_DOT, TIMED)
         laps, t = _lap(laps, t, 2, TIMED)
-        arrived = _arrive(sync, arrived, NC)
+        arrived = _arrive(sync, arrived)
         w_o = _ptr(table, layer, O_PROJ)
         rows, rmask = _rows(pid, r_o, D, BR_O)
         w_c = _w_chunk(w_o, rows, rmask, H * HD, 0, BK_O)
-        _wait(sync, arrived, err, MAX_SPINS, NC, GPU)
+        _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 3, TIMED)
         _stage_residual(w_o, w_c, x, attn, pid, nprog, r_o, D, H * HD, BR_O, BK_O, ST_O)
         laps, t = _lap(laps, t, 4, TIMED)
-        arrived = _arrive(sync, arrived, NC)
+        arrived = _arrive(sync, arrived)
         w_gu = _ptr(table, layer, GATE_UP)
         rows, rmask = _stacked_rows(pid, r_gu, FFN, BR_GU)
         w_d = _w_chunk(w_gu, rows, rmask, D, 0, BK_GU)
         s_d = _norm_chunk(_ptr(table, layer, POST_NORM), D, BK_GU)
-        _wait(sync, arrived, err, MAX_SPINS, NC, GPU)
+        _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 5, TIMED)
         _stage_gate_up(w_gu, _ptr(table, layer, POST_NORM), x, act, w_d, s_d, pid, nprog, eps, r_gu, D, FFN, BR_GU,
                        BK_GU, BD, ST_GU)
         laps, t = _lap(laps, t, 6, TIMED)
-        arrived = _arrive(sync, arrived, NC)
+        arrived = _arrive(sync, arrived)
         w_dn = _ptr(table, layer, DOWN)
         rows, rmask = _rows(pid, r_dn, D, BR_DN)
         w_e = _w_chunk(w_dn, rows, rmask, FFN, 0, BK_DN)
-        _wait(sync, arrived, err, MAX_SPINS, NC, GPU)
+        _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 7, TIMED)
         _stage_residual(w_dn, w_e, x, act, pid, nprog, r_dn, D, FFN, BR_DN, BK_DN, ST_DN)
         laps, t = _lap(laps, t, 8, TIMED)
-        arrived = _arrive(sync, arrived, NC)
+        arrived = _arrive(sync, arrived)
         nxt = tl.minimum(layer + 1, num_layers - 1)  # the next layer's first QKV chunk (none after the last)
         rows, rmask = _rows(pid, r_qkv, n_qkv, BR_QKV)
         w_a = _w_chunk(_ptr(table, nxt, QKV), rows, rmask & (layer + 1 < num_layers), D, 0, BK_QKV)
         s_a = _norm_chunk(_ptr(table, nxt, IN_NORM), D, BK_QKV)
-        _wait(sync, arrived, err, MAX_SPINS, NC, GPU)
+        _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 9, TIMED)
     if TIMED:
         laps = tl.where(tl.arange(0, 16) == 10, t - t0, laps)
