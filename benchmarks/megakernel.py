@@ -95,6 +95,8 @@ def main() -> None:
     ap.add_argument("--programs-per-sm", type=int, nargs="+", default=[1])
     ap.add_argument("--carveout", type=int, nargs="+", default=[0],
                     help="preferred shared-memory carveout in percent (-1: the driver's choice; default 0)")
+    ap.add_argument("--merge-chunk", type=int, nargs="+", default=[megakernel.MERGE_CHUNK],
+                    help="attention split partials merged per load (a power of 2)")
     ap.add_argument("--barriers", action="store_true", help="also time grid barriers alone")
     ap.add_argument("--stages", action="store_true",
                     help="also run a TIMED build: per stage, us per layer each program works and waits")
@@ -124,15 +126,15 @@ def main() -> None:
     sin = torch.zeros_like(cos)
     x = hidden.clone()
     print(f"{args.preset}: {sms} SMs, layer weights {layer_bytes / 1e9:.3f} GB", flush=True)
-    configs = [(t, p, w, v) for t in args.tile_elems for p in args.programs_per_sm for w in args.warps
-               for v in args.carveout]
+    configs = [(t, p, w, v, m) for t in args.tile_elems for p in args.programs_per_sm for w in args.warps
+               for v in args.carveout for m in args.merge_chunk]
     first_out: dict[int, torch.Tensor] = {}
-    for tile, per_sm, warps, carve in configs:
+    for tile, per_sm, warps, carve, chunk in configs:
         mk = megakernel.DecodeMegakernel(model, runner.layers, args.max_seq_len, torch.device("cuda"),
                                          programs=sms * per_sm, tile_elems=tile)
         mk.bind(runner.layers, cache.k, cache.v)
-        mk.num_warps, mk.carveout = warps, None if carve < 0 else carve
-        label = f"tile {tile:5} programs {mk.programs:3} warps {warps:2} carveout {carve:3}"
+        mk.num_warps, mk.carveout, mk.merge_chunk = warps, None if carve < 0 else carve, chunk
+        label = f"tile {tile:5} programs {mk.programs:3} warps {warps:2} carveout {carve:3} merge {chunk:2}"
         for pos in args.pos:
             p = torch.tensor([pos], device="cuda")
             try:

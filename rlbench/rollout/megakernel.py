@@ -29,8 +29,11 @@ TABLE = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "post_norm", 
 """Columns of the per-layer pointer table: the `FusedLayer` field of that name, then the layer's K and V cache."""
 SPLIT = 64
 """Cached positions per attention task (KV head x split is the attention stage's task grid)."""
-MERGE_CHUNK = 32
-"""Splits merged per load when the partial softmaxes are combined (32: one load up to 2,048 positions)."""
+MERGE_CHUNK = 16
+"""Splits merged per load when the partial softmaxes are combined (16: one load for up to 16 splits, ~2,000
+positions on 132 SMs). Measured side by side on the H200 (docs/LOG.md session 7): 16 took 730 / 777 / 792 us per
+0.6B call at pos 256 / 1024 / 1500 and 3,300 us on 4B, against 754 / 801 / 815 and 3,324 with 32; 8 was faster at
+pos 256 but slower at 1024, 1500 and on 4B."""
 TILE_ELEMS = 16384
 """Weight elements a GEMV tile loads per K step when the tile is double buffered; a tile of up to twice that
 is loaded as one chunk (all in flight before the barrier, one round trip after it)."""
@@ -124,6 +127,7 @@ class DecodeMegakernel:
         self._bound: tuple = ()
         self.num_warps = 8
         self.max_spins = MAX_SPINS
+        self.merge_chunk = MERGE_CHUNK
         self.bf16_dot = device.type == "cuda"  # the interpreter multiplies bf16 dot operands as raw integers
         self.carveout: int | None = 0
         """Preferred shared-memory carveout (percent) set on the compiled kernel; 0: the least shared memory the
@@ -168,7 +172,7 @@ class DecodeMegakernel:
                 self.part_l, self.sync, self.err, self.laps, self.table.shape[0], self.eps, self.scale, self.head_stride,
                 self.max_splits, r_qkv, r_o, r_gu, r_dn)
         consts = dict(D=self.d, H=self.h, NKV=self.n_kv, HD=self.hd, FFN=self.i, G=self.group,
-                      BG=_pow2(self.group), BD=_pow2(self.d), SPLIT=SPLIT, CS=MERGE_CHUNK,
+                      BG=_pow2(self.group), BD=_pow2(self.d), SPLIT=SPLIT, CS=self.merge_chunk,
                       HAS_QKV_BIAS=self.has_bias, HAS_QK_NORM=self.has_qk_norm, BR_QKV=br_qkv, BK_QKV=bk_qkv,
                       BR_O=br_o, BK_O=bk_o, BR_GU=br_gu, BK_GU=bk_gu, BR_DN=br_dn, BK_DN=bk_dn,
                       ST_QKV=st_qkv, ST_O=st_o, ST_GU=st_gu, ST_DN=st_dn,
