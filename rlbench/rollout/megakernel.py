@@ -11,9 +11,9 @@ Used for batch-1 decode steps on CUDA when `StepOptions.megakernel` is on and `u
 against it (bf16 fused Qwen3/Qwen2/Llama layers without o/MLP biases); other batches, models and devices
 keep the compiled path. On the CPU it runs under Triton's interpreter with one program (tests).
 
-Status (H200, docs/LOG.md 2026-11-30, session 5): correct (error vs float64 equal to the bf16 layer stack's);
-the 0.6B step takes 0.86-0.89 ms against the compiled path's 1.21-1.34 ms (3.1x the floor, goal 2x), the 4B
-step 3.54 ms against 3.67 ms. Opt-in (`megakernel=True`) because it needs every SM to itself.
+Status (H200, docs/LOG.md 2026-11-30, session 7): correct (error vs float64 equal to the bf16 layer stack's);
+the 0.6B step takes 0.85-0.86 ms against the compiled path's 1.22-1.45 ms (3.05-3.11x the floor, goal 2x), the
+4B step 3.51 ms against 3.98 ms. Opt-in (`megakernel=True`) because it needs every SM to itself.
 The grid barrier needs every program resident at once: the grid is the SM count and each program fits one SM.
 """
 
