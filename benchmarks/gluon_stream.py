@@ -61,9 +61,10 @@ program or every odd program streams meanwhile): 0.90 us per grid barrier idle, 
 GPU-wide memory load.
 
 Modes chase_only / chase_load (session 7): the consumer does CHASE dependent L2 loads where the barriers were
-(nobody / every program streams meanwhile); the stall table prints the mean L2 round trip. A grid barrier is about
-three round trips on its critical path (the arrive's release, the poll that sees the count, the load of the data
-after it), so this is the price of any cross-SM dependency under the stream, whatever its protocol.
+(nobody / every program streams meanwhile); the stall table prints the mean L2 round trip. A grid barrier has at
+least three round trips on its critical path (the arrive's release, the poll that sees the count, the load of the
+data after it) and any cross-SM dependency at least two (the signal, the data), whatever its protocol. Measured
+(docs/LOG.md session 7): 150 ns idle, 507 ns under the stream; a grid barrier costs about 6 and 5 of them.
 
     python benchmarks/gluon_stream.py --slots 24 --modes chase_only chase_load barrier_only barrier_load --timed
 
@@ -276,6 +277,17 @@ def _timed_chase(table, idx, tb, TIMED: gl.constexpr):
 
 
 @gluon.jit
+def _between_stages(sync, arrived, nprog, table, idx, tb, BARRIERS: gl.constexpr, CHASED: gl.constexpr,
+                    TIMED: gl.constexpr):
+    """What the consumer does between two stages: the chase (modes chase_*), a grid barrier, or nothing."""
+    if CHASED:
+        idx, tb = _timed_chase(table, idx, tb, TIMED)
+    elif BARRIERS:
+        arrived, tb = _timed_barrier(sync, arrived, nprog, tb, TIMED)
+    return arrived, idx, tb
+
+
+@gluon.jit
 def _consumer(x_qkv, x_o, x_gu, x_dn, ring, ready, empty, xbuf, sync, stats, n_layers, pid, nprog,
               N_QKV: gl.constexpr, N_O: gl.constexpr, N_GU: gl.constexpr, N_DN: gl.constexpr,
               R_QKV: gl.constexpr, R_O: gl.constexpr, R_GU: gl.constexpr, R_DN: gl.constexpr,
@@ -299,31 +311,19 @@ def _consumer(x_qkv, x_o, x_gu, x_dn, ring, ready, empty, xbuf, sync, stats, n_l
         if CONSUME:
             i, tr, tx = _consume_stage(x_dn, x_qkv, ring, ready, empty, xbuf, i, tr, tx, pid * R_QKV, N_QKV, R_QKV,
                                        K_QKV, SLOTS, MODE, TIMED, layout)
-        if CHASED:
-            idx, tb = _timed_chase(x_qkv, idx, tb, TIMED)
-        elif BARRIERS:
-            arrived, tb = _timed_barrier(sync, arrived, nprog, tb, TIMED)
+        arrived, idx, tb = _between_stages(sync, arrived, nprog, x_qkv, idx, tb, BARRIERS, CHASED, TIMED)
         if CONSUME:
             i, tr, tx = _consume_stage(x_qkv, x_o, ring, ready, empty, xbuf, i, tr, tx, pid * R_O, N_O, R_O, K_O, SLOTS,
                                        MODE, TIMED, layout)
-        if CHASED:
-            idx, tb = _timed_chase(x_qkv, idx, tb, TIMED)
-        elif BARRIERS:
-            arrived, tb = _timed_barrier(sync, arrived, nprog, tb, TIMED)
+        arrived, idx, tb = _between_stages(sync, arrived, nprog, x_qkv, idx, tb, BARRIERS, CHASED, TIMED)
         if CONSUME:
             i, tr, tx = _consume_stage(x_o, x_gu, ring, ready, empty, xbuf, i, tr, tx, pid * R_GU, N_GU, R_GU, K_GU,
                                        SLOTS, MODE, TIMED, layout)
-        if CHASED:
-            idx, tb = _timed_chase(x_qkv, idx, tb, TIMED)
-        elif BARRIERS:
-            arrived, tb = _timed_barrier(sync, arrived, nprog, tb, TIMED)
+        arrived, idx, tb = _between_stages(sync, arrived, nprog, x_qkv, idx, tb, BARRIERS, CHASED, TIMED)
         if CONSUME:
             i, tr, tx = _consume_stage(x_gu, x_dn, ring, ready, empty, xbuf, i, tr, tx, pid * R_DN, N_DN, R_DN, K_DN,
                                        SLOTS, MODE, TIMED, layout)
-        if CHASED:
-            idx, tb = _timed_chase(x_qkv, idx, tb, TIMED)
-        elif BARRIERS:
-            arrived, tb = _timed_barrier(sync, arrived, nprog, tb, TIMED)
+        arrived, idx, tb = _between_stages(sync, arrived, nprog, x_qkv, idx, tb, BARRIERS, CHASED, TIMED)
     if CHASED:  # where the chase ended (unused, but without a use the compiler drops the loads)
         gl.store(sync, idx)
     if TIMED:  # every consumer thread stores the same columns; their values differ by a few cycles at most

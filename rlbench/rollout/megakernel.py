@@ -128,6 +128,7 @@ class DecodeMegakernel:
         self.num_warps = 8
         self.max_spins = MAX_SPINS
         self.merge_chunk = MERGE_CHUNK
+        """See MERGE_CHUNK (benchmarks/megakernel.py --merge-chunk)."""
         self.bf16_dot = device.type == "cuda"  # the interpreter multiplies bf16 dot operands as raw integers
         self.carveout: int | None = 0
         """Preferred shared-memory carveout (percent) set on the compiled kernel; 0: the least shared memory the
