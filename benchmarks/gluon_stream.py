@@ -91,6 +91,7 @@ XR = gl.constexpr(16)  # rows of BK stage-input values per global load into the 
 MODES = ("stream", "stream_thread", "gemv", "gemv_thread", "barrier_only", "barrier_load", "barrier_load_half",
          "chase_only", "chase_load")
 CHASE = gl.constexpr(4)  # modes chase_*: dependent L2 loads in place of each grid barrier
+CHASE_LEN = gl.constexpr(4096)  # entries of the chase table (x_qkv's first 4096 values; x buffers hold >= 4096)
 CHASE_STRIDE = 1031  # entries (4 KB) between consecutive loads of the chase: a different L2 line every time
 # columns of the TIMED output, one row per program (SM cycles unless named ns)
 STATS = ("prod_wait_empty", "prod_total", "cons_wait_ready", "cons_grid_barrier", "cons_x_load", "cons_total",
@@ -298,7 +299,7 @@ def _consumer(x_qkv, x_o, x_gu, x_dn, ring, ready, empty, xbuf, sync, stats, n_l
     gl.static_assert(gl.num_warps() == NUM_WARPS, "NUM_WARPS must be the launch's num_warps")
     CONSUME: gl.constexpr = not MODE.startswith("barrier_") and not MODE.startswith("chase_")  # only barriers
     CHASED: gl.constexpr = MODE.startswith("chase_")  # dependent L2 loads instead of the barriers
-    idx = (pid * 37) % 4096
+    idx = (pid * 37) % CHASE_LEN
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NUM_WARPS, 1], [1, 0])
     i = 0
     arrived = 0
@@ -437,7 +438,7 @@ def main() -> None:
     assert all(k % bk == 0 for _, k in dims.values()), "K must be a multiple of BK"
     ws = {k: torch.randn(layers * n, kk, device="cuda", dtype=torch.bfloat16) * 0.03 for k, (n, kk) in dims.items()}
     descs = {k: TensorDescriptor(w, list(w.shape), list(w.stride()), [br, bk], box_layout()) for k, w in ws.items()}
-    xs = {k: torch.randn(max(n, 4096), device="cuda", dtype=torch.float32) for k, (n, _) in dims.items()}
+    xs = {k: torch.randn(max(n, CHASE_LEN.value), device="cuda", dtype=torch.float32) for k, (n, _) in dims.items()}
     sync = torch.zeros(1, dtype=torch.int32, device="cuda")
     stats = torch.zeros(sms, len(STATS), dtype=torch.int64, device="cuda")
     weight_bytes = sum(w.numel() * 2 for w in ws.values())
@@ -452,8 +453,9 @@ def main() -> None:
     for mode, slots, barriers in itertools.product(args.modes, args.slots, (False, True)):
         if mode.startswith("chase_") and not barriers:
             continue  # the chase stands in for the barriers: one row
-        if mode.startswith("chase_"):  # x_qkv holds the chase: entry i -> i + CHASE_STRIDE (mod 4096)
-            xs["qkv"][:4096] = ((torch.arange(4096, device="cuda") + CHASE_STRIDE) % 4096).float()
+        if mode.startswith("chase_"):  # x_qkv holds the chase: entry i -> i + CHASE_STRIDE (mod CHASE_LEN)
+            n = CHASE_LEN.value
+            xs["qkv"][:n] = ((torch.arange(n, device="cuda") + CHASE_STRIDE) % n).float()
         def call(slots=slots, barriers=barriers, mode=mode, timed=False):
             sync.zero_()
             stream_layers[(sms,)](descs["qkv"], descs["o"], descs["gu"], descs["dn"], xs["qkv"], xs["o"],

@@ -31,9 +31,9 @@ SPLIT = 64
 """Cached positions per attention task (KV head x split is the attention stage's task grid)."""
 MERGE_CHUNK = 16
 """Splits merged per load when the partial softmaxes are combined (16: one load for up to 16 splits, ~2,000
-positions on 132 SMs). Measured side by side on the H200 (docs/LOG.md session 7): 16 took 730 / 777 / 792 us per
-0.6B call at pos 256 / 1024 / 1500 and 3,300 us on 4B, against 754 / 801 / 815 and 3,324 with 32; 8 was faster at
-pos 256 but slower at 1024, 1500 and on 4B."""
+positions on 132 SMs). Measured side by side on the H200 in two runs (docs/LOG.md session 7): 16 was 1-3% faster
+than 32 at pos 256 / 1024 / 1500 and on 4B (final run 738.8 / 781.2 / 803.3 us per 0.6B call against 747.5 / 796.0
+/ 822.1); 8 was faster at pos 256 but slower at 1024, 1500 and on 4B."""
 TILE_ELEMS = 16384
 """Weight elements a GEMV tile loads per K step when the tile is double buffered; a tile of up to twice that
 is loaded as one chunk (all in flight before the barrier, one round trip after it)."""
