@@ -50,20 +50,22 @@ def step_ms(engine: TorchEngine, b: int, kv: int, mode: str, steps: int = 200) -
     return start.elapsed_time(end) / steps, first
 
 
-def run_variant(model, args, fused: bool, attention: str, gemv: bool, mk: bool, floor: float) -> list[dict]:
+def run_variant(model, args, fused: bool, attention: str, gemv: bool, mk: bool, floor: float,
+                sync: str = "barrier") -> list[dict]:
     cfg = TorchEngineConfig(max_seq_len=args.max_seq_len, num_slots=max(args.batch), fused_weights=fused,
-                            decode_attention=attention, gemv_batch1=gemv, megakernel=mk)
+                            decode_attention=attention, gemv_batch1=gemv, megakernel=mk, megakernel_sync=sync)
     engine = TorchEngine(model, cfg)
     if mk and engine.runner.megakernel is None:
         print("megakernel requested but unsupported here; this variant runs the compiled path", flush=True)
-    name = f"fused={int(engine.runner.fused)} attn={attention} gemv1={int(gemv)} mk={int(mk)}"
+    name = f"fused={int(engine.runner.fused)} attn={attention} gemv1={int(gemv)} mk={int(mk)}" + (
+        f" {sync}" if mk else "")
     rows = []
     for b, kv, mode in itertools.product(args.batch, args.kv, args.modes):
         bucket = _bucket(b, engine.cache.shape.num_slots, engine.runner.min_batch)
         ms, first = step_ms(engine, bucket, kv, mode, args.steps)
         rows.append(dict(variant=name, batch=b, bucket=bucket, kv=kv, mode=mode, ms=ms, x_floor=ms / floor,
                          first_s=first))
-        print(f"{name:37} batch {b} (bucket {bucket}) kv {kv:5} {mode:7}: {ms:7.3f} ms/step "
+        print(f"{name:45} batch {b} (bucket {bucket}) kv {kv:5} {mode:7}: {ms:7.3f} ms/step "
               f"({ms / floor:5.2f}x floor); first use {first:6.1f} s", flush=True)
         if args.profile:
             print(profile_step(engine, bucket, kv), flush=True)
@@ -85,6 +87,7 @@ def main() -> None:
     ap.add_argument("--decode-attention", nargs="+", default=["auto"], choices=["auto", "sdpa", "split"])
     ap.add_argument("--gemv-batch1", type=int, nargs="+", default=[1], choices=[0, 1])
     ap.add_argument("--megakernel", type=int, nargs="+", default=[0], choices=[0, 1])
+    ap.add_argument("--megakernel-sync", nargs="+", default=["barrier"], choices=["barrier", "pdl", "launch"])
     ap.add_argument("--max-seq-len", type=int, default=1536)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--bandwidth-tbs", type=float, default=4.3, help="HBM bandwidth for the floor (H200: 4.3)")
@@ -96,13 +99,14 @@ def main() -> None:
           f"({torch.__version__}, {torch.cuda.get_device_name()})", flush=True)
     rows = []
     variants = itertools.product(args.fused, args.decode_attention, args.gemv_batch1, args.megakernel)
-    for fused, attention, gemv, mk in variants:
+    variants = [(*v, sync) for v in variants for sync in (args.megakernel_sync if v[-1] else ["barrier"])]
+    for fused, attention, gemv, mk, sync in variants:
         t0 = time.perf_counter()
-        rows += run_variant(model, args, bool(fused), attention, bool(gemv), bool(mk), floor)
+        rows += run_variant(model, args, bool(fused), attention, bool(gemv), bool(mk), floor, sync)
         print(f"  variant total {time.perf_counter() - t0:.1f} s", flush=True)
-    print(f"\n{'variant':37} {'batch':>5} {'kv':>5} {'mode':>7} {'ms/step':>8} {'x floor':>8} {'first use s':>11}")
+    print(f"\n{'variant':45} {'batch':>5} {'kv':>5} {'mode':>7} {'ms/step':>8} {'x floor':>8} {'first use s':>11}")
     for r in rows:
-        print(f"{r['variant']:37} {r['batch']:>5} {r['kv']:>5} {r['mode']:>7} {r['ms']:>8.3f} {r['x_floor']:>8.2f} "
+        print(f"{r['variant']:45} {r['batch']:>5} {r['kv']:>5} {r['mode']:>7} {r['ms']:>8.3f} {r['x_floor']:>8.2f} "
               f"{r['first_s']:>11.1f}")
 
 

@@ -5,6 +5,7 @@ programs per SM; and the cost of one grid barrier on its own (5 per layer in the
     python benchmarks/megakernel.py --preset qwen3-0.6b-shape --pos 256 1024 --warps 4 8 16
     python benchmarks/megakernel.py --tile-elems 4096 8192 --programs-per-sm 1 2 --warps 4 8 --barriers
     python benchmarks/megakernel.py --pos 256 1024 --stages   # where a layer's time goes, per stage
+    python benchmarks/megakernel.py --stage-sync barrier pdl launch --maxnreg 0 128   # grid barriers vs kernels
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import triton.language as tl
 from rlbench.models import build_model
 from rlbench.rollout import megakernel
 from rlbench.rollout.kv_cache import CacheShape, KVCache
-from rlbench.rollout.mk_kernels import _grid_sync
+from rlbench.rollout.mk_kernels import _grid_sync, _stage_boundary
 from rlbench.rollout.runner import ModelRunner, StepOptions
 
 
@@ -27,6 +28,11 @@ def _barriers_only(sync, err, n, MAX_SPINS: tl.constexpr):
     arrived = tl.num_programs(0) * 0
     for _ in range(n):
         arrived = _grid_sync(sync, arrived, err, MAX_SPINS)
+
+
+@triton.jit
+def _boundary_only(PDL: tl.constexpr):
+    _stage_boundary(PDL)
 
 
 def timed(fn, iters: int) -> float:
@@ -58,6 +64,15 @@ def barrier_cost(sms: int, per_sm: int, warps: int, n: int = 140, iters: int = 1
     ms = timed(lambda: launch(n), iters) - timed(lambda: launch(0), iters)
     assert int(err.item()) == 0, "a barrier timed out"
     return ms * 1e3 / n
+
+
+def boundary_cost(sms: int, warps: int, pdl: bool, n: int = 140, iters: int = 100) -> float:
+    """us per kernel boundary: n empty dependent kernels of `sms` programs in one graph (launch amortised)."""
+    def chain(k):
+        for _ in range(k):
+            _boundary_only[(sms,)](PDL=pdl, num_warps=warps, launch_pdl=pdl)
+
+    return (timed(lambda: chain(n), iters) - timed(lambda: chain(1), iters)) * 1e3 / (n - 1)
 
 
 STAGES = ("qkv", "attend", "o_proj", "gate_up", "down")
@@ -97,7 +112,13 @@ def main() -> None:
                     help="preferred shared-memory carveout in percent (-1: the driver's choice; default 0)")
     ap.add_argument("--merge-chunk", type=int, nargs="+", default=[megakernel.MERGE_CHUNK],
                     help="attention split partials merged per load (a power of 2)")
-    ap.add_argument("--barriers", action="store_true", help="also time grid barriers alone")
+    ap.add_argument("--stage-sync", nargs="+", default=["barrier"], choices=["barrier", "pdl", "launch"],
+                    help="grid barriers in one persistent kernel, or a kernel per stage (with/without PDL)")
+    ap.add_argument("--maxnreg", type=int, nargs="+", default=[0],
+                    help="register cap per thread for the per-stage kernels (0: none; 128 lets two CTAs of "
+                         "8 warps share an SM, so the next stage's kernel can start while this one runs)")
+    ap.add_argument("--barriers", action="store_true",
+                    help="also time grid barriers alone and empty kernel boundaries (PDL and plain)")
     ap.add_argument("--stages", action="store_true",
                     help="also run a TIMED build: per stage, us per layer each program works and waits")
     ap.add_argument("--max-seq-len", type=int, default=1536)
@@ -112,6 +133,9 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - e.g. a grid whose programs are not all resident
                 us = f"FAILED {type(e).__name__}: {str(e)[:120]}"
             print(f"grid barrier, {sms * per_sm} programs x {warps} warps: {us}", flush=True)
+        for pdl in (True, False):
+            print(f"kernel boundary, {sms} programs x {args.warps[0]} warps, {'pdl' if pdl else 'plain'}: "
+                  f"{boundary_cost(sms, args.warps[0], pdl):.2f} us", flush=True)
     model = build_model(args.preset, device="cuda", dtype=torch.bfloat16).eval()
     c = model.config
     cache = KVCache(CacheShape(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 1, args.max_seq_len),
@@ -126,15 +150,19 @@ def main() -> None:
     sin = torch.zeros_like(cos)
     x = hidden.clone()
     print(f"{args.preset}: {sms} SMs, layer weights {layer_bytes / 1e9:.3f} GB", flush=True)
-    configs = [(t, p, w, v, m) for t in args.tile_elems for p in args.programs_per_sm for w in args.warps
-               for v in args.carveout for m in args.merge_chunk]
+    # a grid barrier needs every program resident: more than one per SM only for the per-stage kernels
+    configs = [(t, p, w, v, m, y, r) for y in args.stage_sync for t in args.tile_elems
+               for p in (args.programs_per_sm if y != "barrier" else [1]) for w in args.warps
+               for v in args.carveout for m in args.merge_chunk for r in (args.maxnreg if y != "barrier" else [0])]
     first_out: dict[int, torch.Tensor] = {}
-    for tile, per_sm, warps, carve, chunk in configs:
+    for tile, per_sm, warps, carve, chunk, sync, maxnreg in configs:
         mk = megakernel.DecodeMegakernel(model, runner.layers, args.max_seq_len, torch.device("cuda"),
                                          programs=sms * per_sm, tile_elems=tile)
         mk.bind(runner.layers, cache.k, cache.v)
         mk.num_warps, mk.carveout, mk.merge_chunk = warps, None if carve < 0 else carve, chunk
-        label = f"tile {tile:5} programs {mk.programs:3} warps {warps:2} carveout {carve:3} merge {chunk:2}"
+        mk.stage_sync, mk.stage_maxnreg = sync, maxnreg or None
+        label = (f"tile {tile:5} programs {mk.programs:3} warps {warps:2} carveout {carve:3} merge {chunk:2} "
+                 f"{sync:7} maxnreg {maxnreg:3}")
         for pos in args.pos:
             p = torch.tensor([pos], device="cuda")
             try:
@@ -153,7 +181,7 @@ def main() -> None:
                   f"({total / ms / 1e7 / args.bandwidth_tbs:4.1f}% of {args.bandwidth_tbs} TB/s), "
                   f"{ms * 1e3 / c.num_hidden_layers:5.1f} us per layer; output repeatable (4 calls): {repeatable}, "
                   f"== the first config's: {same}", flush=True)
-            if args.stages:
+            if args.stages and sync == "barrier":
                 print(stage_table(mk, lambda mk=mk, p=p: mk(x.copy_(hidden), cos, sin, p), c.num_hidden_layers))
 
 

@@ -98,6 +98,34 @@ def distinct_outputs(preset, pos, device="cuda", calls=8, max_seq_len=1536) -> i
     return len(outs)
 
 
+@torch.inference_mode()
+def sync_outputs(preset, pos, syncs, device="cuda", calls=4, max_seq_len=1536, tile_programs=None) -> dict:
+    """One decode step at `pos` (random cached K/V) run `calls` times with each `DecodeMegakernel.stage_sync`:
+    {sync: the distinct bit patterns of (hidden out, every layer's new K/V row)}. The stages run the same tasks
+    and code whatever waits between them, so every sync must give one pattern, the same for all."""
+    model = build_model(preset, device=device, dtype=torch.bfloat16, seed=0).eval()
+    runner = _runner(model, max_seq_len, device)
+    gen = torch.Generator(device).manual_seed(0)
+    for t in (*runner.cache.k, *runner.cache.v):
+        t.normal_(0.0, 1.0, generator=gen)
+    hidden = torch.randn(1, 1, model.config.hidden_size, device=device, dtype=torch.bfloat16, generator=gen)
+    out = {}
+    for sync in syncs:
+        mk = DecodeMegakernel(model, runner.layers, max_seq_len, torch.device(device), tile_programs=tile_programs)
+        mk.stage_sync = sync
+        mk.bind(runner.layers, runner.cache.k, runner.cache.v)
+        cos = torch.ones(1, 1, mk.hd, device=device, dtype=torch.bfloat16)
+        pos_t = torch.tensor([pos], device=device)
+        seen = set()
+        for _ in range(calls):
+            h = mk(hidden.clone(), cos, torch.zeros_like(cos), pos_t)
+            rows = [c[0, :, pos] for c in (*runner.cache.k, *runner.cache.v)]
+            seen.add(b"".join(t.contiguous().view(torch.int16).cpu().numpy().tobytes() for t in (h, *rows)))
+        mk.check()
+        out[sync] = seen
+    return out
+
+
 def engine_samples(preset="tiny", max_new_tokens=8):
     """Seeded sampling at batch 1 with and without the megakernel: (token ids, log-probs) of each."""
     model = build_model(preset, dtype=torch.bfloat16, seed=0)
@@ -112,10 +140,13 @@ def engine_samples(preset="tiny", max_new_tokens=8):
     return runs
 
 
-def compile_for_hopper(preset: str, num_warps: int = 8, programs: int = 132) -> dict:
-    """Compile `decode_layers` for sm_90 without a GPU (Triton + its bundled ptxas) for a preset's shapes, as
-    `DecodeMegakernel` would launch it on an H100/H200; returns registers per thread, spill bytes, and how many
-    global loads in the PTX are 16-byte vectors, how many read 2 bytes and how many are acquires (barrier polls)."""
+def compile_for_hopper(preset: str, num_warps: int = 8, programs: int = 132, stage: int | None = None,
+                       maxnreg: int | None = None) -> dict:
+    """Compile `decode_layers` (or, with `stage`, that stage's `decode_stage` kernel with PDL) for sm_90 without a
+    GPU (Triton + its bundled ptxas) for a preset's shapes, as `DecodeMegakernel` would launch it on an H100/H200;
+    returns registers per thread, spill bytes, how many global loads in the PTX are 16-byte vectors, how many read
+    2 bytes and how many are acquires (barrier polls), and, for a stage kernel, the 16-byte loads and the stores
+    or atomics that come before its `griddepcontrol.wait` in the PTX."""
     import inspect
     import re
     import subprocess
@@ -126,35 +157,47 @@ def compile_for_hopper(preset: str, num_warps: int = 8, programs: int = 132) -> 
     from triton.compiler import ASTSource
 
     from rlbench.rollout.fused import fuse_layers
-    from rlbench.rollout.mk_kernels import decode_layers
+    from rlbench.rollout.mk_kernels import decode_layers, decode_stage
 
     model = build_model(preset, meta=True, dtype=torch.bfloat16)
     mk = DecodeMegakernel(model, fuse_layers(model), 1536, torch.device("cpu"), programs=programs)
     mk.bf16_dot = True  # as on a GPU
     c = model.config
     bf16 = torch.zeros(1, 1, c.hidden_size, dtype=torch.bfloat16)
-    args, consts = mk.launch_args(bf16, bf16[..., : mk.hd], bf16[..., : mk.hd], torch.zeros(1, dtype=torch.long))
-    names = list(inspect.signature(decode_layers.fn).parameters)
+    io = (bf16, bf16[..., : mk.hd], bf16[..., : mk.hd], torch.zeros(1, dtype=torch.long))
+    fn = decode_layers if stage is None else decode_stage
+    args, consts = mk.launch_args(*io) if stage is None else mk.stage_args(*io, layer=0)
+    if stage is not None:
+        consts.update(STAGE=stage, PDL=True)
+    names = list(inspect.signature(fn.fn).parameters)
     dtypes = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int64: "*i64", torch.int32: "*i32"}
     signature = {n: dtypes[a.dtype] if isinstance(a, torch.Tensor) else "fp32" if isinstance(a, float) else "i32"
                  for n, a in zip(names, args)}
     signature.update({n: "constexpr" for n in consts})
     # as the launcher specializes: tensors (16-byte aligned) and ints that are multiples of 16 get the hint
     aligned = [(i,) for i, a in enumerate(args) if isinstance(a, torch.Tensor) or (type(a) is int and a % 16 == 0)]
-    src = ASTSource(fn=decode_layers, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()},
+    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()},
                     attrs={i: [["tt.divisibility", 16]] for i in aligned})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    options = dict(num_warps=num_warps, launch_pdl=stage is not None, maxnreg=maxnreg)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     ptxas = next(Path(triton.__file__).parent.glob("backends/nvidia/bin/ptxas*"))
-    ptx = Path(f"/tmp/rlbench_mk_{preset}_{num_warps}.ptx")
-    ptx.write_text(kernel.asm["ptx"])
+    ptx_text = kernel.asm["ptx"]
+    ptx = Path(f"/tmp/rlbench_mk_{preset}_{num_warps}" + ("" if stage is None else f"_stage{stage}") + ".ptx")
+    ptx.write_text(ptx_text)
     info = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", "/dev/null"],
                           capture_output=True, text=True, check=True).stderr
     regs = int(re.search(r"Used (\d+) registers", info).group(1))
     spills = int(re.search(r"(\d+) bytes spill stores", info).group(1))
-    loads = re.findall(r"ld\.global\S*", kernel.asm["ptx"])
-    return dict(regs=regs, spill_bytes=spills, threads=32 * num_warps, shared=kernel.metadata.shared,
-                vector_loads=sum(".v4." in x for x in loads), two_byte_loads=sum(x.endswith(".b16") for x in loads),
-                acquire_loads=sum(".acquire." in x for x in loads))
+    loads = re.findall(r"ld\.global\S*", ptx_text)
+    out = dict(regs=regs, spill_bytes=spills, threads=32 * num_warps, shared=kernel.metadata.shared,
+               vector_loads=sum(".v4." in x for x in loads), two_byte_loads=sum(x.endswith(".b16") for x in loads),
+               acquire_loads=sum(".acquire." in x for x in loads))
+    if stage is not None:
+        before, wait, _ = ptx_text.partition("griddepcontrol.wait")
+        out.update(waits=ptx_text.count("griddepcontrol.wait"),
+                   vector_loads_before_wait=len(re.findall(r"ld\.global\S*\.v4\.", before)),
+                   writes_before_wait=len(re.findall(r"\b(?:st\.global|atom\.|red\.)", before)) if wait else -1)
+    return out
 
 
 @torch.inference_mode()
@@ -221,6 +264,11 @@ def engine_stops_at_first_window() -> tuple[int, str]:
 if __name__ == "__main__":
     _interpreter_numpy_shim()
     out = {case_name(*c): compare_to_f64(p, n, "cpu", tile_programs=tp) for c in CPU_CASES for p, n, tp in [c]}
+    same = {}
+    for preset, n, tp in CPU_CASES:  # one interpreted program: the per-stage kernels run without PDL
+        seen = sync_outputs(preset, n, ("barrier", "launch"), "cpu", calls=1, max_seq_len=256, tile_programs=tp)
+        same[case_name(preset, n, tp)] = seen["barrier"] == seen["launch"]
+    out["stage_kernels_equal"] = same
     out["engine"] = engine_samples()
     out["timeout"] = barrier_timeout()
     out["engine_timeout"] = engine_stops_at_first_window()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mk_check import CPU_CASES, case_name, compare_to_f64, compile_for_hopper, distinct_outputs
+from mk_check import CPU_CASES, case_name, compare_to_f64, compile_for_hopper, distinct_outputs, sync_outputs
 
 from rlbench.models import build_model
 from rlbench.rollout import SamplingParams
@@ -51,6 +51,27 @@ def _check(r, label):
 @pytest.mark.parametrize("case", [case_name(*c) for c in CPU_CASES])
 def test_interpreted_megakernel_rounds_like_the_hf_layers(interpreted, case):
     _check(interpreted[case], case)
+
+
+@needs_triton
+def test_interpreted_stage_kernels_equal_the_persistent_kernel_to_the_bit(interpreted):
+    """A kernel per stage (stage_sync="launch") runs the same tasks and code as the grid-barrier kernel."""
+    assert interpreted["stage_kernels_equal"] == {case_name(*c): True for c in CPU_CASES}
+
+
+@needs_triton
+@pytest.mark.skipif(bool(os.environ.get("TRITON_INTERPRET")), reason="compiles, does not interpret")
+@pytest.mark.parametrize("preset", ["qwen3-0.6b-shape", "qwen3-4b-shape"])
+def test_stage_kernels_load_weights_before_the_pdl_wait_and_write_after_it(preset):
+    """With PDL a stage's kernel starts while the previous one runs: only token-independent loads may come before
+    its `griddepcontrol.wait`. Each stage's first weight chunk (or K/V block) is issued there; no store, atomic
+    or activation read is."""
+    for stage in range(5):
+        r = compile_for_hopper(preset, stage=stage)
+        print(f"\n{preset} stage {stage}: {r}")
+        assert r["waits"] == 1 and r["writes_before_wait"] == 0, r
+        assert r["vector_loads_before_wait"] >= 8, r
+        assert r["regs"] * r["threads"] <= 65536 and r["spill_bytes"] == 0, r
 
 
 @needs_triton
@@ -174,11 +195,24 @@ def test_megakernel_gives_the_same_bits_every_call(preset):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda, reason="needs a CUDA device")
-def test_megakernel_engine_greedy_matches_hf_up_to_near_ties():
+@pytest.mark.parametrize("preset", ["qwen3-0.6b-shape", "qwen3-4b-shape"])
+def test_stage_kernels_with_pdl_equal_the_grid_barrier_kernel_to_the_bit(preset):
+    """The per-stage kernels, PDL on and off, against the persistent kernel: the same bits (hidden and new K/V),
+    the same every call (a stage reading before its wait would vary)."""
+    seen = sync_outputs(preset, 1024, ("barrier", "pdl", "launch"), calls=4)
+    assert {k: len(v) for k, v in seen.items()} == {"barrier": 1, "pdl": 1, "launch": 1}
+    assert seen["barrier"] == seen["pdl"] == seen["launch"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda, reason="needs a CUDA device")
+@pytest.mark.parametrize("sync", ["barrier", "pdl"])
+def test_megakernel_engine_greedy_matches_hf_up_to_near_ties(sync):
     """Batch-1 greedy through graphs + megakernel vs HF generate, 96 tokens from 4 prompts one at a time."""
     model = build_model("qwen3-0.6b-shape", device="cuda", dtype=torch.bfloat16)
-    engine = TorchEngine(model, TorchEngineConfig(max_seq_len=512, num_slots=1, megakernel=True))
-    assert engine.runner.megakernel is not None
+    engine = TorchEngine(model, TorchEngineConfig(max_seq_len=512, num_slots=1, megakernel=True,
+                                                  megakernel_sync=sync))
+    assert engine.runner.megakernel is not None and engine.runner.megakernel.stage_sync == sync
     g = torch.Generator().manual_seed(0)
     worst, exact = 0.0, 0
     for n in (16, 40, 100, 200):

@@ -134,7 +134,15 @@ class DecodeMegakernel:
         """Preferred shared-memory carveout (percent) set on the compiled kernel; 0: the least shared memory the
         kernel needs, the most L1. The driver's own choice (None) measured 4% slower per call with 72 KB of shared
         memory (0.6B, pos 256) and the same within noise at 36 KB (4B: 3,519 vs 3,514 us); docs/LOG.md."""
-        self._carved: tuple = ()
+        self._carved: set = set()
+        self.stage_sync = "barrier"
+        """How a stage waits for the previous one: "barrier" (one persistent kernel, grid barriers: every program
+        must be resident at once), "pdl" (a kernel per stage, programmatic dependent launch: the next stage's
+        kernel starts its weight loads while this one finishes; sm_90+) or "launch" (a kernel per stage in plain
+        stream order). The same tasks and code run in each, so their results are equal to the bit."""
+        self.stage_maxnreg: int | None = None
+        """Register cap per thread for the per-stage kernels (None: the compiler's choice). At 128 with 8 warps two
+        programs fit an SM, so with PDL the next stage's programs can start their loads while this stage runs."""
         self.timed = False
         """Profiling: per-program cycles working/waiting per stage into `laps` (benchmarks/megakernel.py --stages)."""
         self.laps = torch.zeros(programs, 16, dtype=torch.int64, device=device)
@@ -180,18 +188,46 @@ class DecodeMegakernel:
                       MAX_SPINS=self.max_spins, TIMED=self.timed, BF16_DOT=self.bf16_dot)
         return args, consts
 
+    def stage_args(self, hidden, cos, sin, positions, layer: int) -> tuple[tuple, dict]:
+        """`decode_stage`'s runtime arguments for one layer, and its constexprs but STAGE and PDL."""
+        args, consts = self.launch_args(hidden, cos, sin, positions)
+        args = args[:12] + (layer,) + args[15:]  # no err / laps / num_layers: the layer instead
+        consts = {k: v for k, v in consts.items() if k not in ("MAX_SPINS", "TIMED")}
+        return args, consts
+
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  positions: torch.Tensor) -> torch.Tensor:
         """hidden `[1, 1, D]` (updated in place and returned), cos/sin `[1, 1, hd]`, positions `[1]` long."""
-        from rlbench.rollout.mk_kernels import decode_layers
+        from rlbench.rollout.mk_kernels import decode_layers, decode_stage
 
+        if self.stage_sync not in ("barrier", "pdl", "launch"):
+            raise ValueError(f"stage_sync={self.stage_sync!r}: use 'barrier', 'pdl' or 'launch'")
         self.sync.zero_()
-        args, consts = self.launch_args(hidden, cos.contiguous(), sin.contiguous(), positions)
-        kernel = decode_layers[(self.programs,)](*args, **consts, num_warps=self.num_warps)
-        if hidden.is_cuda and self.carveout is not None and self._carved != (kernel.function, self.carveout):
-            _set_carveout(kernel.function, self.carveout)
-            self._carved = (kernel.function, self.carveout)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        if self.stage_sync == "barrier":
+            args, consts = self.launch_args(hidden, cos, sin, positions)
+            self._carve(decode_layers[(self.programs,)](*args, **consts, num_warps=self.num_warps))
+            return hidden
+        if self.timed:
+            raise ValueError("timed laps need stage_sync='barrier' (one persistent kernel)")
+        pdl = self.stage_sync == "pdl"
+        for layer in range(self.table.shape[0]):
+            args, consts = self.stage_args(hidden, cos, sin, positions, layer)
+            for stage in range(5):
+                extra = {} if self.stage_maxnreg is None else dict(maxnreg=self.stage_maxnreg)
+                first = layer == 0 and stage == 0  # follows the ticket memset: a plain launch (its wait is a no-op)
+                self._carve(decode_stage[(self.programs,)](*args, **consts, STAGE=stage, PDL=pdl,
+                                                           num_warps=self.num_warps, launch_pdl=pdl and not first,
+                                                           **extra))
         return hidden
+
+    def _carve(self, kernel) -> None:
+        """Set the carveout hint once per compiled kernel (see `carveout`)."""
+        if kernel is None or self.carveout is None or not hasattr(kernel, "function"):
+            return  # Triton's interpreter returns no compiled kernel
+        if (kernel.function, self.carveout) not in self._carved:
+            _set_carveout(kernel.function, self.carveout)
+            self._carved.add((kernel.function, self.carveout))
 
 
 def _set_carveout(function: int, percent: int) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import globaltimer
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globaltimer
 
 from rlbench.rollout.megakernel import TABLE
 
@@ -421,6 +421,112 @@ def _stage_gate_up(w, norm, x, act, w0, s0, pid, nprog, eps, rows_per, D: tl.con
 
 
 @triton.jit
+def _pre_qkv(table, layer, pid, r_qkv, live, D: tl.constexpr, N: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+    """Stage A's token-independent loads for program pid: its first QKV weight chunk (none unless `live`) and the
+    input norm's first chunk."""
+    rows, rmask = _rows(pid, r_qkv, N, BR)
+    return (_w_chunk(_ptr(table, layer, QKV), rows, rmask & live, D, 0, BK),
+            _norm_chunk(_ptr(table, layer, IN_NORM), D, BK))
+
+
+@triton.jit
+def _pre_attend(table, layer, pid, nprog, pos, head_stride, NKV: tl.constexpr, HD: tl.constexpr,
+                SPLIT: tl.constexpr, HAS_QK_NORM: tl.constexpr):
+    """Stage B's: the task grid at `pos`, program pid's first K/V block, and the q/k norm weights."""
+    n_blocks = pos // SPLIT + 1  # 64-position blocks per KV head
+    per = tl.cdiv(NKV * n_blocks, nprog)  # blocks per attention task: no more tasks than programs
+    n_splits = tl.cdiv(n_blocks, per)
+    kc, vc = _ptr(table, layer, K_CACHE), _ptr(table, layer, V_CACHE)
+    g0, _, first0 = _task(pid, n_splits, per)
+    k0, v0 = _kv_block(kc, vc, g0, first0, pos, pid < NKV * n_splits, head_stride, HD, SPLIT)
+    q_norm = _norm_pair(_ptr(table, layer, Q_NORM), HD, HAS_QK_NORM)
+    k_norm = _norm_pair(_ptr(table, layer, K_NORM), HD, HAS_QK_NORM)
+    return n_blocks, per, n_splits, kc, vc, k0, v0, q_norm, k_norm
+
+
+@triton.jit
+def _pre_rows(table, layer, col: tl.constexpr, pid, rows_per, N: tl.constexpr, K: tl.constexpr, BR: tl.constexpr,
+              BK: tl.constexpr):
+    """Stages C and E's: the weight and program pid's first chunk of it."""
+    w = _ptr(table, layer, col)
+    rows, rmask = _rows(pid, rows_per, N, BR)
+    return w, _w_chunk(w, rows, rmask, K, 0, BK)
+
+
+@triton.jit
+def _pre_gate_up(table, layer, pid, r_gu, D: tl.constexpr, FFN: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+    """Stage D's: the stacked gate/up weight, program pid's first chunk of it and the post norm's first chunk."""
+    w = _ptr(table, layer, GATE_UP)
+    rows, rmask = _stacked_rows(pid, r_gu, FFN, BR)
+    return w, _w_chunk(w, rows, rmask, D, 0, BK), _norm_chunk(_ptr(table, layer, POST_NORM), D, BK)
+
+
+@triton.jit
+def _rope_row(cos, sin, HD: tl.constexpr):
+    """The token's RoPE row (cos, sin) as fp32 `[HD]`: the same for every layer."""
+    d = tl.arange(0, HD)
+    return tl.load(cos + d).to(tl.float32), tl.load(sin + d).to(tl.float32)
+
+
+@triton.jit
+def decode_stage(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, part_l, sync, layer, eps, scale,
+                 head_stride, max_splits, r_qkv, r_o, r_gu, r_dn,
+                 D: tl.constexpr, H: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, FFN: tl.constexpr,
+                 G: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr, CS: tl.constexpr,
+                 HAS_QKV_BIAS: tl.constexpr, HAS_QK_NORM: tl.constexpr,
+                 BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_O: tl.constexpr, BK_O: tl.constexpr,
+                 BR_GU: tl.constexpr, BK_GU: tl.constexpr, BR_DN: tl.constexpr, BK_DN: tl.constexpr,
+                 ST_QKV: tl.constexpr, ST_O: tl.constexpr, ST_GU: tl.constexpr, ST_DN: tl.constexpr,
+                 BF16_DOT: tl.constexpr, STAGE: tl.constexpr, PDL: tl.constexpr):
+    """ONE stage of one layer as its own kernel (`DecodeMegakernel.stage_sync` "pdl" / "launch"): the same tasks
+    and code as `decode_layers`, with the kernel boundary as the barrier. Each program first issues its
+    token-independent loads (weights, cached K/V), then, with PDL (programmatic dependent launch, sm_90+), lets
+    the next stage's kernel launch (`griddepcontrol.launch_dependents`: its programs can start their own loads
+    wherever an SM has room) and waits for the previous stage's kernel to complete with its memory visible
+    (`griddepcontrol.wait`). Every global store and every read of an activation comes after that wait."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    n_qkv: tl.constexpr = (H + 2 * NKV) * HD
+    if STAGE == 0:
+        w_a, s_a = _pre_qkv(table, layer, pid, r_qkv, True, D, n_qkv, BR_QKV, BK_QKV)
+        _stage_boundary(PDL)
+        _stage_qkv(_ptr(table, layer, QKV), _ptr(table, layer, IN_NORM), _ptr(table, layer, QKV_BIAS), x, qkv,
+                   w_a, s_a, pid, nprog, eps, r_qkv, D, n_qkv, HAS_QKV_BIAS, BR_QKV, BK_QKV, BD, ST_QKV)
+    elif STAGE == 1:
+        pos = tl.load(pos_ptr).to(tl.int32)
+        n_blocks, per, n_splits, kc, vc, k0, v0, q_norm, k_norm = _pre_attend(
+            table, layer, pid, nprog, pos, head_stride, NKV, HD, SPLIT, HAS_QK_NORM)
+        cos_v, sin_v = _rope_row(cos, sin, HD)
+        _stage_boundary(PDL)
+        _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos_v, sin_v, pos, n_blocks, per, n_splits, k0, v0,
+                      part_acc, part_m, part_l, sync + 1, attn, pid, nprog, eps, scale, head_stride, max_splits,
+                      tl.zeros([16], tl.int64), tl.full([], 0, tl.int64), H, NKV, HD, G, BG, SPLIT, HAS_QK_NORM, CS,
+                      BF16_DOT, False)
+    elif STAGE == 2:
+        w_o, w_c = _pre_rows(table, layer, O_PROJ, pid, r_o, D, H * HD, BR_O, BK_O)
+        _stage_boundary(PDL)
+        _stage_residual(w_o, w_c, x, attn, pid, nprog, r_o, D, H * HD, BR_O, BK_O, ST_O)
+    elif STAGE == 3:
+        w_gu, w_d, s_d = _pre_gate_up(table, layer, pid, r_gu, D, FFN, BR_GU, BK_GU)
+        _stage_boundary(PDL)
+        _stage_gate_up(w_gu, _ptr(table, layer, POST_NORM), x, act, w_d, s_d, pid, nprog, eps, r_gu, D, FFN, BR_GU,
+                       BK_GU, BD, ST_GU)
+    else:
+        w_dn, w_e = _pre_rows(table, layer, DOWN, pid, r_dn, D, FFN, BR_DN, BK_DN)
+        _stage_boundary(PDL)
+        _stage_residual(w_dn, w_e, x, act, pid, nprog, r_dn, D, FFN, BR_DN, BK_DN, ST_DN)
+
+
+@triton.jit
+def _stage_boundary(PDL: tl.constexpr):
+    """With PDL: let the next kernel launch, then wait until the previous one has completed (memory visible).
+    Without it (plain stream order, and Triton's interpreter, which runs no inline PTX) the launch orders them."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+
+
+@triton.jit
 def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, part_l, sync, err, laps_out,
                   num_layers, eps, scale, head_stride, max_splits, r_qkv, r_o, r_gu, r_dn,
                   D: tl.constexpr, H: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, FFN: tl.constexpr,
@@ -437,18 +543,11 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     pos = tl.load(pos_ptr).to(tl.int32)
-    n_blocks = pos // SPLIT + 1  # 64-position blocks per KV head
-    per = tl.cdiv(NKV * n_blocks, nprog)  # blocks per attention task: no more tasks than programs
-    n_splits = tl.cdiv(n_blocks, per)
     tickets = sync + 1
     arrived = nprog * 0
     n_qkv: tl.constexpr = (H + 2 * NKV) * HD
-    rows, rmask = _rows(pid, r_qkv, n_qkv, BR_QKV)
-    w_a = _w_chunk(_ptr(table, 0, QKV), rows, rmask, D, 0, BK_QKV)
-    s_a = _norm_chunk(_ptr(table, 0, IN_NORM), D, BK_QKV)
-    d = tl.arange(0, HD)
-    cos_v = tl.load(cos + d).to(tl.float32)  # the token's RoPE row: the same for every layer
-    sin_v = tl.load(sin + d).to(tl.float32)
+    w_a, s_a = _pre_qkv(table, 0, pid, r_qkv, True, D, n_qkv, BR_QKV, BK_QKV)
+    cos_v, sin_v = _rope_row(cos, sin, HD)
     laps, t = _lap(tl.zeros([16], tl.int64), 0, 15, TIMED)
     t0, ns0 = t, 0
     if TIMED:
@@ -458,11 +557,8 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
                    w_a, s_a, pid, nprog, eps, r_qkv, D, n_qkv, HAS_QKV_BIAS, BR_QKV, BK_QKV, BD, ST_QKV)
         laps, t = _lap(laps, t, 0, TIMED)
         arrived = _arrive(sync, arrived)
-        kc, vc = _ptr(table, layer, K_CACHE), _ptr(table, layer, V_CACHE)
-        g0, _, first0 = _task(pid, n_splits, per)
-        k0, v0 = _kv_block(kc, vc, g0, first0, pos, pid < NKV * n_splits, head_stride, HD, SPLIT)
-        q_norm = _norm_pair(_ptr(table, layer, Q_NORM), HD, HAS_QK_NORM)
-        k_norm = _norm_pair(_ptr(table, layer, K_NORM), HD, HAS_QK_NORM)
+        n_blocks, per, n_splits, kc, vc, k0, v0, q_norm, k_norm = _pre_attend(
+            table, layer, pid, nprog, pos, head_stride, NKV, HD, SPLIT, HAS_QK_NORM)
         _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 1, TIMED)
         laps, t = _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos_v, sin_v, pos, n_blocks, per, n_splits,
@@ -470,36 +566,28 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
                                 max_splits, laps, t, H, NKV, HD, G, BG, SPLIT, HAS_QK_NORM, CS, BF16_DOT, TIMED)
         laps, t = _lap(laps, t, 2, TIMED)
         arrived = _arrive(sync, arrived)
-        w_o = _ptr(table, layer, O_PROJ)
-        rows, rmask = _rows(pid, r_o, D, BR_O)
-        w_c = _w_chunk(w_o, rows, rmask, H * HD, 0, BK_O)
+        w_o, w_c = _pre_rows(table, layer, O_PROJ, pid, r_o, D, H * HD, BR_O, BK_O)
         _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 3, TIMED)
         _stage_residual(w_o, w_c, x, attn, pid, nprog, r_o, D, H * HD, BR_O, BK_O, ST_O)
         laps, t = _lap(laps, t, 4, TIMED)
         arrived = _arrive(sync, arrived)
-        w_gu = _ptr(table, layer, GATE_UP)
-        rows, rmask = _stacked_rows(pid, r_gu, FFN, BR_GU)
-        w_d = _w_chunk(w_gu, rows, rmask, D, 0, BK_GU)
-        s_d = _norm_chunk(_ptr(table, layer, POST_NORM), D, BK_GU)
+        w_gu, w_d, s_d = _pre_gate_up(table, layer, pid, r_gu, D, FFN, BR_GU, BK_GU)
         _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 5, TIMED)
         _stage_gate_up(w_gu, _ptr(table, layer, POST_NORM), x, act, w_d, s_d, pid, nprog, eps, r_gu, D, FFN, BR_GU,
                        BK_GU, BD, ST_GU)
         laps, t = _lap(laps, t, 6, TIMED)
         arrived = _arrive(sync, arrived)
-        w_dn = _ptr(table, layer, DOWN)
-        rows, rmask = _rows(pid, r_dn, D, BR_DN)
-        w_e = _w_chunk(w_dn, rows, rmask, FFN, 0, BK_DN)
+        w_dn, w_e = _pre_rows(table, layer, DOWN, pid, r_dn, D, FFN, BR_DN, BK_DN)
         _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 7, TIMED)
         _stage_residual(w_dn, w_e, x, act, pid, nprog, r_dn, D, FFN, BR_DN, BK_DN, ST_DN)
         laps, t = _lap(laps, t, 8, TIMED)
         arrived = _arrive(sync, arrived)
-        nxt = tl.minimum(layer + 1, num_layers - 1)  # the next layer's first QKV chunk (none after the last)
-        rows, rmask = _rows(pid, r_qkv, n_qkv, BR_QKV)
-        w_a = _w_chunk(_ptr(table, nxt, QKV), rows, rmask & (layer + 1 < num_layers), D, 0, BK_QKV)
-        s_a = _norm_chunk(_ptr(table, nxt, IN_NORM), D, BK_QKV)
+        # the next layer's first QKV chunk (none after the last)
+        w_a, s_a = _pre_qkv(table, tl.minimum(layer + 1, num_layers - 1), pid, r_qkv, layer + 1 < num_layers, D,
+                            n_qkv, BR_QKV, BK_QKV)
         _wait(sync, arrived, err, MAX_SPINS)
         laps, t = _lap(laps, t, 9, TIMED)
     if TIMED:

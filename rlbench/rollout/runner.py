@@ -52,13 +52,18 @@ class StepOptions:
     """Batch 1 gets its own compiled graph whose matmuls inductor lowers to GEMV reductions."""
     megakernel: bool = False
     """Batch-1 steps run all decoder layers as one persistent Triton kernel where `megakernel.unsupported`
-    allows (CUDA, bf16 fused layers); the prologue and head stay compiled. Opt-in: not yet run on a GPU."""
+    allows (CUDA, bf16 fused layers); the prologue and head stay compiled."""
+    megakernel_sync: str = "barrier"
+    """How the megakernel's stages wait for each other: `DecodeMegakernel.stage_sync` ("barrier", "pdl",
+    "launch")."""
     backend: str | object = "inductor"
     """torch.compile backend (tests pass a counting backend)."""
 
     def __post_init__(self) -> None:
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention={self.decode_attention!r} must be one of {sorted(DECODE_ATTENTION)}")
+        if self.megakernel_sync not in ("barrier", "pdl", "launch"):
+            raise ValueError(f"megakernel_sync={self.megakernel_sync!r} must be 'barrier', 'pdl' or 'launch'")
 
 
 class SlotState:
@@ -151,6 +156,7 @@ class ModelRunner:
             reason = unsupported(self.model, fused, self.device)
             if reason is None:
                 self.megakernel = DecodeMegakernel(self.model, fused, self.cache.shape.max_seq_len, self.device)
+                self.megakernel.stage_sync = self.opts.megakernel_sync
             elif not self._warned_megakernel:
                 warnings.warn(f"megakernel=True has no effect: {reason}; batch 1 decodes on the compiled path",
                               stacklevel=3)

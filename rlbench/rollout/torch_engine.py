@@ -56,8 +56,11 @@ class TorchEngineConfig:
     megakernel: bool = False
     """Batch-1 decode steps run every decoder layer as one persistent Triton kernel (`rollout/megakernel.py`)
     where supported: CUDA, bf16, fused Qwen3/Qwen2/Llama layers without o/MLP biases; elsewhere batch 1 takes
-    the compiled path above. Opt-in and EXPERIMENTAL: verified only under Triton's CPU interpreter so far (the
-    GPU run, its grid barriers included, is pending; docs/rollout.md)."""
+    the compiled path above. Opt-in (measured on the H200: docs/rollout.md)."""
+    megakernel_sync: str = "barrier"
+    """How the megakernel's stages wait for each other: "barrier" (grid barriers in one persistent kernel; needs
+    every SM to itself), "pdl" (a kernel per stage with programmatic dependent launch, sm_90+) or "launch" (a
+    kernel per stage). Same results to the bit (`DecodeMegakernel.stage_sync`)."""
 
     def __post_init__(self) -> None:
         if self.max_seq_len < 2:
@@ -78,7 +81,8 @@ class TorchEngineConfig:
         cuda = device.type == "cuda"
         return StepOptions(compile=self.compile and cuda, cuda_graphs=self.cuda_graphs and cuda,
                            fused_weights=self.fused_weights, decode_attention=self.decode_attention,
-                           gemv_batch1=self.gemv_batch1, megakernel=self.megakernel)
+                           gemv_batch1=self.gemv_batch1, megakernel=self.megakernel,
+                           megakernel_sync=self.megakernel_sync)
 
 
 @dataclass
