@@ -51,14 +51,14 @@ def step_ms(engine: TorchEngine, b: int, kv: int, mode: str, steps: int = 200) -
 
 
 def run_variant(model, args, fused: bool, attention: str, gemv: bool, mk: bool, floor: float,
-                sync: str = "barrier") -> list[dict]:
+                sync: str = "auto") -> list[dict]:
     cfg = TorchEngineConfig(max_seq_len=args.max_seq_len, num_slots=max(args.batch), fused_weights=fused,
                             decode_attention=attention, gemv_batch1=gemv, megakernel=mk, megakernel_sync=sync)
     engine = TorchEngine(model, cfg)
     if mk and engine.runner.megakernel is None:
         print("megakernel requested but unsupported here; this variant runs the compiled path", flush=True)
-    name = f"fused={int(engine.runner.fused)} attn={attention} gemv1={int(gemv)} mk={int(mk)}" + (
-        f" {sync}" if mk else "")
+    mk_sync = engine.runner.megakernel.stage_sync if engine.runner.megakernel is not None else ""
+    name = f"fused={int(engine.runner.fused)} attn={attention} gemv1={int(gemv)} mk={int(mk)} {mk_sync}"
     rows = []
     for b, kv, mode in itertools.product(args.batch, args.kv, args.modes):
         bucket = _bucket(b, engine.cache.shape.num_slots, engine.runner.min_batch)
@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--decode-attention", nargs="+", default=["auto"], choices=["auto", "sdpa", "split"])
     ap.add_argument("--gemv-batch1", type=int, nargs="+", default=[1], choices=[0, 1])
     ap.add_argument("--megakernel", type=int, nargs="+", default=[0], choices=[0, 1])
-    ap.add_argument("--megakernel-sync", nargs="+", default=["barrier"], choices=["barrier", "pdl", "launch"])
+    ap.add_argument("--megakernel-sync", nargs="+", default=["auto"], choices=["auto", "pdl", "barrier", "launch"])
     ap.add_argument("--max-seq-len", type=int, default=1536)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--bandwidth-tbs", type=float, default=4.3, help="HBM bandwidth for the floor (H200: 4.3)")
@@ -99,7 +99,7 @@ def main() -> None:
           f"({torch.__version__}, {torch.cuda.get_device_name()})", flush=True)
     rows = []
     variants = itertools.product(args.fused, args.decode_attention, args.gemv_batch1, args.megakernel)
-    variants = [(*v, sync) for v in variants for sync in (args.megakernel_sync if v[-1] else ["barrier"])]
+    variants = [(*v, sync) for v in variants for sync in (args.megakernel_sync if v[-1] else ["auto"])]
     for fused, attention, gemv, mk, sync in variants:
         t0 = time.perf_counter()
         rows += run_variant(model, args, bool(fused), attention, bool(gemv), bool(mk), floor, sync)

@@ -4,8 +4,7 @@
 #   fsdp2    4B-shape FSDP step on both GPUs (torchrun), runs alone first
 #   lane0    GPU0: rollout benchmark (engine vs HF generate), then the colocated GRPO loop (tests/test_e2e_gpu.py)
 #   lane1    GPU1: FSDP + packed-attention GPU tests, then the 0.6B training benchmark
-#   mk       GPU0: the batch-1 decode megakernel: GPU tests (barriers live), kernel-alone timing, decode step vs compiled
-#   pdl      GPU0: the megakernel's stages as kernels with programmatic dependent launch vs its grid barriers
+#   mk       GPU0: the batch-1 decode megakernel: GPU tests, kernel alone (PDL vs grid barriers), decode step vs compiled
 #   gstream  GPU0: the Gluon weight-streaming microbenchmark (producer warp + TMA ring): grid barrier cost idle / under the stream
 #   gprog    GPU0: how much HBM bandwidth 16 / 33 / 66 / 132 SMs pull with the Gluon TMA stream
 #   extra    GPU1 after lane1 (add it only when there is time): rollout GPU tests, decode variants, 4B training, packing
@@ -25,15 +24,10 @@ for part in "$@"; do case $part in
            run e2e 0 "$(lim 180)" "python3 -m pytest -q -s -m gpu tests/test_e2e_gpu.py tests/test_models.py" ) & ;;
   lane1) ( run fsdp1 1 "$(lim 300)" "python3 -m pytest -m gpu tests/test_fsdp_gpu.py tests/test_packing_attention.py -q -s;
              python3 benchmarks/train.py --preset qwen3-0.6b-shape --attn flex_attention --compile --steps 3 --warmup 2 --json $OUT/train.jsonl" ) & ;;
-  pdl) run pdl 0 "$(lim 560)" "python3 -m pytest -q -s -m gpu tests/test_megakernel.py -k 'stage_kernels or greedy';
-        python3 benchmarks/megakernel.py --barriers --pos 256 1024 1500 --stage-sync barrier launch;
-        python3 benchmarks/megakernel.py --pos 256 1024 1500 --stage-sync pdl --programs-per-sm 1 2 --maxnreg 0 128;
-        python3 benchmarks/megakernel.py --preset qwen3-4b-shape --pos 1024 --iters 50 --stage-sync barrier pdl;
-        python3 benchmarks/decode_profile.py --kv 256 1024 --batch 1 --megakernel 0 1 --megakernel-sync barrier pdl" ;;
   mk) run mk 0 "$(lim 480)" "python3 -m pytest -q -s -m gpu tests/test_megakernel.py;
-        python3 benchmarks/megakernel.py --pos 256 1024 1500 --stages --barriers --merge-chunk 16 32;
-        python3 benchmarks/megakernel.py --preset qwen3-4b-shape --pos 1024 --iters 50 --merge-chunk 16 32;
-        python3 benchmarks/decode_profile.py --kv 256 1024 --batch 1 --megakernel 0 1;
+        python3 benchmarks/megakernel.py --pos 256 1024 1500 --stages --barriers --stage-sync pdl barrier;
+        python3 benchmarks/megakernel.py --preset qwen3-4b-shape --pos 1024 --iters 50 --stage-sync pdl barrier;
+        python3 benchmarks/decode_profile.py --kv 256 1024 --batch 1 --megakernel 0 1 --megakernel-sync pdl barrier;
         python3 benchmarks/decode_profile.py --preset qwen3-4b-shape --kv 1024 --batch 1 --megakernel 0 1 --steps 30;
         python3 benchmarks/rollout.py --device cuda --preset qwen3-0.6b-shape --batch-sizes 1 --prompt-len 512 \
           --new-tokens 1024 --hf-new-tokens 256 --megakernel --out $OUT/rollout_mk.json" ;;

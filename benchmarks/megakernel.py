@@ -1,11 +1,12 @@
 """The batch-1 decode megakernel alone: time per call (all decoder layers, no embedding/head) against the
-bytes it must read (layer weights + the K/V of `pos` cached positions), per warp count, GEMV tile size and
-programs per SM; and the cost of one grid barrier on its own (5 per layer in the kernel).
+bytes it must read (layer weights + the K/V of `pos` cached positions), per stage sync (a kernel per stage with
+PDL, grid barriers, plain launches), warp count, GEMV tile size and programs per SM; and the cost of one grid
+barrier and of one kernel boundary on their own (5 per layer).
 
     python benchmarks/megakernel.py --preset qwen3-0.6b-shape --pos 256 1024 --warps 4 8 16
     python benchmarks/megakernel.py --tile-elems 4096 8192 --programs-per-sm 1 2 --warps 4 8 --barriers
     python benchmarks/megakernel.py --pos 256 1024 --stages   # where a layer's time goes, per stage
-    python benchmarks/megakernel.py --stage-sync barrier pdl launch --maxnreg 0 128   # grid barriers vs kernels
+    python benchmarks/megakernel.py --stage-sync pdl barrier launch --stages   # kernel per stage vs grid barriers
 """
 
 from __future__ import annotations
@@ -101,6 +102,25 @@ def stage_table(mk, call, layers: int) -> str:
     return "\n".join(rows)
 
 
+def stage_timeline(mk, call, layers: int) -> str:
+    """Run `call` with TIMED per-stage kernels and tabulate, per stage (mean over layers 1..), in us from the moment
+    the previous stage's last program ended: when this stage's programs started (first / mean), when their wait
+    returned (mean / last), and when its last program ended (the stage's share of the critical path)."""
+    mk.timed = True
+    timed(call, 3)  # replayed from a CUDA graph: launched from Python, 140 kernels would wait for the host
+    mk.timed = False
+    t = mk.stage_laps.view(layers, 5, mk.programs, 4)[..., :3].double().cpu().flatten(0, 1)  # [layer * 5 + s, P, 3]
+    t = (t - t[:, :, 2].amax(1).roll(1)[:, None, None])[5:] / 1e3  # from the previous stage's end; layers 1..
+    t = t.view(layers - 1, 5, mk.programs, 3)
+    rows = [f"  {'stage':8} {'start 1st':>9} {'start avg':>9} {'wait avg':>9} {'wait last':>9} {'end':>7}   (us)"]
+    for i, name in enumerate(STAGES):
+        s = t[:, i]
+        rows.append(f"  {name:8} {s[..., 0].amin(1).mean():9.2f} {s[..., 0].mean():9.2f} {s[..., 1].mean():9.2f} "
+                    f"{s[..., 1].amax(1).mean():9.2f} {s[..., 2].amax(1).mean():7.2f}")
+    rows.append(f"  layer    {t[:, :, :, 2].amax(2).sum(1).mean():7.2f} us (sum of the stages' ends)")
+    return "\n".join(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3-0.6b-shape")
@@ -112,15 +132,13 @@ def main() -> None:
                     help="preferred shared-memory carveout in percent (-1: the driver's choice; default 0)")
     ap.add_argument("--merge-chunk", type=int, nargs="+", default=[megakernel.MERGE_CHUNK],
                     help="attention split partials merged per load (a power of 2)")
-    ap.add_argument("--stage-sync", nargs="+", default=["barrier"], choices=["barrier", "pdl", "launch"],
+    ap.add_argument("--stage-sync", nargs="+", default=["pdl"], choices=list(megakernel.STAGE_SYNC),
                     help="grid barriers in one persistent kernel, or a kernel per stage (with/without PDL)")
-    ap.add_argument("--maxnreg", type=int, nargs="+", default=[0],
-                    help="register cap per thread for the per-stage kernels (0: none; 128 lets two CTAs of "
-                         "8 warps share an SM, so the next stage's kernel can start while this one runs)")
     ap.add_argument("--barriers", action="store_true",
                     help="also time grid barriers alone and empty kernel boundaries (PDL and plain)")
     ap.add_argument("--stages", action="store_true",
-                    help="also run a TIMED build: per stage, us per layer each program works and waits")
+                    help="also run a TIMED build: per stage, when programs start, wait and end (per-stage kernels) "
+                         "or us per layer each program works and waits (barrier)")
     ap.add_argument("--max-seq-len", type=int, default=1536)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--bandwidth-tbs", type=float, default=4.3)
@@ -151,18 +169,17 @@ def main() -> None:
     x = hidden.clone()
     print(f"{args.preset}: {sms} SMs, layer weights {layer_bytes / 1e9:.3f} GB", flush=True)
     # a grid barrier needs every program resident: more than one per SM only for the per-stage kernels
-    configs = [(t, p, w, v, m, y, r) for y in args.stage_sync for t in args.tile_elems
+    configs = [(t, p, w, v, m, y) for y in args.stage_sync for t in args.tile_elems
                for p in (args.programs_per_sm if y != "barrier" else [1]) for w in args.warps
-               for v in args.carveout for m in args.merge_chunk for r in (args.maxnreg if y != "barrier" else [0])]
+               for v in args.carveout for m in args.merge_chunk]
     first_out: dict[int, torch.Tensor] = {}
-    for tile, per_sm, warps, carve, chunk, sync, maxnreg in configs:
+    for tile, per_sm, warps, carve, chunk, sync in configs:
         mk = megakernel.DecodeMegakernel(model, runner.layers, args.max_seq_len, torch.device("cuda"),
                                          programs=sms * per_sm, tile_elems=tile)
         mk.bind(runner.layers, cache.k, cache.v)
         mk.num_warps, mk.carveout, mk.merge_chunk = warps, None if carve < 0 else carve, chunk
-        mk.stage_sync, mk.stage_maxnreg = sync, maxnreg or None
-        label = (f"tile {tile:5} programs {mk.programs:3} warps {warps:2} carveout {carve:3} merge {chunk:2} "
-                 f"{sync:7} maxnreg {maxnreg:3}")
+        mk.stage_sync = sync
+        label = f"tile {tile:5} programs {mk.programs:3} warps {warps:2} carveout {carve:3} merge {chunk:2} {sync:7}"
         for pos in args.pos:
             p = torch.tensor([pos], device="cuda")
             try:
@@ -181,6 +198,8 @@ def main() -> None:
                   f"({total / ms / 1e7 / args.bandwidth_tbs:4.1f}% of {args.bandwidth_tbs} TB/s), "
                   f"{ms * 1e3 / c.num_hidden_layers:5.1f} us per layer; output repeatable (4 calls): {repeatable}, "
                   f"== the first config's: {same}", flush=True)
+            if args.stages and sync != "barrier":
+                print(stage_timeline(mk, lambda mk=mk, p=p: mk(x.copy_(hidden), cos, sin, p), c.num_hidden_layers))
             if args.stages and sync == "barrier":
                 print(stage_table(mk, lambda mk=mk, p=p: mk(x.copy_(hidden), cos, sin, p), c.num_hidden_layers))
 

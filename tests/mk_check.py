@@ -140,8 +140,7 @@ def engine_samples(preset="tiny", max_new_tokens=8):
     return runs
 
 
-def compile_for_hopper(preset: str, num_warps: int = 8, programs: int = 132, stage: int | None = None,
-                       maxnreg: int | None = None) -> dict:
+def compile_for_hopper(preset: str, num_warps: int = 8, programs: int = 132, stage: int | None = None) -> dict:
     """Compile `decode_layers` (or, with `stage`, that stage's `decode_stage` kernel with PDL) for sm_90 without a
     GPU (Triton + its bundled ptxas) for a preset's shapes, as `DecodeMegakernel` would launch it on an H100/H200;
     returns registers per thread, spill bytes, how many global loads in the PTX are 16-byte vectors, how many read
@@ -178,7 +177,7 @@ def compile_for_hopper(preset: str, num_warps: int = 8, programs: int = 132, sta
     aligned = [(i,) for i, a in enumerate(args) if isinstance(a, torch.Tensor) or (type(a) is int and a % 16 == 0)]
     src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()},
                     attrs={i: [["tt.divisibility", 16]] for i in aligned})
-    options = dict(num_warps=num_warps, launch_pdl=stage is not None, maxnreg=maxnreg)
+    options = dict(num_warps=num_warps, launch_pdl=stage is not None)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     ptxas = next(Path(triton.__file__).parent.glob("backends/nvidia/bin/ptxas*"))
     ptx_text = kernel.asm["ptx"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globaltimer
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globaltimer, smid
 
 from rlbench.rollout.megakernel import TABLE
 
@@ -469,7 +469,8 @@ def _rope_row(cos, sin, HD: tl.constexpr):
 
 
 @triton.jit
-def decode_stage(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, part_l, sync, layer, eps, scale,
+def decode_stage(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, part_l, sync, laps_out, layer, eps,
+                 scale,
                  head_stride, max_splits, r_qkv, r_o, r_gu, r_dn,
                  D: tl.constexpr, H: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, FFN: tl.constexpr,
                  G: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr, CS: tl.constexpr,
@@ -477,19 +478,23 @@ def decode_stage(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, 
                  BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_O: tl.constexpr, BK_O: tl.constexpr,
                  BR_GU: tl.constexpr, BK_GU: tl.constexpr, BR_DN: tl.constexpr, BK_DN: tl.constexpr,
                  ST_QKV: tl.constexpr, ST_O: tl.constexpr, ST_GU: tl.constexpr, ST_DN: tl.constexpr,
-                 BF16_DOT: tl.constexpr, STAGE: tl.constexpr, PDL: tl.constexpr):
+                 BF16_DOT: tl.constexpr, STAGE: tl.constexpr, PDL: tl.constexpr, TIMED: tl.constexpr):
     """ONE stage of one layer as its own kernel (`DecodeMegakernel.stage_sync` "pdl" / "launch"): the same tasks
     and code as `decode_layers`, with the kernel boundary as the barrier. Each program first issues its
     token-independent loads (weights, cached K/V), then, with PDL (programmatic dependent launch, sm_90+), lets
     the next stage's kernel launch (`griddepcontrol.launch_dependents`: its programs can start their own loads
     wherever an SM has room) and waits for the previous stage's kernel to complete with its memory visible
-    (`griddepcontrol.wait`). Every global store and every read of an activation comes after that wait."""
+    (`griddepcontrol.wait`). Every global store and every read of an activation comes after that wait.
+    With TIMED, `laps_out[((layer * 5 + STAGE) * nprog + pid) * 4 :][:4]` gets the program's globaltimer (ns) at
+    its start, after the wait and at its end, and its SM."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    t_start = globaltimer() if TIMED else 0
     n_qkv: tl.constexpr = (H + 2 * NKV) * HD
     if STAGE == 0:
         w_a, s_a = _pre_qkv(table, layer, pid, r_qkv, True, D, n_qkv, BR_QKV, BK_QKV)
         _stage_boundary(PDL)
+        t_wait = globaltimer() if TIMED else 0
         _stage_qkv(_ptr(table, layer, QKV), _ptr(table, layer, IN_NORM), _ptr(table, layer, QKV_BIAS), x, qkv,
                    w_a, s_a, pid, nprog, eps, r_qkv, D, n_qkv, HAS_QKV_BIAS, BR_QKV, BK_QKV, BD, ST_QKV)
     elif STAGE == 1:
@@ -498,6 +503,7 @@ def decode_stage(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, 
             table, layer, pid, nprog, pos, head_stride, NKV, HD, SPLIT, HAS_QK_NORM)
         cos_v, sin_v = _rope_row(cos, sin, HD)
         _stage_boundary(PDL)
+        t_wait = globaltimer() if TIMED else 0
         _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos_v, sin_v, pos, n_blocks, per, n_splits, k0, v0,
                       part_acc, part_m, part_l, sync + 1, attn, pid, nprog, eps, scale, head_stride, max_splits,
                       tl.zeros([16], tl.int64), tl.full([], 0, tl.int64), H, NKV, HD, G, BG, SPLIT, HAS_QK_NORM, CS,
@@ -505,16 +511,24 @@ def decode_stage(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, 
     elif STAGE == 2:
         w_o, w_c = _pre_rows(table, layer, O_PROJ, pid, r_o, D, H * HD, BR_O, BK_O)
         _stage_boundary(PDL)
+        t_wait = globaltimer() if TIMED else 0
         _stage_residual(w_o, w_c, x, attn, pid, nprog, r_o, D, H * HD, BR_O, BK_O, ST_O)
     elif STAGE == 3:
         w_gu, w_d, s_d = _pre_gate_up(table, layer, pid, r_gu, D, FFN, BR_GU, BK_GU)
         _stage_boundary(PDL)
+        t_wait = globaltimer() if TIMED else 0
         _stage_gate_up(w_gu, _ptr(table, layer, POST_NORM), x, act, w_d, s_d, pid, nprog, eps, r_gu, D, FFN, BR_GU,
                        BK_GU, BD, ST_GU)
     else:
         w_dn, w_e = _pre_rows(table, layer, DOWN, pid, r_dn, D, FFN, BR_DN, BK_DN)
         _stage_boundary(PDL)
+        t_wait = globaltimer() if TIMED else 0
         _stage_residual(w_dn, w_e, x, act, pid, nprog, r_dn, D, FFN, BR_DN, BK_DN, ST_DN)
+    if TIMED:
+        t_end = globaltimer()
+        i = tl.arange(0, 4)
+        stamps = tl.where(i == 0, t_start, tl.where(i == 1, t_wait, tl.where(i == 2, t_end, smid().to(tl.int64))))
+        tl.store(laps_out + ((layer * 5 + STAGE) * nprog + pid) * 4 + i, stamps)
 
 
 @triton.jit

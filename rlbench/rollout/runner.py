@@ -29,7 +29,7 @@ import torch.fx.experimental._config as fx_config
 from rlbench.rollout.attention import DECODE_ATTENTION, KVContext, decode_mask, sdpa_decode
 from rlbench.rollout.fused import fuse_layers, fused_layer_forward, hf_layer_forward
 from rlbench.rollout.kv_cache import KVCache
-from rlbench.rollout.megakernel import DecodeMegakernel, unsupported
+from rlbench.rollout.megakernel import STAGE_SYNC, DecodeMegakernel, unsupported
 from rlbench.rollout.sampling import greedy_tokens, sample_tokens, token_hash
 
 SAMPLE_MODES = ("greedy", "sample", "truncate")
@@ -53,17 +53,17 @@ class StepOptions:
     megakernel: bool = False
     """Batch-1 steps run all decoder layers as one persistent Triton kernel where `megakernel.unsupported`
     allows (CUDA, bf16 fused layers); the prologue and head stay compiled."""
-    megakernel_sync: str = "barrier"
-    """How the megakernel's stages wait for each other: `DecodeMegakernel.stage_sync` ("barrier", "pdl",
-    "launch")."""
+    megakernel_sync: str = "auto"
+    """How the megakernel's stages wait for each other: "auto" (`megakernel.default_stage_sync`) or one of
+    `megakernel.STAGE_SYNC` (`DecodeMegakernel.stage_sync`)."""
     backend: str | object = "inductor"
     """torch.compile backend (tests pass a counting backend)."""
 
     def __post_init__(self) -> None:
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention={self.decode_attention!r} must be one of {sorted(DECODE_ATTENTION)}")
-        if self.megakernel_sync not in ("barrier", "pdl", "launch"):
-            raise ValueError(f"megakernel_sync={self.megakernel_sync!r} must be 'barrier', 'pdl' or 'launch'")
+        if self.megakernel_sync not in ("auto", *STAGE_SYNC):
+            raise ValueError(f"megakernel_sync={self.megakernel_sync!r} must be 'auto' or one of {STAGE_SYNC}")
 
 
 class SlotState:
@@ -156,7 +156,8 @@ class ModelRunner:
             reason = unsupported(self.model, fused, self.device)
             if reason is None:
                 self.megakernel = DecodeMegakernel(self.model, fused, self.cache.shape.max_seq_len, self.device)
-                self.megakernel.stage_sync = self.opts.megakernel_sync
+                if self.opts.megakernel_sync != "auto":
+                    self.megakernel.stage_sync = self.opts.megakernel_sync
             elif not self._warned_megakernel:
                 warnings.warn(f"megakernel=True has no effect: {reason}; batch 1 decodes on the compiled path",
                               stacklevel=3)

@@ -57,10 +57,11 @@ class TorchEngineConfig:
     """Batch-1 decode steps run every decoder layer as one persistent Triton kernel (`rollout/megakernel.py`)
     where supported: CUDA, bf16, fused Qwen3/Qwen2/Llama layers without o/MLP biases; elsewhere batch 1 takes
     the compiled path above. Opt-in (measured on the H200: docs/rollout.md)."""
-    megakernel_sync: str = "barrier"
-    """How the megakernel's stages wait for each other: "barrier" (grid barriers in one persistent kernel; needs
-    every SM to itself), "pdl" (a kernel per stage with programmatic dependent launch, sm_90+) or "launch" (a
-    kernel per stage). Same results to the bit (`DecodeMegakernel.stage_sync`)."""
+    megakernel_sync: str = "auto"
+    """How the megakernel's stages wait for each other: "pdl" (a kernel per stage with programmatic dependent
+    launch, sm_90+; the "auto" choice there), "barrier" (grid barriers in one persistent kernel; needs every SM to
+    itself; "auto" on older GPUs) or "launch" (a kernel per stage). Same results to the bit
+    (`DecodeMegakernel.stage_sync`)."""
 
     def __post_init__(self) -> None:
         if self.max_seq_len < 2:
