@@ -77,6 +77,7 @@ def boundary_cost(sms: int, warps: int, pdl: bool, n: int = 140, iters: int = 10
 
 
 STAGES = ("qkv", "attend", "o_proj", "gate_up", "down")
+STAGE_NAMES = (*STAGES, "merge")  # decode_stage's STAGE numbers
 
 
 def stage_table(mk, call, layers: int) -> str:
@@ -107,16 +108,17 @@ def stage_timeline(mk, call, layers: int) -> str:
     the previous stage's last program ended: when this stage's programs started (first / mean), when their wait
     returned (mean / last), and when its last program ended (the stage's share of the critical path)."""
     mk.timed = True
-    timed(call, 3)  # replayed from a CUDA graph: launched from Python, 140 kernels would wait for the host
+    timed(call, 3)  # replayed from a CUDA graph: launched from Python, 168 kernels would wait for the host
     mk.timed = False
-    t = mk.stage_laps.view(layers, 5, mk.programs, 4)[..., :3].double().cpu().flatten(0, 1)  # [layer * 5 + s, P, 3]
-    t = (t - t[:, :, 2].amax(1).roll(1)[:, None, None])[5:] / 1e3  # from the previous stage's end; layers 1..
-    t = t.view(layers - 1, 5, mk.programs, 3)
+    order = list(megakernel.STAGE_ORDER)
+    t = mk.stage_laps.view(layers, 6, mk.programs, 4)[:, order, :, :3].double().cpu().flatten(0, 1)
+    t = (t - t[:, :, 2].amax(1).roll(1)[:, None, None])[len(order):] / 1e3  # from the previous end; layers 1..
+    t = t.view(layers - 1, len(order), mk.programs, 3)
     rows = [f"  {'stage':8} {'start 1st':>9} {'start avg':>9} {'wait avg':>9} {'wait last':>9} {'end':>7}   (us)"]
-    for i, name in enumerate(STAGES):
+    for i, stage in enumerate(order):
         s = t[:, i]
-        rows.append(f"  {name:8} {s[..., 0].amin(1).mean():9.2f} {s[..., 0].mean():9.2f} {s[..., 1].mean():9.2f} "
-                    f"{s[..., 1].amax(1).mean():9.2f} {s[..., 2].amax(1).mean():7.2f}")
+        rows.append(f"  {STAGE_NAMES[stage]:8} {s[..., 0].amin(1).mean():9.2f} {s[..., 0].mean():9.2f} "
+                    f"{s[..., 1].mean():9.2f} {s[..., 1].amax(1).mean():9.2f} {s[..., 2].amax(1).mean():7.2f}")
     rows.append(f"  layer    {t[:, :, :, 2].amax(2).sum(1).mean():7.2f} us (sum of the stages' ends)")
     return "\n".join(rows)
 
@@ -134,6 +136,8 @@ def main() -> None:
                     help="attention split partials merged per load (a power of 2)")
     ap.add_argument("--stage-sync", nargs="+", default=["pdl"], choices=list(megakernel.STAGE_SYNC),
                     help="grid barriers in one persistent kernel, or a kernel per stage (with/without PDL)")
+    ap.add_argument("--merge-warps", type=int, nargs="+", default=[1],
+                    help="warps of the per-stage kernels' attention merge (one q head per program)")
     ap.add_argument("--barriers", action="store_true",
                     help="also time grid barriers alone and empty kernel boundaries (PDL and plain)")
     ap.add_argument("--stages", action="store_true",
@@ -169,17 +173,18 @@ def main() -> None:
     x = hidden.clone()
     print(f"{args.preset}: {sms} SMs, layer weights {layer_bytes / 1e9:.3f} GB", flush=True)
     # a grid barrier needs every program resident: more than one per SM only for the per-stage kernels
-    configs = [(t, p, w, v, m, y) for y in args.stage_sync for t in args.tile_elems
+    configs = [(t, p, w, v, m, y, mw) for y in args.stage_sync for t in args.tile_elems
                for p in (args.programs_per_sm if y != "barrier" else [1]) for w in args.warps
-               for v in args.carveout for m in args.merge_chunk]
+               for v in args.carveout for m in args.merge_chunk for mw in (args.merge_warps if y != "barrier" else [0])]
     first_out: dict[int, torch.Tensor] = {}
-    for tile, per_sm, warps, carve, chunk, sync in configs:
+    for tile, per_sm, warps, carve, chunk, sync, merge_warps in configs:
         mk = megakernel.DecodeMegakernel(model, runner.layers, args.max_seq_len, torch.device("cuda"),
                                          programs=sms * per_sm, tile_elems=tile)
         mk.bind(runner.layers, cache.k, cache.v)
         mk.num_warps, mk.carveout, mk.merge_chunk = warps, None if carve < 0 else carve, chunk
-        mk.stage_sync = sync
-        label = f"tile {tile:5} programs {mk.programs:3} warps {warps:2} carveout {carve:3} merge {chunk:2} {sync:7}"
+        mk.stage_sync, mk.merge_warps = sync, merge_warps or mk.merge_warps
+        label = (f"tile {tile:5} programs {mk.programs:3} warps {warps:2} carveout {carve:3} merge {chunk:2} {sync:7}"
+                 + (f" merge warps {merge_warps}" if merge_warps else ""))
         for pos in args.pos:
             p = torch.tensor([pos], device="cuda")
             try:

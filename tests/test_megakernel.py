@@ -48,15 +48,10 @@ def _check(r, label):
 
 
 @needs_triton
-@pytest.mark.parametrize("case", [case_name(*c) for c in CPU_CASES])
+@pytest.mark.parametrize("case", [case_name(*c) + sync for c in CPU_CASES for sync in ("", "/launch")])
 def test_interpreted_megakernel_rounds_like_the_hf_layers(interpreted, case):
+    """The grid-barrier kernel and (/launch) the per-stage kernels with their own attention merge."""
     _check(interpreted[case], case)
-
-
-@needs_triton
-def test_interpreted_stage_kernels_equal_the_persistent_kernel_to_the_bit(interpreted):
-    """A kernel per stage (stage_sync="launch") runs the same tasks and code as the grid-barrier kernel."""
-    assert interpreted["stage_kernels_equal"] == {case_name(*c): True for c in CPU_CASES}
 
 
 @needs_triton
@@ -65,12 +60,12 @@ def test_interpreted_stage_kernels_equal_the_persistent_kernel_to_the_bit(interp
 def test_stage_kernels_load_weights_before_the_pdl_wait_and_write_after_it(preset):
     """With PDL a stage's kernel starts while the previous one runs: only token-independent loads may come before
     its `griddepcontrol.wait`. Each stage's first weight chunk (or K/V block) is issued there; no store, atomic
-    or activation read is."""
-    for stage in range(5):
-        r = compile_for_hopper(preset, stage=stage)
+    or activation read is (the merge, stage 5, has nothing to load early)."""
+    for stage in range(6):
+        r = compile_for_hopper(preset, stage=stage, num_warps=1 if stage == 5 else 8)
         print(f"\n{preset} stage {stage}: {r}")
         assert r["waits"] == 1 and r["writes_before_wait"] == 0, r
-        assert r["vector_loads_before_wait"] >= 8, r
+        assert r["vector_loads_before_wait"] >= (0 if stage == 5 else 8), r
         assert r["regs"] * r["threads"] <= 65536 and r["spill_bytes"] == 0, r
 
 
@@ -171,10 +166,12 @@ def test_asking_for_it_where_unsupported_warns_and_decodes_normally():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda, reason="needs a CUDA device")
-@pytest.mark.parametrize("prompt_len", [5, 300, 1400])
-def test_megakernel_06b_rounds_like_the_hf_layers(prompt_len):
-    """qwen3-0.6b-shape with one program per SM: barriers, merge tickets and the cache write, live."""
-    _check(compare_to_f64("qwen3-0.6b-shape", prompt_len, "cuda", max_seq_len=1536), f"0.6b @ {prompt_len}")
+@pytest.mark.parametrize("prompt_len,sync", [(5, None), (300, None), (1400, None), (300, "barrier")])
+def test_megakernel_06b_rounds_like_the_hf_layers(prompt_len, sync):
+    """qwen3-0.6b-shape with one program per SM, the device's default stage sync (PDL on an H100/H200) and the
+    grid-barrier kernel (barriers, merge tickets and the cache write live)."""
+    r = compare_to_f64("qwen3-0.6b-shape", prompt_len, "cuda", max_seq_len=1536, sync=sync)
+    _check(r, f"0.6b @ {prompt_len} {sync or 'default'}")
 
 
 @pytest.mark.gpu
@@ -196,12 +193,13 @@ def test_megakernel_gives_the_same_bits_every_call(preset):
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda, reason="needs a CUDA device")
 @pytest.mark.parametrize("preset", ["qwen3-0.6b-shape", "qwen3-4b-shape"])
-def test_stage_kernels_with_pdl_equal_the_grid_barrier_kernel_to_the_bit(preset):
-    """The per-stage kernels, PDL on and off, against the persistent kernel: the same bits (hidden and new K/V),
-    the same every call (a stage reading before its wait would vary)."""
+def test_stage_kernels_give_the_same_bits_with_and_without_pdl(preset):
+    """The per-stage kernels with PDL against the same kernels in plain stream order: the same bits (hidden and
+    new K/V), the same every call (a stage reading before its wait would vary). The grid-barrier kernel, whose
+    merge differs in summation order, must be repeatable too."""
     seen = sync_outputs(preset, 1024, ("barrier", "pdl", "launch"), calls=4)
     assert {k: len(v) for k, v in seen.items()} == {"barrier": 1, "pdl": 1, "launch": 1}
-    assert seen["barrier"] == seen["pdl"] == seen["launch"]
+    assert seen["pdl"] == seen["launch"]
 
 
 @pytest.mark.gpu

@@ -60,6 +60,10 @@ STAGE_SYNC = ("pdl", "barrier", "launch")
 """How the stages of a layer wait for each other (`DecodeMegakernel.stage_sync`)."""
 
 
+STAGE_ORDER = (0, 1, 5, 2, 3, 4)
+"""The per-stage kernels of a layer in launch order: QKV, attention, merge, o_proj, gate/up, down."""
+
+
 def default_stage_sync(device: torch.device) -> str:
     """"pdl" on a GPU with programmatic dependent launch (sm_90+), else "barrier" (also under the interpreter)."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
@@ -160,10 +164,12 @@ class DecodeMegakernel:
         every program must be resident at once) or "launch" (a kernel per stage in plain stream order). The same
         tasks and code run in each, so their results are equal to the bit. Default: "pdl" where the GPU has it
         (8-10% faster than "barrier" on the H200, and no residency requirement), else "barrier"."""
+        self.merge_warps = 1
+        """Warps of the per-stage kernels' attention merge (one q head per program)."""
         self.timed = False
         """Profiling: per-program cycles working/waiting per stage into `laps` (benchmarks/megakernel.py --stages)."""
         self.laps = torch.zeros(programs, 16, dtype=torch.int64, device=device)
-        self.stage_laps = torch.zeros(c.num_hidden_layers * 5 * programs * 4, dtype=torch.int64, device=device)
+        self.stage_laps = torch.zeros(c.num_hidden_layers * 6 * programs * 4, dtype=torch.int64, device=device)
         """Profiling of the per-stage kernels: per (layer, stage, program) its start, end of wait, end (globaltimer
         ns) and SM."""
 
@@ -233,10 +239,11 @@ class DecodeMegakernel:
         pdl = self.stage_sync == "pdl"
         for layer in range(self.table.shape[0]):
             args, consts = self.stage_args(hidden, cos, sin, positions, layer)
-            for stage in range(5):
+            for stage in STAGE_ORDER:
                 first = layer == 0 and stage == 0  # follows the ticket memset: a plain launch (its wait is a no-op)
-                self._carve(decode_stage[(self.programs,)](*args, **consts, STAGE=stage, PDL=pdl,
-                                                           num_warps=self.num_warps, launch_pdl=pdl and not first))
+                warps = self.merge_warps if stage == 5 else self.num_warps
+                self._carve(decode_stage[(self.programs,)](*args, **consts, STAGE=stage, PDL=pdl, num_warps=warps,
+                                                           launch_pdl=pdl and not first))
         return hidden
 
     def _carve(self, kernel) -> None:

@@ -281,11 +281,12 @@ def _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos, sin, pos, n_blocks, p
                   part_acc, part_m, part_l, tickets, attn_out, pid, nprog, eps, scale, head_stride, max_splits,
                   laps, t_lap, H: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, G: tl.constexpr,
                   BG: tl.constexpr, SPLIT: tl.constexpr, HAS_NORM: tl.constexpr, CS: tl.constexpr,
-                  BF16_DOT: tl.constexpr, TIMED: tl.constexpr):
+                  BF16_DOT: tl.constexpr, TIMED: tl.constexpr, TICKET: tl.constexpr = True):
     """Tasks are (KV head, split); a split runs `per` blocks with an online softmax, so that there are never more
-    tasks than programs (`per` grows with the context). Each task's partial goes to its slot, and the last task
-    of a KV head to finish (atomic ticket) merges the slots in split order. With TIMED, laps 12-14: a task's
-    blocks, its partial store and ticket, the merge."""
+    tasks than programs (`per` grows with the context). Each task's partial goes to its slot; with TICKET (the
+    grid-barrier kernel) the last task of a KV head to finish (atomic ticket) merges the slots in split order,
+    otherwise the next kernel does (`_stage_merge`). With TIMED, laps 12-14: a task's blocks, its partial store
+    and ticket, the merge."""
     d = tl.arange(0, HD)
     jq = tl.arange(0, Q_ROWS)
     for t in range(pid, NKV * n_splits, nprog):  # one per program (a second only where `per` rounds up short)
@@ -306,12 +307,13 @@ def _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos, sin, pos, n_blocks, p
         tl.store(part_acc + (slot * BG + jq[:, None]) * HD + d[None, :], acc, mask=(jq < BG)[:, None])
         tl.store(part_m + slot * BG + jq, m_run, mask=jq < BG)
         tl.store(part_l + slot * BG + jq, l_run, mask=jq < BG)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(tickets + layer * NKV + g, 1, sem="acq_rel", scope="gpu")
-        laps, t_lap = _lap(laps, t_lap, 13, TIMED)
-        if ticket == n_splits - 1:  # the last split of this KV head merges all of them, in split order
-            _merge(part_acc, part_m, part_l, attn_out, g, n_splits, max_splits, HD, G, BG, CS)
-            laps, t_lap = _lap(laps, t_lap, 14, TIMED)
+        if TICKET:
+            tl.debug_barrier()
+            ticket = tl.atomic_add(tickets + layer * NKV + g, 1, sem="acq_rel", scope="gpu")
+            laps, t_lap = _lap(laps, t_lap, 13, TIMED)
+            if ticket == n_splits - 1:  # the last split of this KV head merges all of them, in split order
+                _merge(part_acc, part_m, part_l, attn_out, g, n_splits, max_splits, HD, G, BG, CS)
+                laps, t_lap = _lap(laps, t_lap, 14, TIMED)
     return laps, t_lap
 
 
@@ -387,6 +389,34 @@ def _merge(part_acc, part_m, part_l, attn_out, g, n_splits, max_splits, HD: tl.c
         m_tot = m_new
     out = acc / l_tot[:, None]
     tl.store(attn_out + (g * G + jj[:, None]) * HD + d[None, :], _to_bf16(out), mask=(jj < G)[:, None])
+
+
+@triton.jit
+def _stage_merge(part_acc, part_m, part_l, attn_out, pid, nprog, n_splits, max_splits, H: tl.constexpr, HD: tl.constexpr,
+                 G: tl.constexpr, BG: tl.constexpr, CS: tl.constexpr):
+    """The per-stage kernels' merge: a program combines one q head's split partials at a time (the same
+    online-softmax merge as `_merge`, CS splits per load) with a few warps, so that the sums over splits need no
+    CTA-wide reduction; the ticket-merge in the attention kernel took ~3 us per layer (docs/LOG.md)."""
+    for h in range(pid, H, nprog):
+        g, j = h // G, h % G
+        d = tl.arange(0, HD)
+        m_tot = tl.full([], float("-inf"), tl.float32)
+        l_tot = tl.zeros([], tl.float32)
+        acc = tl.zeros([HD], tl.float32)
+        for c0 in range(0, n_splits, CS):  # every split holds >= 1 visible position, so its max is finite
+            ss = c0 + tl.arange(0, CS)
+            sm = ss < n_splits
+            idx = (g * max_splits + ss) * BG + j
+            m = tl.load(part_m + idx, mask=sm, other=float("-inf"), cache_modifier=".cg")
+            s_l = tl.load(part_l + idx, mask=sm, other=0.0, cache_modifier=".cg")
+            a = tl.load(part_acc + idx[:, None] * HD + d[None, :], mask=sm[:, None], other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m_tot, tl.max(m, axis=0))
+            keep = tl.exp(m_tot - m_new)
+            w = tl.exp(m - m_new)
+            l_tot = l_tot * keep + tl.sum(w * s_l, axis=0)
+            acc = acc * keep + tl.sum(w[:, None] * a, axis=0)
+            m_tot = m_new
+        tl.store(attn_out + h * HD + d, _to_bf16(acc / l_tot))
 
 
 @triton.jit
@@ -485,8 +515,9 @@ def decode_stage(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, 
     the next stage's kernel launch (`griddepcontrol.launch_dependents`: its programs can start their own loads
     wherever an SM has room) and waits for the previous stage's kernel to complete with its memory visible
     (`griddepcontrol.wait`). Every global store and every read of an activation comes after that wait.
-    With TIMED, `laps_out[((layer * 5 + STAGE) * nprog + pid) * 4 :][:4]` gets the program's globaltimer (ns) at
-    its start, after the wait and at its end, and its SM."""
+    STAGE 5 merges the attention partials (between stages 1 and 2; in the grid-barrier kernel the attention
+    stage's last task per KV head does). With TIMED, `laps_out[((layer * 6 + STAGE) * nprog + pid) * 4 :][:4]`
+    gets the program's globaltimer (ns) at its start, after the wait and at its end, and its SM."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     t_start = globaltimer() if TIMED else 0
@@ -507,7 +538,14 @@ def decode_stage(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, 
         _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos_v, sin_v, pos, n_blocks, per, n_splits, k0, v0,
                       part_acc, part_m, part_l, sync + 1, attn, pid, nprog, eps, scale, head_stride, max_splits,
                       tl.zeros([16], tl.int64), tl.full([], 0, tl.int64), H, NKV, HD, G, BG, SPLIT, HAS_QK_NORM, CS,
-                      BF16_DOT, False)
+                      BF16_DOT, False, False)
+    elif STAGE == 5:
+        pos = tl.load(pos_ptr).to(tl.int32)
+        n_blocks = pos // SPLIT + 1
+        n_splits = tl.cdiv(n_blocks, tl.cdiv(NKV * n_blocks, nprog))  # as `_pre_attend`: same grid
+        _stage_boundary(PDL)
+        t_wait = globaltimer() if TIMED else 0
+        _stage_merge(part_acc, part_m, part_l, attn, pid, nprog, n_splits, max_splits, H, HD, G, BG, CS)
     elif STAGE == 2:
         w_o, w_c = _pre_rows(table, layer, O_PROJ, pid, r_o, D, H * HD, BR_O, BK_O)
         _stage_boundary(PDL)
@@ -528,7 +566,7 @@ def decode_stage(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, 
         t_end = globaltimer()
         i = tl.arange(0, 4)
         stamps = tl.where(i == 0, t_start, tl.where(i == 1, t_wait, tl.where(i == 2, t_end, smid().to(tl.int64))))
-        tl.store(laps_out + ((layer * 5 + STAGE) * nprog + pid) * 4 + i, stamps)
+        tl.store(laps_out + ((layer * 6 + STAGE) * nprog + pid) * 4 + i, stamps)
 
 
 @triton.jit
