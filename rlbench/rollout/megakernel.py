@@ -8,11 +8,13 @@ the previous stage. How the stages wait for each other is `DecodeMegakernel.stag
   "pdl"      a kernel per stage with programmatic dependent launch (sm_90+, the default there): a stage's
              programs start, and issue their weight loads, as soon as an SM frees; `griddepcontrol.wait`
              returns ~0.5 us after the previous stage's last program ends (a grid barrier took ~2.4 us while
-             the weights stream). 140 launches per step, captured in the step's CUDA graph.
+             the weights stream). The attention partials are merged by a sixth, small kernel (one 1-warp
+             program per q head). 168 launches per step, captured in the step's CUDA graph.
   "barrier"  one persistent kernel over all layers, grid barriers between stages; every program must be
              resident at once (the GPU to itself). The default where PDL is missing.
   "launch"   a kernel per stage in plain stream order (what the interpreter runs for the per-stage kernels).
-The same tasks and code run in all three, so they give the same bits. The embedding, RoPE tables and the head
+"pdl" and "launch" run the same kernels and give the same bits; "barrier" merges the attention partials with
+a ticket in its attention stage (another summation order). The embedding, RoPE tables and the head
 (final norm, lm_head, sampling) stay in the compiled graphs around it; the CUDA graph captures all of it.
 
 Used for batch-1 decode steps on CUDA when `StepOptions.megakernel` is on and `unsupported()` finds nothing
@@ -20,8 +22,8 @@ against it (bf16 fused Qwen3/Qwen2/Llama layers without o/MLP biases); other bat
 keep the compiled path. On the CPU it runs under Triton's interpreter with one program (tests).
 
 Status (H200, docs/LOG.md 2026-11-30, session 8): correct (error vs float64 equal to the bf16 layer stack's);
-with "pdl" the 0.6B step takes 0.76-0.78 ms against the compiled path's 1.16-1.31 ms (2.74-2.82x the floor,
-goal 2x; "barrier" 0.84-0.86 ms), the 4B layers 2.98 ms against 3.30 ms with barriers.
+with "pdl" the 0.6B step takes 0.70-0.74 ms against the compiled path's 1.17-1.39 ms (2.53-2.66x the floor,
+goal 2x; "barrier" 0.84-0.86 ms), the 4B step 3.01 ms (1.61x) against 4.06 ms compiled.
 """
 
 from __future__ import annotations
@@ -161,11 +163,11 @@ class DecodeMegakernel:
         """How a stage waits for the previous one (STAGE_SYNC): "pdl" (a kernel per stage, programmatic dependent
         launch, sm_90+: the next stage's programs issue their weight loads as soon as an SM frees, and its wait
         returns ~0.5 us after this stage's last program ends), "barrier" (one persistent kernel, grid barriers:
-        every program must be resident at once) or "launch" (a kernel per stage in plain stream order). The same
-        tasks and code run in each, so their results are equal to the bit. Default: "pdl" where the GPU has it
-        (8-10% faster than "barrier" on the H200, and no residency requirement), else "barrier"."""
+        every program must be resident at once) or "launch" (a kernel per stage in plain stream order; the same
+        bits as "pdl"). Default: "pdl" where the GPU has it (14-16% faster than "barrier" on the H200, and no
+        residency requirement), else "barrier"."""
         self.merge_warps = 1
-        """Warps of the per-stage kernels' attention merge (one q head per program)."""
+        """Warps of the per-stage kernels' attention merge (one q head per program; 2 and 4 measured mixed)."""
         self.timed = False
         """Profiling: per-program cycles working/waiting per stage into `laps` (benchmarks/megakernel.py --stages)."""
         self.laps = torch.zeros(programs, 16, dtype=torch.int64, device=device)

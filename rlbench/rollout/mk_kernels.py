@@ -509,8 +509,8 @@ def decode_stage(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, 
                  BR_GU: tl.constexpr, BK_GU: tl.constexpr, BR_DN: tl.constexpr, BK_DN: tl.constexpr,
                  ST_QKV: tl.constexpr, ST_O: tl.constexpr, ST_GU: tl.constexpr, ST_DN: tl.constexpr,
                  BF16_DOT: tl.constexpr, STAGE: tl.constexpr, PDL: tl.constexpr, TIMED: tl.constexpr):
-    """ONE stage of one layer as its own kernel (`DecodeMegakernel.stage_sync` "pdl" / "launch"): the same tasks
-    and code as `decode_layers`, with the kernel boundary as the barrier. Each program first issues its
+    """ONE stage of one layer as its own kernel (`DecodeMegakernel.stage_sync` "pdl" / "launch"): the tasks and
+    stage code of `decode_layers`, with the kernel boundary as the barrier. Each program first issues its
     token-independent loads (weights, cached K/V), then, with PDL (programmatic dependent launch, sm_90+), lets
     the next stage's kernel launch (`griddepcontrol.launch_dependents`: its programs can start their own loads
     wherever an SM has room) and waits for the previous stage's kernel to complete with its memory visible

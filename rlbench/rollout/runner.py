@@ -7,8 +7,9 @@ arguments, and a head (final norm, lm_head, sampling). Dynamo reuses a graph whe
 match, so one dynamic-shape layer graph serves every layer and every (batch, kv_len) bucket: warm-up compiles
 one layer instead of the unrolled model. The CUDA graph still captures the whole step, Python glue included.
 
-With `megakernel` on (and supported), a batch-1 step replaces the per-layer loop by one persistent Triton
-kernel over all layers (`megakernel.py`); the prologue and head are unchanged.
+With `megakernel` on (and supported), a batch-1 step replaces the per-layer loop by Triton stage kernels chained
+with programmatic dependent launch, or one persistent kernel with grid barriers (`megakernel.py`); the prologue
+and head are unchanged.
 
 The layer forward is the engine's own over fused QKV / gate-up weights (`fused.py`), or the HF module's
 forward (other architectures, `fused_weights=False`); only the attention (`attention.py`) and the KV cache
@@ -51,8 +52,8 @@ class StepOptions:
     gemv_batch1: bool = True
     """Batch 1 gets its own compiled graph whose matmuls inductor lowers to GEMV reductions."""
     megakernel: bool = False
-    """Batch-1 steps run all decoder layers as one persistent Triton kernel where `megakernel.unsupported`
-    allows (CUDA, bf16 fused layers); the prologue and head stay compiled."""
+    """Batch-1 steps run all decoder layers as Triton stage kernels (`megakernel.py`) where
+    `megakernel.unsupported` allows (CUDA, bf16 fused layers); the prologue and head stay compiled."""
     megakernel_sync: str = "auto"
     """How the megakernel's stages wait for each other: "auto" (`megakernel.default_stage_sync`) or one of
     `megakernel.STAGE_SYNC` (`DecodeMegakernel.stage_sync`)."""

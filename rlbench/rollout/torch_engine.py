@@ -54,7 +54,7 @@ class TorchEngineConfig:
     coordinate-descent-tuned GEMV reductions; otherwise the smallest compiled batch bucket is 2. On an H200 it cut
     the batch-1 step of the 0.6B shape from 1.94 to 1.25 ms (kv 1024) and of the 4B shape from 3.93 to 3.62 ms."""
     megakernel: bool = False
-    """Batch-1 decode steps run every decoder layer as one persistent Triton kernel (`rollout/megakernel.py`)
+    """Batch-1 decode steps run every decoder layer as Triton stage kernels (`rollout/megakernel.py`)
     where supported: CUDA, bf16, fused Qwen3/Qwen2/Llama layers without o/MLP biases; elsewhere batch 1 takes
     the compiled path above. Opt-in (measured on the H200: docs/rollout.md)."""
     megakernel_sync: str = "auto"
