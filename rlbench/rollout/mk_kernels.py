@@ -500,8 +500,7 @@ def _rope_row(cos, sin, HD: tl.constexpr):
 
 @triton.jit
 def decode_stage(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, part_l, sync, laps_out, layer, eps,
-                 scale,
-                 head_stride, max_splits, r_qkv, r_o, r_gu, r_dn,
+                 scale, head_stride, max_splits, r_qkv, r_o, r_gu, r_dn,
                  D: tl.constexpr, H: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, FFN: tl.constexpr,
                  G: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr, CS: tl.constexpr,
                  HAS_QKV_BIAS: tl.constexpr, HAS_QK_NORM: tl.constexpr,
