@@ -23,6 +23,7 @@ import argparse
 import torch
 import triton
 import triton.language as tl
+from megakernel import timed  # benchmarks/megakernel.py: ms per call, replayed from a CUDA graph
 
 from rlbench.rollout.mk_kernels import _stage_boundary
 
@@ -60,21 +61,7 @@ def per_link_us(n: int, links: int, mode: str, repl: int, pdl: bool, iters: int,
             link[(programs,)](w[i], xs[i % 2], xs[(i + 1) % 2], N=n, ROWS=rows, REPL=repl, PDL=pdl, **flags,
                               num_warps=8, launch_pdl=pdl and i > 0)
 
-    def timed(k):
-        chain(k)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            chain(k)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / iters
-
-    return (timed(links) - timed(1)) * 1e3 / (links - 1)
+    return (timed(lambda: chain(links), iters) - timed(lambda: chain(1), iters)) * 1e3 / (links - 1)
 
 
 def main() -> None:
