@@ -1,7 +1,9 @@
 """Triton code of the batch-1 decode megakernel (`megakernel.py` holds the host side and the why).
 
-One persistent program per SM runs every decoder layer. A layer is five stages, each split into tasks
-of about equal bytes, at most one per program for the GEMVs; programs meet at a grid barrier between stages:
+A layer is five stages, each split into tasks of about equal bytes, at most one per program for the GEMVs.
+`decode_layers`: one persistent program per SM runs every layer, programs meet at a grid barrier between
+stages. `decode_stage`: one stage of one layer per kernel, the kernels chained by programmatic dependent launch
+(or plain stream order), and the attention merge as a sixth kernel instead of the ticket:
 
   A  QKV      rows of `[qkv] @ rmsnorm(x)`                     -> qkv buffer (bf16, as F.linear rounds)
   B  attend   (KV head, split of `per` 64-position blocks, no more tasks than programs) partial softmax;
@@ -13,7 +15,8 @@ of about equal bytes, at most one per program for the GEMVs; programs meet at a 
   E  down     rows of `x += down @ act`
 
 Weights and cached K/V do not depend on the token, so each program loads its next task's first weight chunk
-(or its K/V tile) BEFORE it waits at the barrier: the HBM latency overlaps the wait instead of following it.
+(or its K/V tile) BEFORE it waits at the barrier (or the PDL wait): the HBM latency overlaps the wait instead
+of following it.
 
 Rounding follows the HF modules: every tensor HF holds in bf16 is rounded to bf16 at the same point (norm
 outputs, linear outputs, RoPE products, residual sums); reductions run in fp32. Activation loads use
