@@ -463,12 +463,18 @@ def _pre_qkv(table, layer, pid, r_qkv, live, D: tl.constexpr, N: tl.constexpr, B
 
 
 @triton.jit
+def _attn_grid(pos, nprog, NKV: tl.constexpr, SPLIT: tl.constexpr):
+    """The attention task grid at `pos` for `nprog` programs: (blocks per KV head, blocks per task, splits)."""
+    n_blocks = pos // SPLIT + 1  # 64-position blocks per KV head
+    per = tl.cdiv(NKV * n_blocks, nprog)  # blocks per attention task: no more tasks than programs
+    return n_blocks, per, tl.cdiv(n_blocks, per)
+
+
+@triton.jit
 def _pre_attend(table, layer, pid, nprog, pos, head_stride, NKV: tl.constexpr, HD: tl.constexpr,
                 SPLIT: tl.constexpr, HAS_QK_NORM: tl.constexpr):
     """Stage B's: the task grid at `pos`, program pid's first K/V block, and the q/k norm weights."""
-    n_blocks = pos // SPLIT + 1  # 64-position blocks per KV head
-    per = tl.cdiv(NKV * n_blocks, nprog)  # blocks per attention task: no more tasks than programs
-    n_splits = tl.cdiv(n_blocks, per)
+    n_blocks, per, n_splits = _attn_grid(pos, nprog, NKV, SPLIT)
     kc, vc = _ptr(table, layer, K_CACHE), _ptr(table, layer, V_CACHE)
     g0, _, first0 = _task(pid, n_splits, per)
     k0, v0 = _kv_block(kc, vc, g0, first0, pos, pid < NKV * n_splits, head_stride, HD, SPLIT)
@@ -542,9 +548,7 @@ def decode_stage(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, 
                       tl.zeros([16], tl.int64), tl.full([], 0, tl.int64), H, NKV, HD, G, BG, SPLIT, HAS_QK_NORM, CS,
                       BF16_DOT, False, False)
     elif STAGE == 5:
-        pos = tl.load(pos_ptr).to(tl.int32)
-        n_blocks = pos // SPLIT + 1
-        n_splits = tl.cdiv(n_blocks, tl.cdiv(NKV * n_blocks, nprog))  # as `_pre_attend`: same grid
+        _, _, n_splits = _attn_grid(tl.load(pos_ptr).to(tl.int32), nprog, NKV, SPLIT)  # the attention kernel's
         _stage_boundary(PDL)
         t_wait = globaltimer() if TIMED else 0
         _stage_merge(part_acc, part_m, part_l, attn, pid, nprog, n_splits, max_splits, H, HD, G, BG, CS)
