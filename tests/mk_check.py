@@ -80,31 +80,19 @@ def compare_to_f64(preset, prompt_len, device, max_seq_len=256, tile_programs=No
     return dict(err, k_err=k_err, k_err_stack=k_err_stack, untouched=untouched)
 
 
-@torch.inference_mode()
 def distinct_outputs(preset, pos, device="cuda", calls=8, max_seq_len=1536) -> int:
-    """How many different outputs (bit patterns) the megakernel gives for one input over `calls` launches,
-    with random cached K/V: 1 unless some stage read data from before the barrier that should order it."""
-    model = build_model(preset, device=device, dtype=torch.bfloat16, seed=0).eval()
-    runner = _runner(model, max_seq_len, device)
-    for t in (*runner.cache.k, *runner.cache.v):
-        t.normal_(0.0, 1.0, generator=torch.Generator(device).manual_seed(0))
-    mk = runner.megakernel
-    mk.bind(runner.layers, runner.cache.k, runner.cache.v)
-    hidden = torch.randn(1, 1, model.config.hidden_size, device=device, dtype=torch.bfloat16,
-                         generator=torch.Generator(device).manual_seed(1))
-    cos = torch.ones(1, 1, mk.hd, device=device, dtype=torch.bfloat16)
-    pos_t = torch.tensor([pos], device=device)
-    outs = {mk(hidden.clone(), cos, torch.zeros_like(cos), pos_t).view(torch.int16).cpu().numpy().tobytes()
-            for _ in range(calls)}
-    mk.check()
-    return len(outs)
+    """How many different outputs (bit patterns) the megakernel, with the device's default stage sync, gives for
+    one input over `calls` launches with random cached K/V: 1 unless some stage read data from before the barrier
+    (or wait) that should order it."""
+    (seen,) = sync_outputs(preset, pos, (None,), device, calls, max_seq_len).values()
+    return len(seen)
 
 
 @torch.inference_mode()
 def sync_outputs(preset, pos, syncs, device="cuda", calls=4, max_seq_len=1536, tile_programs=None) -> dict:
-    """One decode step at `pos` (random cached K/V) run `calls` times with each `DecodeMegakernel.stage_sync`:
-    {sync: the distinct bit patterns of (hidden out, every layer's new K/V row)}. Every sync must give one
-    pattern; "pdl" and "launch" run the same kernels, so theirs must be equal."""
+    """One decode step at `pos` (random cached K/V) run `calls` times with each `DecodeMegakernel.stage_sync`
+    (None: the device's default): {sync: the distinct bit patterns of (hidden out, every layer's new K/V row)}.
+    Every sync must give one pattern; "pdl" and "launch" run the same kernels, so theirs must be equal."""
     model = build_model(preset, device=device, dtype=torch.bfloat16, seed=0).eval()
     runner = _runner(model, max_seq_len, device)
     gen = torch.Generator(device).manual_seed(0)
@@ -114,7 +102,7 @@ def sync_outputs(preset, pos, syncs, device="cuda", calls=4, max_seq_len=1536, t
     out = {}
     for sync in syncs:
         mk = DecodeMegakernel(model, runner.layers, max_seq_len, torch.device(device), tile_programs=tile_programs)
-        mk.stage_sync = sync
+        mk.stage_sync = sync or mk.stage_sync
         mk.bind(runner.layers, runner.cache.k, runner.cache.v)
         cos = torch.ones(1, 1, mk.hd, device=device, dtype=torch.bfloat16)
         pos_t = torch.tensor([pos], device=device)
@@ -124,7 +112,7 @@ def sync_outputs(preset, pos, syncs, device="cuda", calls=4, max_seq_len=1536, t
             rows = [c[0, :, pos] for c in (*runner.cache.k, *runner.cache.v)]
             seen.add(b"".join(t.contiguous().view(torch.int16).cpu().numpy().tobytes() for t in (h, *rows)))
         mk.check()
-        out[sync] = seen
+        out[mk.stage_sync] = seen
     return out
 
 
