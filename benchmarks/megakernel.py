@@ -203,10 +203,9 @@ def main() -> None:
                   f"({total / ms / 1e7 / args.bandwidth_tbs:4.1f}% of {args.bandwidth_tbs} TB/s), "
                   f"{ms * 1e3 / c.num_hidden_layers:5.1f} us per layer; output repeatable (4 calls): {repeatable}, "
                   f"== the first config's: {same}", flush=True)
-            if args.stages and sync != "barrier":
-                print(stage_timeline(mk, lambda mk=mk, p=p: mk(x.copy_(hidden), cos, sin, p), c.num_hidden_layers))
-            if args.stages and sync == "barrier":
-                print(stage_table(mk, lambda mk=mk, p=p: mk(x.copy_(hidden), cos, sin, p), c.num_hidden_layers))
+            if args.stages:
+                table = stage_table if sync == "barrier" else stage_timeline
+                print(table(mk, lambda mk=mk, p=p: mk(x.copy_(hidden), cos, sin, p), c.num_hidden_layers))
 
 
 if __name__ == "__main__":

@@ -60,8 +60,8 @@ class TorchEngineConfig:
     megakernel_sync: str = "auto"
     """How the megakernel's stages wait for each other: "pdl" (a kernel per stage with programmatic dependent
     launch, sm_90+; the "auto" choice there), "barrier" (grid barriers in one persistent kernel; needs every SM to
-    itself; "auto" on older GPUs) or "launch" (a kernel per stage). Same results to the bit
-    (`DecodeMegakernel.stage_sync`)."""
+    itself; "auto" on older GPUs) or "launch" (a kernel per stage; the same bits as "pdl", while "barrier" sums
+    the attention partials in another order) (`DecodeMegakernel.stage_sync`)."""
 
     def __post_init__(self) -> None:
         if self.max_seq_len < 2:
