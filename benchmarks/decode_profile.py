@@ -4,7 +4,7 @@ first-use (compile + capture) seconds, and optionally the kernel table.
     python benchmarks/decode_profile.py --preset qwen3-0.6b-shape --kv 256 1024 --fused 0 1 \\
         --decode-attention sdpa split
     python benchmarks/decode_profile.py --preset qwen3-4b-shape --kv 1024 --batch 1 --gemv-batch1 0 1 --profile
-    python benchmarks/decode_profile.py --kv 256 1024 --batch 1 --megakernel 0 1   # megakernel: opt-in
+    python benchmarks/decode_profile.py --kv 256 1024 --batch 1 --megakernel 0 1   # compiled batch 1 vs the megakernel
 
 Every variant (fused weights x decode attention x batch-1 GEMV graph x megakernel) gets a fresh engine on the same model;
 `first use` is the wall time of the first decode of a bucket (the compile, if any, plus the CUDA-graph capture).

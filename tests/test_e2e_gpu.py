@@ -33,6 +33,11 @@ def test_qwen3_0p6b_colocated_loop(tmp_path):
     for h in history:
         print(json.dumps({k: round(h[k], 5) for k in keys if k in h}))
     print(json.dumps(trainer.eval_history))
+    runner = trainer.engine.runner
+    batch1 = sorted(k for k in runner._graphs if k[0] == 1)
+    print(f"megakernel: {runner.megakernel is not None}; batch-1 graphs captured: {batch1}")
+    if torch.cuda.get_device_capability()[0] >= 9:  # the default batch-1 path there (megakernel=None)
+        assert runner.megakernel is not None and runner.megakernel.stage_sync == "pdl"
     last = history[-1]
     assert last["weights/verified"] == 1.0 and last["weights/bytes"] < 1.3e9  # bf16 on the wire
     assert all(h["train/ppo_kl_first_mb"] < 1e-3 for h in history)

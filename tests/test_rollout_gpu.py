@@ -89,6 +89,23 @@ def test_qwen3_06b_bf16_greedy_and_logprobs():
     assert d.mean() < 0.05 and d.max() < 1.0
 
 
+def test_megakernel_is_the_default_batch1_path_on_sm90():
+    """`megakernel=None` (the default) runs batch 1 through the PDL megakernel on sm_90+ for a bf16 fused model,
+    and stays off without a word for fp32 (unsupported) and for the unfused layers of the true on-policy mode."""
+    import warnings
+
+    pdl = torch.cuda.get_device_capability()[0] >= 9
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # auto never warns
+        bf16 = TorchEngine(build_model("small", device="cuda", dtype=torch.bfloat16), TorchEngineConfig(max_seq_len=64))
+        fp32 = TorchEngine(build_model("small", device="cuda", dtype=torch.float32), TorchEngineConfig(max_seq_len=64))
+        unfused = TorchEngine(build_model("small", device="cuda", dtype=torch.bfloat16),
+                              TorchEngineConfig(max_seq_len=64, fused_weights=False))
+    assert (bf16.runner.megakernel is not None) == pdl
+    assert not pdl or bf16.runner.megakernel.stage_sync == "pdl"
+    assert fp32.runner.megakernel is None and unfused.runner.megakernel is None
+
+
 def test_warm_up_one_layer_graph_for_all_layers_and_buckets():
     """Every (batch, kv_len) bucket, b == num_slots and kv_len == max_seq_len included, shares one compile of
     (prologue, layer, head); a second mode adds only its head."""
@@ -98,7 +115,7 @@ def test_warm_up_one_layer_graph_for_all_layers_and_buckets():
 
     model = build_model("small", device="cuda", dtype=torch.bfloat16)
     engine = TorchEngine(model, TorchEngineConfig(max_seq_len=1024, num_slots=16, compile=True, cuda_graphs=True,
-                                                  gemv_batch1=False))  # batch-1 graphs: test_rollout_fused.py
+                                                  gemv_batch1=False, megakernel=False))  # batch 1: other tests
     before = counters["stats"]["unique_graphs"]
     n = engine.warm_up()
     assert engine.runner.cuda_graphs and engine.runner.compiled, "compile/graph capture fell back (see warnings)"

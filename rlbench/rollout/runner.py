@@ -30,7 +30,7 @@ import torch.fx.experimental._config as fx_config
 from rlbench.rollout.attention import DECODE_ATTENTION, KVContext, decode_mask, sdpa_decode
 from rlbench.rollout.fused import fuse_layers, fused_layer_forward, hf_layer_forward
 from rlbench.rollout.kv_cache import KVCache
-from rlbench.rollout.megakernel import STAGE_SYNC, DecodeMegakernel, unsupported
+from rlbench.rollout.megakernel import STAGE_SYNC, DecodeMegakernel, default_stage_sync, unsupported
 from rlbench.rollout.sampling import greedy_tokens, sample_tokens, token_hash
 
 SAMPLE_MODES = ("greedy", "sample", "truncate")
@@ -51,9 +51,11 @@ class StepOptions:
     """A `DECODE_ATTENTION` name; "split" only runs compiled (eager it would materialise big products)."""
     gemv_batch1: bool = True
     """Batch 1 gets its own compiled graph whose matmuls inductor lowers to GEMV reductions."""
-    megakernel: bool = False
+    megakernel: bool | None = None
     """Batch-1 steps run all decoder layers as Triton stage kernels (`megakernel.py`) where
-    `megakernel.unsupported` allows (CUDA, bf16 fused layers); the prologue and head stay compiled."""
+    `megakernel.unsupported` allows (CUDA, bf16 fused layers); the prologue and head stay compiled. None: only
+    where the stages chain by programmatic dependent launch (sm_90+), silently off elsewhere; True: wherever
+    supported, with a warning where not; False: off."""
     megakernel_sync: str = "auto"
     """How the megakernel's stages wait for each other: "auto" (`megakernel.default_stage_sync`) or one of
     `megakernel.STAGE_SYNC` (`DecodeMegakernel.stage_sync`)."""
@@ -63,6 +65,8 @@ class StepOptions:
     def __post_init__(self) -> None:
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention={self.decode_attention!r} must be one of {sorted(DECODE_ATTENTION)}")
+        if self.megakernel is not None:
+            object.__setattr__(self, "megakernel", bool(self.megakernel))  # 0 / 1 (a command line): off / on
         if self.megakernel_sync not in ("auto", *STAGE_SYNC):
             raise ValueError(f"megakernel_sync={self.megakernel_sync!r} must be 'auto' or one of {STAGE_SYNC}")
 
@@ -153,13 +157,13 @@ class ModelRunner:
         fused = fuse_layers(self.model) if self.opts.fused_weights else None
         self._layer_forward = hf_layer_forward if fused is None else fused_layer_forward
         self.layers = list(self.base.layers) if fused is None else fused
-        if self.opts.megakernel and self.megakernel is None:
+        if self.opts.megakernel is not False and self.megakernel is None:
             reason = unsupported(self.model, fused, self.device)
-            if reason is None:
+            sync = default_stage_sync(self.device) if self.opts.megakernel_sync == "auto" else self.opts.megakernel_sync
+            if reason is None and (self.opts.megakernel or sync == "pdl"):
                 self.megakernel = DecodeMegakernel(self.model, fused, self.cache.shape.max_seq_len, self.device)
-                if self.opts.megakernel_sync != "auto":
-                    self.megakernel.stage_sync = self.opts.megakernel_sync
-            elif not self._warned_megakernel:
+                self.megakernel.stage_sync = sync
+            elif self.opts.megakernel and not self._warned_megakernel:
                 warnings.warn(f"megakernel=True has no effect: {reason}; batch 1 decodes on the compiled path",
                               stacklevel=3)
                 self._warned_megakernel = True

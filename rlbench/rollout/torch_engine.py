@@ -53,10 +53,13 @@ class TorchEngineConfig:
     """Compiled: decode batch 1 in its own graph (one more layer compile, ~10 s) whose matmuls inductor lowers to
     coordinate-descent-tuned GEMV reductions; otherwise the smallest compiled batch bucket is 2. On an H200 it cut
     the batch-1 step of the 0.6B shape from 1.94 to 1.25 ms (kv 1024) and of the 4B shape from 3.93 to 3.62 ms."""
-    megakernel: bool = False
+    megakernel: bool | None = None
     """Batch-1 decode steps run every decoder layer as Triton stage kernels (`rollout/megakernel.py`)
     where supported: CUDA, bf16, fused Qwen3/Qwen2/Llama layers without o/MLP biases; elsewhere batch 1 takes
-    the compiled path above. Opt-in (measured on the H200: docs/rollout.md)."""
+    the compiled path above. None (default): on where supported AND the stages chain by programmatic dependent
+    launch (sm_90+: H100/H200/B200; 1.6-1.7x faster batch-1 steps than the compiled path on the H200,
+    docs/rollout.md), silently off elsewhere; True: on wherever supported (older GPUs get the grid-barrier
+    kernel, which needs the GPU to itself), with a warning where not; False: off."""
     megakernel_sync: str = "auto"
     """How the megakernel's stages wait for each other: "pdl" (a kernel per stage with programmatic dependent
     launch, sm_90+; the "auto" choice there), "barrier" (grid barriers in one persistent kernel; needs every SM to
