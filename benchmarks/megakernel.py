@@ -111,14 +111,18 @@ def stage_timeline(mk, call, layers: int) -> str:
     timed(call, 3)  # replayed from a CUDA graph: launched from Python, 168 kernels would wait for the host
     mk.timed = False
     order = list(megakernel.STAGE_ORDER)
-    t = mk.stage_laps.view(layers, 6, mk.programs, 4)[:, order, :, :3].double().cpu().flatten(0, 1)
+    t = mk.stage_laps.view(layers, 6, mk.programs, 4)[:, order, :, :4].double().cpu().flatten(0, 1)
     t = (t - t[:, :, 2].amax(1).roll(1)[:, None, None])[len(order):] / 1e3  # from the previous end; layers 1..
-    t = t.view(layers - 1, len(order), mk.programs, 3)
-    rows = [f"  {'stage':8} {'start 1st':>9} {'start avg':>9} {'wait avg':>9} {'wait last':>9} {'end':>7}   (us)"]
+    t = t.view(layers - 1, len(order), mk.programs, 4)
+    gluon = mk.gluon_active()
+    rows = [f"  {'stage':8} {'start 1st':>9} {'start avg':>9} {'start last':>10} {'wait avg':>9} {'wait last':>9} "
+            f"{'end avg':>8} {'end':>7} {'ready avg':>9} {'ready last':>10}  (us; ready: Gluon tile landed)"]
     for i, stage in enumerate(order):
         s = t[:, i]
+        ready = (f" {s[..., 3].mean():9.2f} {s[..., 3].amax(1).mean():10.2f}" if stage in gluon else "")
         rows.append(f"  {STAGE_NAMES[stage]:8} {s[..., 0].amin(1).mean():9.2f} {s[..., 0].mean():9.2f} "
-                    f"{s[..., 1].mean():9.2f} {s[..., 1].amax(1).mean():9.2f} {s[..., 2].amax(1).mean():7.2f}")
+                    f"{s[..., 0].amax(1).mean():10.2f} {s[..., 1].mean():9.2f} {s[..., 1].amax(1).mean():9.2f} "
+                    f"{s[..., 2].mean():8.2f} {s[..., 2].amax(1).mean():7.2f}{ready}")
     rows.append(f"  layer    {t[:, :, :, 2].amax(2).sum(1).mean():7.2f} us (sum of the stages' ends)")
     return "\n".join(rows)
 
@@ -138,6 +142,12 @@ def main() -> None:
                     help="grid barriers in one persistent kernel, or a kernel per stage (with/without PDL)")
     ap.add_argument("--merge-warps", type=int, nargs="+", default=[1],
                     help="warps of the per-stage kernels' attention merge (one q head per program)")
+    ap.add_argument("--gluon", nargs="+", default=["default"],
+                    help="per-stage kernels: the GEMV stages run as Gluon kernels (tile in shared memory, "
+                         "DecodeMegakernel.gluon_gemv): 'default', '-' (none), or the stages as digits (unpaced, "
+                         "early launch), then optionally ',gGxF' (TMA boxes per barrier, groups in flight), ',pS=GxF' "
+                         "(the same for stage S), ',L[digits]' (those stages, all without digits, let the next "
+                         "kernel launch after their wait), ',wN' (warps); the default is 0234,g2x2,p0=8x2,L034")
     ap.add_argument("--barriers", action="store_true",
                     help="also time grid barriers alone and empty kernel boundaries (PDL and plain)")
     ap.add_argument("--stages", action="store_true",
@@ -173,18 +183,35 @@ def main() -> None:
     x = hidden.clone()
     print(f"{args.preset}: {sms} SMs, layer weights {layer_bytes / 1e9:.3f} GB", flush=True)
     # a grid barrier needs every program resident: more than one per SM only for the per-stage kernels
-    configs = [(t, p, w, v, m, y, mw) for y in args.stage_sync for t in args.tile_elems
+    configs = [(t, p, w, v, m, y, mw, g) for y in args.stage_sync for t in args.tile_elems
                for p in (args.programs_per_sm if y != "barrier" else [1]) for w in args.warps
-               for v in args.carveout for m in args.merge_chunk for mw in (args.merge_warps if y != "barrier" else [0])]
+               for v in args.carveout for m in args.merge_chunk for mw in (args.merge_warps if y != "barrier" else [0])
+               for g in (args.gluon if y != "barrier" else ["-"])]
     first_out: dict[int, torch.Tensor] = {}
-    for tile, per_sm, warps, carve, chunk, sync, merge_warps in configs:
+    for tile, per_sm, warps, carve, chunk, sync, merge_warps, gluon in configs:
         mk = megakernel.DecodeMegakernel(model, runner.layers, args.max_seq_len, torch.device("cuda"),
                                          programs=sms * per_sm, tile_elems=tile)
         mk.bind(runner.layers, cache.k, cache.v)
         mk.num_warps, mk.carveout, mk.merge_chunk = warps, None if carve < 0 else carve, chunk
-        mk.stage_sync, mk.merge_warps = sync, merge_warps or mk.merge_warps
+        mk.stage_sync, mk.merge_warps, mk.gluon_gemv = sync, merge_warps or mk.merge_warps, gluon != "-"
+        if gluon not in ("-", "default"):  # e.g. "0234,g2x2,L034,p0=8x2,w8": stages, pacing (all / one stage),
+            # late launch (all / those stages), warps
+            stages, *opts = gluon.split(",")
+            mk.gluon_stages, mk.gluon_late_launch = tuple(int(c) for c in stages), ()  # unpaced, early launch
+            mk.gluon_pacing = {st: (64, 1) for st in mk.gluon_pacing}
+            for o in opts:
+                if o[0] == "g":
+                    mk.gluon_pacing = {st: tuple(map(int, o[1:].split("x"))) for st in mk.gluon_pacing}
+                elif o[0] == "p":
+                    st, gf = o[1:].split("=")
+                    mk.gluon_pacing[int(st)] = tuple(map(int, gf.split("x")))
+                elif o[0] == "L":
+                    mk.gluon_late_launch = tuple(int(c) for c in (o[1:] or stages))
+                elif o[0] == "w":
+                    mk.gluon_warps = int(o[1:])
         label = (f"tile {tile:5} programs {mk.programs:3} warps {warps:2} carveout {carve:3} merge {chunk:2} {sync:7}"
-                 + (f" merge warps {merge_warps}" if merge_warps else ""))
+                 + (f" merge warps {merge_warps}" if merge_warps else "")
+                 + (f" gluon {gluon}" if mk.gluon_active() else ""))
         for pos in args.pos:
             p = torch.tensor([pos], device="cuda")
             try:
@@ -197,12 +224,13 @@ def main() -> None:
             bits = [o.view(torch.int16) for o in outs]  # bitwise, NaN-proof
             repeatable = all(torch.equal(bits[0], b) for b in bits[1:])
             same = torch.equal(first_out.setdefault(pos, bits[0]), bits[0])
+            diff = (outs[0].float() - first_out[pos].view(torch.bfloat16).float()).abs().max().item()
             kv_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 * (pos + 1)
             total = layer_bytes + kv_bytes
             print(f"{label} pos {pos:5}: {ms * 1e3:7.1f} us per call, {total / ms / 1e6:6.0f} GB/s "
                   f"({total / ms / 1e7 / args.bandwidth_tbs:4.1f}% of {args.bandwidth_tbs} TB/s), "
                   f"{ms * 1e3 / c.num_hidden_layers:5.1f} us per layer; output repeatable (4 calls): {repeatable}, "
-                  f"== the first config's: {same}", flush=True)
+                  f"== the first config's: {same} (max |diff| {diff:.3g})", flush=True)
             if args.stages:
                 table = stage_table if sync == "barrier" else stage_timeline
                 print(table(mk, lambda mk=mk, p=p: mk(x.copy_(hidden), cos, sin, p), c.num_hidden_layers))

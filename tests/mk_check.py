@@ -39,7 +39,7 @@ def _runner(model, max_seq_len, device, dtype=torch.bfloat16, megakernel=True):
 
 
 @torch.inference_mode()
-def compare_to_f64(preset, prompt_len, device, max_seq_len=256, tile_programs=None, sync=None):
+def compare_to_f64(preset, prompt_len, device, max_seq_len=256, tile_programs=None, sync=None, gluon=None):
     """One batch-1 decode step at position `prompt_len` three ways: the megakernel (its `stage_sync`, default
     the device's), the engine's bf16 layer stack (HF's ops) and float64 (same weights, same cached K/V). Returns
     errors vs float64 and cache checks."""
@@ -59,6 +59,7 @@ def compare_to_f64(preset, prompt_len, device, max_seq_len=256, tile_programs=No
     if tile_programs is not None:  # the tiling of a GPU with that many SMs, run by this device's grid
         mk = DecodeMegakernel(model, runner.layers, max_seq_len, torch.device(device), tile_programs=tile_programs)
     mk.stage_sync = sync or mk.stage_sync
+    mk.gluon_gemv = mk.gluon_gemv if gluon is None else gluon
     mk.bind(runner.layers, runner.cache.k, runner.cache.v)
     h_mk = mk(hidden.clone(), cos, sin, pos)
 
@@ -187,6 +188,54 @@ def compile_for_hopper(preset: str, num_warps: int = 8, programs: int = 132, sta
                    vector_loads_before_wait=len(re.findall(r"ld\.global\S*\.v4\.", before)),
                    writes_before_wait=len(re.findall(r"\b(?:st\.global|atom\.|red\.)", before)) if wait else -1)
     return out
+
+
+def compile_gluon_stage(preset: str, stage: int, programs: int = 132) -> dict:
+    """Compile `mk_gluon.gemv_stage` for one GEMV stage of a preset for sm_90 without a GPU, with the options
+    `DecodeMegakernel` launches it with; returns registers per thread, spills, shared memory, threads, the TMA
+    copies, PDL waits, and the global loads and stores before the wait in the PTX."""
+    import inspect
+    import re
+    import subprocess
+    from pathlib import Path
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.language import NVMMASharedLayout
+
+    from rlbench.rollout import mk_gluon
+    from rlbench.rollout.fused import fuse_layers
+
+    model = build_model(preset, meta=True, dtype=torch.bfloat16)
+    mk = DecodeMegakernel(model, fuse_layers(model), 1536, torch.device("cpu"), programs=programs)
+    n, k, r, kcp = mk.gluon_plan()[stage]
+    layout = NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    desc = f"tensordesc<bf16[{mk_gluon.BOX_ROWS.value}, {mk_gluon.BOX_K.value}],{layout!r}>"
+    args = dict(desc=desc, inp="*bf16", norm="*bf16", bias="*bf16", out="*bf16", laps="*i64", lap_base="i32",
+                eps="fp32")
+    consts = dict(N=n, K=k, R=r, KCP=kcp, STAGE=stage, HAS_BIAS=False, LATE_LAUNCH=stage in mk.gluon_late_launch,
+                  GROUP=mk.gluon_pacing[stage][0], IN_FLIGHT=mk.gluon_pacing[stage][1], WARPS=mk.gluon_warps,
+                  TIMED=False)
+    names = list(inspect.signature(mk_gluon.gemv_stage.fn).parameters)
+    src = GluonASTSource(fn=mk_gluon.gemv_stage, signature=args | {c: "constexpr" for c in consts},
+                         constexprs={(names.index(c),): v for c, v in consts.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=mk.gluon_warps, launch_pdl=True))
+    ptx_text = kernel.asm["ptx"]
+    ptx = Path(f"/tmp/rlbench_gluon_{preset}_stage{stage}.ptx")
+    ptx.write_text(ptx_text)
+    ptxas = next(Path(triton.__file__).parent.glob("backends/nvidia/bin/ptxas*"))
+    info = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", "/dev/null"],
+                          capture_output=True, text=True, check=True).stderr
+    before = ptx_text.partition("griddepcontrol.wait")[0]
+    return dict(regs=int(re.search(r"Used (\d+) registers", info).group(1)),
+                spill_bytes=int(re.search(r"(\d+) bytes spill stores", info).group(1)),
+                shared=kernel.metadata.shared, threads=32 * mk.gluon_warps,
+                boxes=(r // mk_gluon.BOX_ROWS.value) * (k // mk_gluon.BOX_K.value) * (2 if stage == 3 else 1),
+                tma_copies=ptx_text.count("cp.async.bulk.tensor"), waits=ptx_text.count("griddepcontrol.wait"),
+                loads_before_wait=len(re.findall(r"ld\.global", before)),
+                stores_before_wait=len(re.findall(r"\b(?:st\.global|atom\.|red\.)", before)))
 
 
 @torch.inference_mode()

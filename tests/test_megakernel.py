@@ -16,13 +16,24 @@ from pathlib import Path
 
 import pytest
 import torch
-from mk_check import CPU_CASES, case_name, compare_to_f64, compile_for_hopper, distinct_outputs, sync_outputs
+from mk_check import (
+    CPU_CASES,
+    case_name,
+    compare_to_f64,
+    compile_for_hopper,
+    compile_gluon_stage,
+    distinct_outputs,
+    sync_outputs,
+)
 
 from rlbench.models import build_model
 from rlbench.rollout import SamplingParams
 from rlbench.rollout.torch_engine import TorchEngine, TorchEngineConfig
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+needs_gluon = pytest.mark.skipif(importlib.util.find_spec("triton") is None
+                                 or importlib.util.find_spec("triton.experimental.gluon") is None,
+                                 reason="needs triton with gluon")
 cuda = torch.cuda.is_available()
 
 
@@ -96,6 +107,52 @@ def test_kernel_compiles_for_hopper_and_fits_one_program_per_sm(preset):
     assert r["acquire_loads"] >= 10, r
 
 
+def test_gluon_plan_takes_the_stages_whose_tile_fits_shared_memory():
+    """0.6B: every GEMV stage (rows per program a multiple of 8, tile + fp32 input <= GLUON_TILE_BYTES); 4B: none;
+    off on the CPU and under the grid-barrier sync."""
+    from rlbench.rollout.fused import fuse_layers
+    from rlbench.rollout.megakernel import DecodeMegakernel
+
+    def plan(preset):
+        model = build_model(preset, meta=True, dtype=torch.bfloat16)
+        return DecodeMegakernel(model, fuse_layers(model), 1536, torch.device("cpu"), programs=132)
+
+    mk = plan("qwen3-0.6b-shape")
+    assert mk.gluon_plan() == {0: (4096, 1024, 32, 4), 2: (1024, 2048, 8, 8), 3: (3072, 1024, 24, 4),
+                               4: (1024, 3072, 8, 16)}
+    assert plan("qwen3-4b-shape").gluon_plan() == {}
+    mk.stage_sync = "pdl"
+    assert not mk.gluon_gemv and mk.gluon_active() == {}  # no TMA on the CPU
+    mk.gluon_gemv = True
+    assert sorted(mk.gluon_active()) == [0, 2, 3, 4]
+    mk.stage_sync = "barrier"
+    assert mk.gluon_active() == {}
+
+
+@needs_gluon
+@pytest.mark.parametrize("stage", [0, 2, 3, 4])
+def test_gluon_stage_compiles_for_hopper_small_enough_to_share_an_sm(stage):
+    """Each Gluon GEMV stage of the 0.6B shape, compiled offline for sm_90 as the megakernel launches it: only its
+    norm weights are read and nothing is written before the PDL wait, one TMA copy per box, no spills, and few
+    enough registers and shared memory that the next GEMV stage's program fits on the same SM (65,536 registers,
+    227 KB): the point of the design."""
+    r = compile_gluon_stage("qwen3-0.6b-shape", stage)
+    nxt = compile_gluon_stage("qwen3-0.6b-shape", {0: 2, 2: 3, 3: 4, 4: 0}[stage])
+    assert r["waits"] == 1 and r["stores_before_wait"] == 0
+    assert r["loads_before_wait"] == (8 if stage in (0, 3) else 0)  # the RMSNorm weights, [4, 256] bf16
+    assert r["tma_copies"] == r["boxes"] and r["spill_bytes"] == 0
+    assert r["regs"] * r["threads"] + nxt["regs"] * nxt["threads"] <= 65536
+    assert r["shared"] + nxt["shared"] <= 227 * 1024
+
+
+def test_step_options_take_megakernel_gluon_from_a_command_line():
+    from rlbench.rollout.runner import StepOptions
+
+    assert StepOptions(megakernel_gluon=0).megakernel_gluon is False
+    assert StepOptions(megakernel_gluon=1).megakernel_gluon is True
+    assert StepOptions().megakernel_gluon is None
+
+
 def test_bind_refuses_a_misaligned_weight():
     """The kernel declares table addresses 16-byte aligned; a view at an odd offset is named, not misread."""
     from rlbench.rollout.fused import fuse_layers
@@ -166,12 +223,29 @@ def test_asking_for_it_where_unsupported_warns_and_decodes_normally():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda, reason="needs a CUDA device")
-@pytest.mark.parametrize("prompt_len,sync", [(5, None), (300, None), (1400, None), (300, "barrier")])
-def test_megakernel_06b_rounds_like_the_hf_layers(prompt_len, sync):
-    """qwen3-0.6b-shape with one program per SM, the device's default stage sync (PDL on an H100/H200) and the
-    grid-barrier kernel (barriers, merge tickets and the cache write live)."""
-    r = compare_to_f64("qwen3-0.6b-shape", prompt_len, "cuda", max_seq_len=1536, sync=sync)
-    _check(r, f"0.6b @ {prompt_len} {sync or 'default'}")
+@pytest.mark.parametrize("prompt_len,sync,gluon", [(5, None, None), (300, None, None), (1400, None, None),
+                                                   (300, None, False), (1400, None, False), (300, "barrier", None)])
+def test_megakernel_06b_rounds_like_the_hf_layers(prompt_len, sync, gluon):
+    """qwen3-0.6b-shape with one program per SM, the device's default stage sync (PDL on an H100/H200, with the
+    Gluon GEMV stages by default there; gluon=False: the Triton stage kernels) and the grid-barrier kernel
+    (barriers, merge tickets and the cache write live)."""
+    r = compare_to_f64("qwen3-0.6b-shape", prompt_len, "cuda", max_seq_len=1536, sync=sync, gluon=gluon)
+    _check(r, f"0.6b @ {prompt_len} {sync or 'default'}{' triton stages' if gluon is False else ''}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda or torch.cuda.get_device_capability()[0] < 9, reason="needs an sm_90+ GPU")
+def test_gluon_gemv_stages_are_the_default_on_sm90():
+    """On an H100/H200 the engine's megakernel runs all four GEMV stages of the 0.6B shape in Gluon, none of the
+    4B shape's (their tiles exceed GLUON_TILE_BYTES), and megakernel_gluon=False turns them off."""
+    for preset, stages in (("qwen3-0.6b-shape", [0, 2, 3, 4]), ("qwen3-4b-shape", [])):
+        engine = TorchEngine(build_model(preset, device="cuda", dtype=torch.bfloat16),
+                             TorchEngineConfig(max_seq_len=256, num_slots=1, compile=False, cuda_graphs=False))
+        assert sorted(engine.runner.megakernel.gluon_active()) == stages, preset
+    engine = TorchEngine(build_model("qwen3-0.6b-shape", device="cuda", dtype=torch.bfloat16),
+                         TorchEngineConfig(max_seq_len=256, num_slots=1, compile=False, cuda_graphs=False,
+                                           megakernel_gluon=False))
+    assert engine.runner.megakernel.gluon_active() == {}
 
 
 @pytest.mark.gpu

@@ -58,12 +58,30 @@ MAX_SPINS = 1 << 22
 trip; estimated, not measured): a non-resident program then costs a stall and an error, not a hang."""
 
 
+GLUON_TILE_BYTES = 120 * 1024
+"""Largest shared memory (weight tile + fp32 input) of a Gluon GEMV stage program: two neighbouring stages'
+programs must fit one SM's 227 KB (the 0.6B shape: QKV 68 KB, o_proj 40, gate/up 100, down 64)."""
+
 STAGE_SYNC = ("pdl", "barrier", "launch")
 """How the stages of a layer wait for each other (`DecodeMegakernel.stage_sync`)."""
 
 
 STAGE_ORDER = (0, 1, 5, 2, 3, 4)
 """The per-stage kernels of a layer in launch order: QKV, attention, merge, o_proj, gate/up, down."""
+
+
+def gluon_available(device: torch.device) -> bool:
+    """Whether the Gluon GEMV stages can run here: a CUDA sm_90+ GPU (TMA) and a Triton with Gluon's Hopper API
+    (never under Triton's interpreter, which does not run Gluon)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    try:
+        from triton.experimental.gluon.language.nvidia.hopper import tma  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def default_stage_sync(device: torch.device) -> str:
@@ -168,6 +186,33 @@ class DecodeMegakernel:
         residency requirement), else "barrier"."""
         self.merge_warps = 1
         """Warps of the per-stage kernels' attention merge (one q head per program; 2 and 4 measured mixed)."""
+        self.gluon_gemv = gluon_available(device)
+        """Run the GEMV stages whose tile fits shared memory (`gluon_plan`) as `mk_gluon.gemv_stage` kernels (the
+        tile lands in shared memory by TMA, 4 warps, few registers) instead of the Triton stage kernels, so that
+        the next stage's programs fit beside the current ones and load their tiles a stage ahead. Per-stage sync
+        ("pdl" / "launch") only; default: where Gluon's Hopper TMA is available (sm_90+). Measured on the H200
+        (docs/LOG.md session 10): 0.6B 505-508 / 571-575 / 611-616 us per call at pos 256 / 1024 / 1500 against
+        620 / 642-644 / 663-665 with the Triton stages."""
+        self.gluon_stages = (0, 2, 3, 4)
+        """The GEMV stages that may run in Gluon (QKV, o_proj, gate/up, down; benchmarks/megakernel.py --gluon)."""
+        self.gluon_late_launch = (0, 3, 4)
+        """Gluon stages that let the next kernel launch only after their wait (it then arrives one stage ahead);
+        the others let it launch at once (it arrives as early as an SM has room). o_proj launches gate/up early,
+        so that gate/up's 12 MB stream during the attention merge and o_proj; QKV, gate/up and down launch late,
+        so that the next stage's stream does not run during the latency-bound attention (measured: all early
+        596 / 632 / 695 us, all late 544 / 631 / 634, this mix 518 / 584 / 621 at pos 256 / 1024 / 1500)."""
+        self.gluon_pacing = {0: (8, 2), 2: (2, 2), 3: (2, 2), 4: (2, 2)}
+        """Per Gluon stage: (TMA boxes of 4 KB per mbarrier, such groups in flight per program). A burst of a
+        whole stage's tiles (12 MB for gate/up) queues the latency-bound accesses of the stage on the critical path
+        behind it; two groups of two boxes (16 KB per SM, ~2 MB in flight on the GPU) pace the stream. QKV, whose
+        programs arrive only one stage ahead, loads its 64 KB tile at once (2 x 8 boxes)."""
+        self.gluon_warps = 4
+        """Warps of a Gluon stage program (8 measured 12-16% slower per call)."""
+        self.gluon_carveout = 100
+        """Carveout (percent) of every kernel of a step that runs Gluon stages: their tiles need shared memory, and
+        an SM only hosts programs of different kernels side by side under one shared-memory split."""
+        self._descs: list = []
+        self._layers: list = []
         self.timed = False
         """Profiling: per-program cycles working/waiting per stage into `laps` (benchmarks/megakernel.py --stages)."""
         self.laps = torch.zeros(programs, 16, dtype=torch.int64, device=device)
@@ -191,6 +236,45 @@ class DecodeMegakernel:
         self.table.copy_(torch.tensor(rows, dtype=torch.int64))
         self.head_stride = k_cache[0].stride(1)
         self._bound = key
+        self._layers, self._descs = list(layers), []
+
+    def gluon_plan(self) -> dict[int, tuple[int, int, int, int]]:
+        """The GEMV stages `mk_gluon.gemv_stage` can run: stage -> (N, K, rows per program, K boxes rounded up to
+        a power of two). A stage needs K a multiple of the box width and its tile (plus the fp32 input) within
+        GLUON_TILE_BYTES; the others keep the Triton stage kernel."""
+        from rlbench.rollout.mk_gluon import BOX_K, BOX_ROWS
+
+        dims = {0: ((self.h + 2 * self.n_kv) * self.hd, self.d, 1), 2: (self.d, self.h * self.hd, 1),
+                3: (self.i, self.d, 2), 4: (self.d, self.i, 1)}
+        plan = {}
+        for stage, (n, k, stacked) in dims.items():
+            r = math.ceil(math.ceil(n / self.programs) / BOX_ROWS.value) * BOX_ROWS.value
+            kcp = _pow2(k // BOX_K.value)
+            if k % BOX_K.value == 0 and stacked * r * k * 2 + kcp * BOX_K.value * 4 <= GLUON_TILE_BYTES:
+                plan[stage] = (n, k, r, kcp)
+        return plan
+
+    def gluon_active(self) -> dict[int, tuple[int, int, int, int]]:
+        """The stages the next call runs in Gluon (`gluon_plan` within `gluon_stages`; none unless `gluon_gemv`
+        and a per-stage sync)."""
+        if not self.gluon_gemv or self.stage_sync == "barrier":
+            return {}
+        return {s: p for s, p in self.gluon_plan().items() if s in self.gluon_stages}
+
+    def _gluon_descs(self) -> list[dict]:
+        """Per layer, the TMA descriptors of the planned stages' weights (built once per bind)."""
+        if not self._descs:
+            from triton.experimental.gluon.language import NVMMASharedLayout
+            from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+            from rlbench.rollout.mk_gluon import BOX_K, BOX_ROWS
+
+            layout = NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+            names = {0: "qkv", 2: "o", 3: "gate_up", 4: "down"}
+            self._descs = [{s: TensorDescriptor.from_tensor(getattr(w, names[s]), [BOX_ROWS.value, BOX_K.value],
+                                                           layout)
+                            for s in self.gluon_plan()} for w in self._layers]
+        return self._descs
 
     def check(self) -> None:
         """Raise if a launch since the last check timed out at a grid barrier (its results are wrong)."""
@@ -239,22 +323,46 @@ class DecodeMegakernel:
             self._carve(decode_layers[(self.programs,)](*args, **consts, num_warps=self.num_warps))
             return hidden
         pdl = self.stage_sync == "pdl"
+        plan = self.gluon_active()
         for layer in range(self.table.shape[0]):
             args, consts = self.stage_args(hidden, cos, sin, positions, layer)
             for stage in STAGE_ORDER:
                 first = layer == 0 and stage == 0  # follows the ticket memset: a plain launch (its wait is a no-op)
+                if stage in plan:
+                    self._gluon_stage(stage, layer, plan[stage], hidden, pdl and not first)
+                    continue
                 warps = self.merge_warps if stage == 5 else self.num_warps
                 self._carve(decode_stage[(self.programs,)](*args, **consts, STAGE=stage, PDL=pdl, num_warps=warps,
-                                                           launch_pdl=pdl and not first))
+                                                           launch_pdl=pdl and not first),
+                            self.gluon_carveout if plan else self.carveout)
         return hidden
 
-    def _carve(self, kernel) -> None:
-        """Set the carveout hint once per compiled kernel (see `carveout`)."""
-        if kernel is None or self.carveout is None or not hasattr(kernel, "function"):
+    def _gluon_stage(self, stage: int, layer: int, plan: tuple, hidden: torch.Tensor, pdl: bool) -> None:
+        from rlbench.rollout.mk_gluon import gemv_stage
+
+        n, k, r, kcp = plan
+        w = self._layers[layer]
+        inp = {0: hidden, 2: self.attn, 3: hidden, 4: self.act}[stage]
+        norm = {0: w.input_norm, 3: w.post_norm}.get(stage, inp)
+        out = {0: self.qkv, 3: self.act}.get(stage, hidden)
+        bias = w.qkv_bias if stage == 0 and w.qkv_bias is not None else inp
+        kernel = gemv_stage[(self.programs,)](
+            self._gluon_descs()[layer][stage], inp, norm, bias, out, self.stage_laps,
+            (layer * 6 + stage) * self.programs * 4, self.eps, N=n, K=k, R=r, KCP=kcp, STAGE=stage,
+            HAS_BIAS=stage == 0 and w.qkv_bias is not None, LATE_LAUNCH=stage in self.gluon_late_launch,
+            GROUP=self.gluon_pacing[stage][0], IN_FLIGHT=self.gluon_pacing[stage][1], WARPS=self.gluon_warps,
+            TIMED=self.timed, num_warps=self.gluon_warps,
+            launch_pdl=pdl)
+        self._carve(kernel, self.gluon_carveout)
+
+    def _carve(self, kernel, percent: int | None = -1) -> None:
+        """Set the carveout hint once per compiled kernel (`percent`; -1: `carveout`)."""
+        percent = self.carveout if percent == -1 else percent
+        if kernel is None or percent is None or not hasattr(kernel, "function"):
             return  # Triton's interpreter returns no compiled kernel
-        if (kernel.function, self.carveout) not in self._carved:
-            _set_carveout(kernel.function, self.carveout)
-            self._carved.add((kernel.function, self.carveout))
+        if (kernel.function, percent) not in self._carved:
+            _set_carveout(kernel.function, percent)
+            self._carved.add((kernel.function, percent))
 
 
 def _set_carveout(function: int, percent: int) -> None:

@@ -59,14 +59,19 @@ class StepOptions:
     megakernel_sync: str = "auto"
     """How the megakernel's stages wait for each other: "auto" (`megakernel.default_stage_sync`) or one of
     `megakernel.STAGE_SYNC` (`DecodeMegakernel.stage_sync`)."""
+    megakernel_gluon: bool | None = None
+    """The megakernel's GEMV stages as Gluon kernels with their weight tile in shared memory
+    (`DecodeMegakernel.gluon_gemv`): None: where available (sm_90+, per-stage sync); True: the same, with a warning
+    where not available; False: the Triton stage kernels."""
     backend: str | object = "inductor"
     """torch.compile backend (tests pass a counting backend)."""
 
     def __post_init__(self) -> None:
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention={self.decode_attention!r} must be one of {sorted(DECODE_ATTENTION)}")
-        if self.megakernel is not None:
-            object.__setattr__(self, "megakernel", bool(self.megakernel))  # 0 / 1 (a command line): off / on
+        for name in ("megakernel", "megakernel_gluon"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, bool(getattr(self, name)))  # 0 / 1 (a command line): off / on
         if self.megakernel_sync not in ("auto", *STAGE_SYNC):
             raise ValueError(f"megakernel_sync={self.megakernel_sync!r} must be 'auto' or one of {STAGE_SYNC}")
 
@@ -163,6 +168,11 @@ class ModelRunner:
             if reason is None and (self.opts.megakernel or sync == "pdl"):
                 self.megakernel = DecodeMegakernel(self.model, fused, self.cache.shape.max_seq_len, self.device)
                 self.megakernel.stage_sync = sync
+                if self.opts.megakernel_gluon is False:
+                    self.megakernel.gluon_gemv = False
+                elif self.opts.megakernel_gluon and not self.megakernel.gluon_active():
+                    warnings.warn("megakernel_gluon=True has no effect here (needs sm_90+, Triton's Gluon, a per-stage "
+                                  "sync and a GEMV tile that fits shared memory); the Triton stages run", stacklevel=3)
             elif self.opts.megakernel and not self._warned_megakernel:
                 warnings.warn(f"megakernel=True has no effect: {reason}; batch 1 decodes on the compiled path",
                               stacklevel=3)

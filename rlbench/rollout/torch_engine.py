@@ -65,6 +65,11 @@ class TorchEngineConfig:
     launch, sm_90+; the "auto" choice there), "barrier" (grid barriers in one persistent kernel; needs every SM to
     itself; "auto" on older GPUs) or "launch" (a kernel per stage; the same bits as "pdl", while "barrier" sums
     the attention partials in another order) (`DecodeMegakernel.stage_sync`)."""
+    megakernel_gluon: bool | None = None
+    """The megakernel's GEMV stages as Gluon kernels whose weight tile lands in shared memory, so that the next
+    stage's programs share the SM and load a stage ahead (`DecodeMegakernel.gluon_gemv`). None (default): where
+    available (sm_90+ with a per-stage sync; stages whose tile fits 120 KB: all four of the 0.6B shape, none of the
+    4B shape); True: the same, warning where nothing runs in Gluon; False: the Triton stage kernels."""
 
     def __post_init__(self) -> None:
         if self.max_seq_len < 2:
@@ -86,7 +91,7 @@ class TorchEngineConfig:
         return StepOptions(compile=self.compile and cuda, cuda_graphs=self.cuda_graphs and cuda,
                            fused_weights=self.fused_weights, decode_attention=self.decode_attention,
                            gemv_batch1=self.gemv_batch1, megakernel=self.megakernel,
-                           megakernel_sync=self.megakernel_sync)
+                           megakernel_sync=self.megakernel_sync, megakernel_gluon=self.megakernel_gluon)
 
 
 @dataclass

@@ -1,0 +1,179 @@
+"""The megakernel's GEMV stages in Gluon: the weight tile lands in SHARED memory by TMA, not in registers.
+
+Why (docs/LOG.md, sessions 8-10): with PDL a stage's programs can start, and issue their weight loads, only where
+an SM has room. The Triton stage kernels hold their in-flight weights in registers (125-250 per thread x 256
+threads), so the next stage's program gets an SM only when this stage's program leaves it, and QKV, gate/up and
+down load their weights on the critical path while HBM idles. Here a program asks for few registers (4 warps)
+and keeps its whole tile (QKV 64 KB, o_proj 32 KB, gate/up 96 KB, down 48 KB on the 0.6B shape) in shared
+memory, so the next GEMV stage's programs fit beside the current ones and stream their tiles a stage ahead.
+
+One kernel, `gemv_stage`, for the four GEMV stages (STAGE as in `mk_kernels.decode_stage`: 0 QKV, 2 o_proj, 3
+gate/up, 4 down). Program pid owns rows `[pid * R, pid * R + R)` (R a multiple of BOX_ROWS): before its PDL wait it
+issues the TMA copies of its tile in [BOX_ROWS, BOX_K] boxes, paced (`_producer`: a few groups of boxes in flight,
+so that 132 programs do not queue a whole stage's megabytes in front of the latency-bound work of the stages on
+the critical path); after the wait it reads the stage input (RMSNorm'd for QKV and gate/up) into shared memory as
+fp32, waits for the rest of the tile, and multiplies box by box (each warp owns rows: the row sums stay inside a
+warp). When the next kernel may launch (before or after the wait) is a per-stage choice
+(`DecodeMegakernel.gluon_late_launch`): it decides how far ahead the next stage's tiles stream. Rounding as in `mk_kernels`: every value HF holds in bf16
+is rounded to bf16 at the same point (integer round-to-nearest-even). The sums run in another order than the
+Triton stages', so the two paths agree to bf16 rounding, not bit for bit. GPU only (no interpreter).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+BOX_ROWS = gl.constexpr(8)
+BOX_K = gl.constexpr(256)
+
+
+@gluon.jit
+def _bf(x):
+    """fp32 rounded to the nearest bf16 (ties to even), kept as fp32 (as `mk_kernels._bf`)."""
+    b = x.to(gl.uint32, bitcast=True)
+    b = b + 0x7FFF + ((b >> 16) & 1)
+    return ((b >> 16) << 16).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _asm(text: gl.constexpr):
+    return gl.inline_asm_elementwise(text, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _timer():
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _box_coords(j, row0, N: gl.constexpr, NC: gl.constexpr, S: gl.constexpr):
+    """Box j of a program's tile, in the order the consumer reads them: (row group, K chunk, gate/up) ->
+    its [row, column] in the weight."""
+    u = j % S
+    c = (j // S) % NC
+    r = j // (S * NC)
+    return row0 + r * BOX_ROWS + u * N, c * BOX_K
+
+
+@gluon.jit
+def _producer(desc, tile, bars, row0, live, N: gl.constexpr, NC: gl.constexpr, S: gl.constexpr,
+              NBOX: gl.constexpr, GROUP: gl.constexpr, IN_FLIGHT: gl.constexpr):
+    """Issue the tile's TMA boxes in groups of GROUP on one mbarrier each, at most IN_FLIGHT groups in flight
+    (before the PDL wait): with a small window a paced stream instead of one burst of the whole tile from every
+    SM at once, which queues the latency-bound accesses of the stages on the critical path behind it. (A producer
+    warp via warp_specialize would not hold up the PDL wait, but Triton then asks for 256 threads x 256
+    registers per program: no neighbour could share the SM.)"""
+    for g in gl.static_range((NBOX + GROUP - 1) // GROUP):
+        if g >= IN_FLIGHT:
+            mbarrier.wait(bars.index(g - IN_FLIGHT), 0, pred=live)
+        mbarrier.expect(bars.index(g), min(GROUP, NBOX - g * GROUP) * BOX_ROWS * BOX_K * 2, pred=live)
+        for jj in gl.static_range(min(GROUP, NBOX - g * GROUP)):
+            row, col = _box_coords(g * GROUP + jj, row0, N, NC, S)
+            tma.async_copy_global_to_shared(desc, [row, col], bars.index(g), tile.index(g * GROUP + jj), pred=live)
+
+
+@gluon.jit
+def _consumer(tile, bars, xs, inp, norm, bias, out, laps, lap_base, eps, row0, live, t_start,
+              N: gl.constexpr, K: gl.constexpr, R: gl.constexpr, KCP: gl.constexpr, STAGE: gl.constexpr,
+              HAS_BIAS: gl.constexpr, LATE_LAUNCH: gl.constexpr, NG: gl.constexpr, IN_FLIGHT: gl.constexpr,
+              WARPS: gl.constexpr, TIMED: gl.constexpr):
+    NC: gl.constexpr = K // BOX_K
+    NRG: gl.constexpr = R // BOX_ROWS
+    GATED: gl.constexpr = STAGE == 3
+    NORMED: gl.constexpr = STAGE == 0 or STAGE == 3
+    RESIDUAL: gl.constexpr = STAGE == 2 or STAGE == 4
+    S: gl.constexpr = 2 if GATED else 1
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])  # [8, 256]: a warp owns rows
+    kr = gl.arange(0, KCP, layout=gl.SliceLayout(1, layout))
+    kc = gl.arange(0, BOX_K, layout=gl.SliceLayout(0, layout))
+    koff = kr[:, None] * BOX_K + kc[None, :]
+    kmask = koff < K
+    rs = gl.arange(0, BOX_ROWS, layout=gl.SliceLayout(1, layout))
+    if NORMED:  # token-independent: before the wait
+        s = gl.load(norm + koff, mask=kmask, other=0.0).to(gl.float32)
+    _asm("griddepcontrol.wait; // $0")
+    if LATE_LAUNCH:
+        _asm("griddepcontrol.launch_dependents; // $0")
+    t_wait = _timer() if TIMED else 0
+    # the stage input (RMSNorm'd for QKV and gate/up) and the first row group's residual in one round trip
+    v = gl.load(inp + koff, mask=kmask, other=0.0, cache_modifier=".cg").to(gl.float32)
+    if RESIDUAL:
+        res0 = gl.load(out + row0 + rs, mask=row0 + rs < N, other=0.0, cache_modifier=".cg").to(gl.float32)
+    if NORMED:
+        rstd = 1.0 / gl.sqrt(gl.sum(gl.sum(v * v, axis=1), axis=0) / K + eps)
+        v = _bf(s * _bf(v * rstd))
+    xs.store(v)
+    gl.thread_barrier()
+    # the same bytes, viewed so that .index(c) is the 1-D chunk c (as benchmarks/gluon_stream.py)
+    xrow = xs._reinterpret(gl.float32, [KCP, BOX_K], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    for g in gl.static_range(max(0, NG - IN_FLIGHT), NG):  # the groups the producer did not wait for
+        mbarrier.wait(bars.index(g), 0, pred=live)
+    t_ready = _timer() if TIMED else 0
+    for r in gl.static_range(NRG):
+        acc = gl.zeros([BOX_ROWS, BOX_K], gl.float32, layout=layout)
+        acc_up = gl.zeros([BOX_ROWS, BOX_K], gl.float32, layout=layout)
+        for c in gl.static_range(NC):
+            xv = xrow.index(c).load(gl.SliceLayout(0, layout))
+            j = (r * NC + c) * S
+            acc += tile.index(j).load(layout).to(gl.float32) * xv[None, :]
+            if GATED:
+                acc_up += tile.index(j + 1).load(layout).to(gl.float32) * xv[None, :]
+        o = gl.sum(acc, axis=1)
+        rows = row0 + r * BOX_ROWS + rs
+        rmask = rows < N
+        if RESIDUAL:
+            if r == 0:
+                res = res0
+            else:
+                res = gl.load(out + rows, mask=rmask, other=0.0, cache_modifier=".cg").to(gl.float32)
+            gl.store(out + rows, _bf(res + _bf(o)).to(gl.bfloat16), mask=rmask)
+        elif GATED:
+            g = _bf(o)
+            u = _bf(gl.sum(acc_up, axis=1))
+            silu = _bf(g / (1.0 + gl.exp(-g)))
+            gl.store(out + rows, _bf(silu * u).to(gl.bfloat16), mask=rmask)
+        else:
+            if HAS_BIAS:
+                o += gl.load(bias + rows, mask=rmask, other=0.0).to(gl.float32)
+            gl.store(out + rows, _bf(o).to(gl.bfloat16), mask=rmask)
+    if TIMED:
+        t_end = _timer()
+        i = gl.arange(0, 4, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+        stamps = gl.where(i == 0, t_start, gl.where(i == 1, t_wait, gl.where(i == 2, t_end, t_ready)))
+        gl.store(laps + lap_base + gl.program_id(0) * 4 + i, stamps)
+
+
+@gluon.jit
+def gemv_stage(desc, inp, norm, bias, out, laps, lap_base, eps,
+               N: gl.constexpr, K: gl.constexpr, R: gl.constexpr, KCP: gl.constexpr, STAGE: gl.constexpr,
+               HAS_BIAS: gl.constexpr, LATE_LAUNCH: gl.constexpr, GROUP: gl.constexpr, IN_FLIGHT: gl.constexpr,
+               WARPS: gl.constexpr, TIMED: gl.constexpr):
+    """`desc`: TMA descriptor of this layer's `[rows, K]` weight (gate/up stacked `[2 N, K]`), boxes
+    [BOX_ROWS, BOX_K]. `inp`: the stage input `[K]` (bf16); `norm`: its RMSNorm weight (QKV, gate/up);
+    `bias`: QKV bias (HAS_BIAS); `out`: qkv (QKV), act (gate/up), or the residual x, read and written (o_proj,
+    down). KCP: K // BOX_K rounded up to a power of two. LATE_LAUNCH: let the next kernel launch only after this
+    one's wait (its programs then arrive one stage ahead, not as many as fit). GROUP, IN_FLIGHT: TMA boxes per
+    mbarrier and such groups in flight per program (`_producer`). With TIMED, `laps[lap_base + pid * 4:][:4]`
+    gets the program's globaltimer at its start, after the wait, at its end, and when its whole tile had landed."""
+    NC: gl.constexpr = K // BOX_K
+    S: gl.constexpr = 2 if STAGE == 3 else 1
+    NBOX: gl.constexpr = (R // BOX_ROWS) * NC * S
+    t_start = _timer() if TIMED else 0
+    tile = gl.allocate_shared_memory(gl.bfloat16, [NBOX, BOX_ROWS, BOX_K], desc.layout)
+    xs = gl.allocate_shared_memory(gl.float32, [KCP, BOX_K], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    NG: gl.constexpr = (NBOX + GROUP - 1) // GROUP
+    bars = gl.allocate_shared_memory(gl.int64, [NG, 1], mbarrier.MBarrierLayout())
+    for g in gl.static_range(NG):
+        mbarrier.init(bars.index(g), count=1)
+    fence_async_shared()
+    row0 = gl.program_id(0) * R
+    live = row0 < N
+    if not LATE_LAUNCH:
+        _asm("griddepcontrol.launch_dependents; // $0")
+    _producer(desc, tile, bars, row0, live, N, NC, S, NBOX, GROUP, IN_FLIGHT)
+    _consumer(tile, bars, xs, inp, norm, bias, out, laps, lap_base, eps, row0, live, t_start, N, K, R, KCP, STAGE,
+              HAS_BIAS, LATE_LAUNCH, NG, IN_FLIGHT, WARPS, TIMED)
+    for g in gl.static_range(NG):
+        mbarrier.invalidate(bars.index(g))
