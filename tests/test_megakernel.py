@@ -145,6 +145,30 @@ def test_gluon_stage_compiles_for_hopper_small_enough_to_share_an_sm(stage):
     assert r["shared"] + nxt["shared"] <= 227 * 1024
 
 
+def test_moved_weights_drop_the_batch1_graphs_that_hold_gluon_descriptors():
+    """A CUDA graph keeps a Gluon stage's TMA descriptor (old addresses) as a kernel parameter: when `bind` finds
+    that weights or cache moved, the batch-1 graphs go; other batches' graphs (no megakernel) stay."""
+    from rlbench.rollout.runner import ModelRunner
+
+    class Stub:
+        moved, active = True, {0: ()}
+
+        def bind(self, *_):
+            return self.moved
+
+        def gluon_active(self):
+            return self.active
+
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.layers, runner.cache = [], type("C", (), {"k": [], "v": []})()
+    for moved, active, left in ((False, {0: ()}, 3), (True, {}, 3), (True, {0: ()}, 1)):
+        runner.megakernel = Stub()
+        runner.megakernel.moved, runner.megakernel.active = moved, active
+        runner._graphs = {(1, 256, "sample"): 0, (1, 512, "greedy"): 0, (4, 256, "sample"): 0}
+        runner.bind_megakernel()
+        assert len(runner._graphs) == left and (4, 256, "sample") in runner._graphs
+
+
 def test_step_options_take_megakernel_gluon_from_a_command_line():
     from rlbench.rollout.runner import StepOptions
 

@@ -220,15 +220,17 @@ class DecodeMegakernel:
         """Profiling of the per-stage kernels: per (layer, stage, program) its start, end of wait, end (globaltimer
         ns) and SM."""
 
-    def bind(self, layers: list, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> None:
-        """Point the table at these weights and caches (cheap when nothing moved; not inside a graph capture)."""
+    def bind(self, layers: list, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> bool:
+        """Point the table at these weights and caches (cheap when nothing moved; not inside a graph capture).
+        Returns whether anything moved: CUDA graphs captured before hold the Gluon stages' TMA descriptors of the
+        old addresses as kernel parameters (the Triton stages read the table, which is updated in place)."""
         rows = []
         for w, kc, vc in zip(layers, k_cache, v_cache):
             tensors = [getattr(w, c) for c in TABLE[:-2]] + [kc, vc]  # absent (None) columns are never read
             rows.append([(w.qkv if t is None else t).data_ptr() for t in tensors])
         key = (tuple(map(tuple, rows)), k_cache[0].stride(1))  # every address: any tensor may have moved
         if key == self._bound:
-            return
+            return False
         odd = [(i, TABLE[j]) for i, row in enumerate(rows) for j, p in enumerate(row) if p % 16]
         if odd:  # the kernel declares every table address 16-byte aligned (vector loads)
             raise ValueError(f"megakernel: layer {odd[0][0]}'s {odd[0][1]} tensor is not 16-byte aligned (a view "
@@ -237,6 +239,7 @@ class DecodeMegakernel:
         self.head_stride = k_cache[0].stride(1)
         self._bound = key
         self._layers, self._descs = list(layers), []
+        return True
 
     def gluon_plan(self) -> dict[int, tuple[int, int, int, int]]:
         """The GEMV stages `mk_gluon.gemv_stage` can run: stage -> (N, K, rows per program, K boxes rounded up to

@@ -268,7 +268,7 @@ class ModelRunner:
             graph.replay()
             return
         if b == 1 and self.megakernel is not None:  # outside any capture: the pointer table is a host copy
-            self.megakernel.bind(self.layers, self.cache.k, self.cache.v)
+            self.bind_megakernel()
         if self.cuda_graphs:
             self._capture(key)
             return
@@ -321,6 +321,13 @@ class ModelRunner:
             return
         self._graphs[key] = graph
         graph.replay()
+
+    def bind_megakernel(self) -> None:
+        """Point the megakernel at the current weights and cache; if they moved, drop the batch-1 graphs captured
+        before, whose Gluon stages hold TMA descriptors of the old addresses as kernel parameters."""
+        if self.megakernel.bind(self.layers, self.cache.k, self.cache.v) and self.megakernel.gluon_active():
+            for old in [k for k in self._graphs if k[0] == 1]:
+                del self._graphs[old]
 
     def clear_graphs(self) -> None:
         """Drop captured graphs (the cache or weights moved: `sleep`)."""
