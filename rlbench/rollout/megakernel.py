@@ -21,9 +21,14 @@ Used for batch-1 decode steps on CUDA when `StepOptions.megakernel` is on and `u
 against it (bf16 fused Qwen3/Qwen2/Llama layers without o/MLP biases); other batches, models and devices
 keep the compiled path. On the CPU it runs under Triton's interpreter with one program (tests).
 
-Status (H200, docs/LOG.md 2026-11-30, session 8): correct (error vs float64 equal to the bf16 layer stack's);
-with "pdl" the 0.6B step takes 0.70-0.74 ms against the compiled path's 1.17-1.39 ms (2.53-2.66x the floor,
-goal 2x; "barrier" 0.84-0.86 ms), the 4B step 3.01 ms (1.61x) against 4.06 ms compiled.
+With "pdl" (and "launch") the GEMV stages whose tile fits shared memory run as Gluon kernels (`mk_gluon.py`,
+`gluon_gemv`): their tile lands in shared memory, not registers, so that the next stage's programs share the SM
+and stream their tiles a stage ahead.
+
+Status (H200, docs/LOG.md 2026-11-30, sessions 8 and 10): correct (error vs float64 equal to the bf16 layer
+stack's); with "pdl" and the Gluon GEMV stages the 0.6B step takes 0.62-0.68 ms against the compiled path's
+1.15-1.31 ms (2.25-2.46x the floor, goal 2x; Triton stages 0.70-0.74 ms, "barrier" 0.84-0.86 ms), the 4B step
+(no stage fits) 3.01 ms (1.61x) against 4.06 ms compiled.
 """
 
 from __future__ import annotations
