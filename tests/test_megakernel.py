@@ -169,6 +169,31 @@ def test_moved_weights_drop_the_batch1_graphs_that_hold_gluon_descriptors():
         assert len(runner._graphs) == left and (4, 256, "sample") in runner._graphs
 
 
+def test_released_weights_are_not_held_by_the_megakernel():
+    """`sleep(release_weights=True)` must free the fused weights: the megakernel drops its references (layers and
+    the Gluon stages' TMA descriptors) and binds afresh at the next step."""
+    import gc
+    import weakref
+
+    from rlbench.rollout.fused import fuse_layers
+    from rlbench.rollout.kv_cache import CacheShape, KVCache
+    from rlbench.rollout.megakernel import DecodeMegakernel
+    from rlbench.rollout.runner import ModelRunner
+
+    model = build_model("tiny", dtype=torch.bfloat16)
+    layers = fuse_layers(model)
+    c = model.config
+    cache = KVCache(CacheShape(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 1, 64), torch.bfloat16, "cpu")
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.layers, runner.megakernel = layers, DecodeMegakernel(model, layers, 64, torch.device("cpu"))
+    assert runner.megakernel.bind(layers, cache.k, cache.v) and not runner.megakernel.bind(layers, cache.k, cache.v)
+    ref = weakref.ref(layers[0].qkv)
+    del layers
+    runner.release_weights()
+    gc.collect()
+    assert ref() is None  # the megakernel kept the fused layers (and so their storage) alive before unbind
+
+
 def test_step_options_take_megakernel_gluon_from_a_command_line():
     from rlbench.rollout.runner import StepOptions
 
@@ -328,3 +353,24 @@ def test_megakernel_engine_greedy_matches_hf_up_to_near_ties(sync):
         print(f"prompt {n}: diverges at {d}, logit gap {worst:.4f}")
     print(f"\nmegakernel greedy: {exact}/4 prompts identical to HF over 96 tokens; worst tie gap {worst:.4f}")
     assert engine.runner._graphs and worst < 0.25
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda, reason="needs a CUDA device")
+def test_megakernel_engine_survives_sleep_wake_and_a_weight_update():
+    """Batch-1 greedy through graphs + the default megakernel (Gluon GEMV stages on sm_90+, whose TMA descriptors
+    are built per weight address), then sleep with the weights released, wake up at new addresses, refill the
+    weights: the same tokens as before."""
+    model = build_model("qwen3-0.6b-shape", device="cuda", dtype=torch.bfloat16)
+    engine = TorchEngine(model, TorchEngineConfig(max_seq_len=256, num_slots=1, compile=False))
+    assert engine.runner.megakernel is not None
+    state = [(k, v.clone()) for k, v in model.state_dict(keep_vars=False).items()]
+    params = SamplingParams(temperature=0.0, max_new_tokens=24)
+    before = engine.generate([[11, 22, 33, 44, 55]], params)[0].token_ids
+    engine.sleep(release_weights=True)
+    with pytest.warns(UserWarning, match="update_weights"):
+        engine.wake_up()
+    engine.update_weights([state], version=1)
+    after = engine.generate([[11, 22, 33, 44, 55]], params)[0].token_ids
+    print(f"\ngluon stages {sorted(engine.runner.megakernel.gluon_active())}: {before[:8]} ... == {after[:8]} ...")
+    assert after == before

@@ -246,6 +246,11 @@ class DecodeMegakernel:
         self._layers, self._descs = list(layers), []
         return True
 
+    def unbind(self) -> None:
+        """Forget the bound weights (their tensors and TMA descriptors), so that their memory can be freed
+        (`sleep(release_weights=True)`); the next `bind` binds afresh."""
+        self._layers, self._descs, self._bound = [], [], ()
+
     def gluon_plan(self) -> dict[int, tuple[int, int, int, int]]:
         """The GEMV stages `mk_gluon.gemv_stage` can run: stage -> (N, K, rows per program, K boxes rounded up to
         a power of two). A stage needs K a multiple of the box width and its tile (plus the fp32 input) within

@@ -181,6 +181,8 @@ class ModelRunner:
     def release_weights(self) -> None:
         """Drop the fused weight tensors (`sleep(release_weights=True)`); `bind_weights` rebuilds them."""
         self.layers = []
+        if self.megakernel is not None:
+            self.megakernel.unbind()  # it holds the layers (and TMA descriptors of them) too
 
     def _use_compiled(self, compiled: bool) -> None:
         self.compiled = compiled
