@@ -139,8 +139,6 @@ def compile_for_hopper(preset: str, num_warps: int = 8, programs: int = 132, sta
     or atomics that come before its `griddepcontrol.wait` in the PTX."""
     import inspect
     import re
-    import subprocess
-    from pathlib import Path
 
     import triton
     from triton.backends.compiler import GPUTarget
@@ -170,14 +168,9 @@ def compile_for_hopper(preset: str, num_warps: int = 8, programs: int = 132, sta
                     attrs={i: [["tt.divisibility", 16]] for i in aligned})
     options = dict(num_warps=num_warps, launch_pdl=stage is not None)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    ptxas = next(Path(triton.__file__).parent.glob("backends/nvidia/bin/ptxas*"))
     ptx_text = kernel.asm["ptx"]
-    ptx = Path(f"/tmp/rlbench_mk_{preset}_{num_warps}" + ("" if stage is None else f"_stage{stage}") + ".ptx")
-    ptx.write_text(ptx_text)
-    info = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", "/dev/null"],
-                          capture_output=True, text=True, check=True).stderr
-    regs = int(re.search(r"Used (\d+) registers", info).group(1))
-    spills = int(re.search(r"(\d+) bytes spill stores", info).group(1))
+    regs, spills = _ptxas_usage(ptx_text, f"rlbench_mk_{preset}_{num_warps}"
+                                + ("" if stage is None else f"_stage{stage}"))
     loads = re.findall(r"ld\.global\S*", ptx_text)
     out = dict(regs=regs, spill_bytes=spills, threads=32 * num_warps, shared=kernel.metadata.shared,
                vector_loads=sum(".v4." in x for x in loads), two_byte_loads=sum(x.endswith(".b16") for x in loads),
@@ -190,19 +183,34 @@ def compile_for_hopper(preset: str, num_warps: int = 8, programs: int = 132, sta
     return out
 
 
+def _ptxas_usage(ptx_text: str, name: str) -> tuple[int, int]:
+    """Assemble PTX for sm_90a with Triton's bundled ptxas (the file stays in /tmp/NAME.ptx for reading): the
+    registers per thread and the spill-store bytes it reports."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    import triton
+
+    ptx = Path(f"/tmp/{name}.ptx")
+    ptx.write_text(ptx_text)
+    ptxas = next(Path(triton.__file__).parent.glob("backends/nvidia/bin/ptxas*"))
+    info = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", "/dev/null"],
+                          capture_output=True, text=True, check=True).stderr
+    return (int(re.search(r"Used (\d+) registers", info).group(1)),
+            int(re.search(r"(\d+) bytes spill stores", info).group(1)))
+
+
 def compile_gluon_stage(preset: str, stage: int, programs: int = 132) -> dict:
     """Compile `mk_gluon.gemv_stage` for one GEMV stage of a preset for sm_90 without a GPU, with the options
     `DecodeMegakernel` launches it with; returns registers per thread, spills, shared memory, threads, the TMA
     copies, PDL waits, and the global loads and stores before the wait in the PTX."""
     import inspect
     import re
-    import subprocess
-    from pathlib import Path
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.experimental.gluon.language import NVMMASharedLayout
 
     from rlbench.rollout import mk_gluon
     from rlbench.rollout.fused import fuse_layers
@@ -210,8 +218,7 @@ def compile_gluon_stage(preset: str, stage: int, programs: int = 132) -> dict:
     model = build_model(preset, meta=True, dtype=torch.bfloat16)
     mk = DecodeMegakernel(model, fuse_layers(model), 1536, torch.device("cpu"), programs=programs)
     n, k, r, kcp = mk.gluon_plan()[stage]
-    layout = NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-    desc = f"tensordesc<bf16[{mk_gluon.BOX_ROWS.value}, {mk_gluon.BOX_K.value}],{layout!r}>"
+    desc = f"tensordesc<bf16[{mk_gluon.BOX_ROWS.value}, {mk_gluon.BOX_K.value}],{mk_gluon.box_layout()!r}>"
     args = dict(desc=desc, inp="*bf16", norm="*bf16", bias="*bf16", out="*bf16", laps="*i64", lap_base="i32",
                 eps="fp32")
     consts = dict(N=n, K=k, R=r, KCP=kcp, STAGE=stage, HAS_BIAS=False, LATE_LAUNCH=stage in mk.gluon_late_launch,
@@ -223,15 +230,9 @@ def compile_gluon_stage(preset: str, stage: int, programs: int = 132) -> dict:
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=mk.gluon_warps, launch_pdl=True))
     ptx_text = kernel.asm["ptx"]
-    ptx = Path(f"/tmp/rlbench_gluon_{preset}_stage{stage}.ptx")
-    ptx.write_text(ptx_text)
-    ptxas = next(Path(triton.__file__).parent.glob("backends/nvidia/bin/ptxas*"))
-    info = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", "/dev/null"],
-                          capture_output=True, text=True, check=True).stderr
+    regs, spills = _ptxas_usage(ptx_text, f"rlbench_gluon_{preset}_stage{stage}")
     before = ptx_text.partition("griddepcontrol.wait")[0]
-    return dict(regs=int(re.search(r"Used (\d+) registers", info).group(1)),
-                spill_bytes=int(re.search(r"(\d+) bytes spill stores", info).group(1)),
-                shared=kernel.metadata.shared, threads=32 * mk.gluon_warps,
+    return dict(regs=regs, spill_bytes=spills, shared=kernel.metadata.shared, threads=32 * mk.gluon_warps,
                 boxes=(r // mk_gluon.BOX_ROWS.value) * (k // mk_gluon.BOX_K.value) * (2 if stage == 3 else 1),
                 tma_copies=ptx_text.count("cp.async.bulk.tensor"), waits=ptx_text.count("griddepcontrol.wait"),
                 loads_before_wait=len(re.findall(r"ld\.global", before)),

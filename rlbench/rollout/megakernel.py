@@ -277,15 +277,13 @@ class DecodeMegakernel:
     def _gluon_descs(self) -> list[dict]:
         """Per layer, the TMA descriptors of the planned stages' weights (built once per bind)."""
         if not self._descs:
-            from triton.experimental.gluon.language import NVMMASharedLayout
             from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-            from rlbench.rollout.mk_gluon import BOX_K, BOX_ROWS
+            from rlbench.rollout.mk_gluon import BOX_K, BOX_ROWS, box_layout
 
-            layout = NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
             names = {0: "qkv", 2: "o", 3: "gate_up", 4: "down"}
-            self._descs = [{s: TensorDescriptor.from_tensor(getattr(w, names[s]), [BOX_ROWS.value, BOX_K.value],
-                                                           layout)
+            box = [BOX_ROWS.value, BOX_K.value]
+            self._descs = [{s: TensorDescriptor.from_tensor(getattr(w, names[s]), box, box_layout())
                             for s in self.gluon_plan()} for w in self._layers]
         return self._descs
 
@@ -333,7 +331,7 @@ class DecodeMegakernel:
         cos, sin = cos.contiguous(), sin.contiguous()
         if self.stage_sync == "barrier":
             args, consts = self.launch_args(hidden, cos, sin, positions)
-            self._carve(decode_layers[(self.programs,)](*args, **consts, num_warps=self.num_warps))
+            self._carve(decode_layers[(self.programs,)](*args, **consts, num_warps=self.num_warps), self.carveout)
             return hidden
         pdl = self.stage_sync == "pdl"
         plan = self.gluon_active()
@@ -368,9 +366,8 @@ class DecodeMegakernel:
             launch_pdl=pdl)
         self._carve(kernel, self.gluon_carveout)
 
-    def _carve(self, kernel, percent: int | None = -1) -> None:
-        """Set the carveout hint once per compiled kernel (`percent`; -1: `carveout`)."""
-        percent = self.carveout if percent == -1 else percent
+    def _carve(self, kernel, percent: int | None) -> None:
+        """Set the carveout hint `percent` (None: the driver's choice) once per compiled kernel."""
         if kernel is None or percent is None or not hasattr(kernel, "function"):
             return  # Triton's interpreter returns no compiled kernel
         if (kernel.function, percent) not in self._carved:

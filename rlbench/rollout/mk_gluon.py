@@ -29,6 +29,12 @@ BOX_ROWS = gl.constexpr(8)
 BOX_K = gl.constexpr(256)
 
 
+def box_layout() -> gl.NVMMASharedLayout:
+    """The shared-memory layout of a weight box and of its TMA descriptor: unswizzled, so a warp reads a box row
+    (512 bytes) as 32 x 16 bytes without bank conflicts."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+
+
 @gluon.jit
 def _bf(x):
     """fp32 rounded to the nearest bf16 (ties to even), kept as fp32 (as `mk_kernels._bf`)."""
