@@ -85,6 +85,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from rlbench.rollout.mk_gluon import box_layout  # unswizzled [8, 256] bf16 boxes, as the megakernel's
+
 BR = gl.constexpr(8)  # rows per TMA box
 BK = gl.constexpr(256)  # columns per TMA box: a box is 4 KB of bf16
 XR = gl.constexpr(16)  # rows of BK stage-input values per global load into the shared x buffer (16 KB of fp32)
@@ -96,11 +98,6 @@ CHASE_STRIDE = 1031  # entries (4 KB) between consecutive loads of the chase: a 
 # columns of the TIMED output, one row per program (SM cycles unless named ns)
 STATS = ("prod_wait_empty", "prod_total", "cons_wait_ready", "cons_grid_barrier", "cons_x_load", "cons_total",
          "cons_total_ns", "boxes")
-
-
-def box_layout():
-    """Unswizzled boxes: a 512-byte row per box row, read by a warp as 32 x 16 bytes (no bank conflicts)."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
 
 
 def x_bytes(kmax: int) -> int:
