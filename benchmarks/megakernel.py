@@ -147,7 +147,8 @@ def main() -> None:
                          "DecodeMegakernel.gluon_gemv): 'default', '-' (none), or the stages as digits (unpaced, "
                          "early launch), then optionally ',gGxF' (TMA boxes per barrier, groups in flight), ',pS=GxF' "
                          "(the same for stage S), ',L[digits]' (those stages, all without digits, let the next "
-                         "kernel launch after their wait), ',wN' (warps); the default is 0234,g2x2,p0=8x2,L034")
+                         "kernel launch after their wait), ',wN' (warps), ',f' (FFMAs, not the tensor cores); the "
+                         "default is 0234,g2x2,L03")
     ap.add_argument("--barriers", action="store_true",
                     help="also time grid barriers alone and empty kernel boundaries (PDL and plain)")
     ap.add_argument("--stages", action="store_true",
@@ -209,6 +210,8 @@ def main() -> None:
                     mk.gluon_late_launch = tuple(int(c) for c in (o[1:] or stages))
                 elif o[0] == "w":
                     mk.gluon_warps = int(o[1:])
+                elif o == "f":
+                    mk.gluon_mma = False
         label = (f"tile {tile:5} programs {mk.programs:3} warps {warps:2} carveout {carve:3} merge {chunk:2} {sync:7}"
                  + (f" merge warps {merge_warps}" if merge_warps else "")
                  + (f" gluon {gluon}" if mk.gluon_active() else ""))

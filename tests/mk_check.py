@@ -201,7 +201,7 @@ def _ptxas_usage(ptx_text: str, name: str) -> tuple[int, int]:
             int(re.search(r"(\d+) bytes spill stores", info).group(1)))
 
 
-def compile_gluon_stage(preset: str, stage: int, programs: int = 132) -> dict:
+def compile_gluon_stage(preset: str, stage: int, programs: int = 132, mma: bool | None = None) -> dict:
     """Compile `mk_gluon.gemv_stage` for one GEMV stage of a preset for sm_90 without a GPU, with the options
     `DecodeMegakernel` launches it with; returns registers per thread, spills, shared memory, threads, the TMA
     copies, PDL waits, and the global loads and stores before the wait in the PTX."""
@@ -217,20 +217,26 @@ def compile_gluon_stage(preset: str, stage: int, programs: int = 132) -> dict:
 
     model = build_model(preset, meta=True, dtype=torch.bfloat16)
     mk = DecodeMegakernel(model, fuse_layers(model), 1536, torch.device("cpu"), programs=programs)
+    mk.gluon_mma = mk.gluon_mma if mma is None else mma
+    mma = mk.gluon_mma
     n, k, r, kcp = mk.gluon_plan()[stage]
-    desc = f"tensordesc<bf16[{mk_gluon.BOX_ROWS.value}, {mk_gluon.BOX_K.value}],{mk_gluon.box_layout()!r}>"
+    if mma:
+        desc = (f"tensordesc<bf16[{mk_gluon.MMA_BOX_ROWS.value}, {mk_gluon.MMA_SLICES.value}, "
+                f"{mk_gluon.MMA_CHUNK.value}],{mk_gluon.mma_box_layout()!r}>")
+    else:
+        desc = f"tensordesc<bf16[{mk_gluon.BOX_ROWS.value}, {mk_gluon.BOX_K.value}],{mk_gluon.box_layout()!r}>"
     args = dict(desc=desc, inp="*bf16", norm="*bf16", bias="*bf16", out="*bf16", laps="*i64", lap_base="i32",
                 eps="fp32")
     consts = dict(N=n, K=k, R=r, KCP=kcp, STAGE=stage, HAS_BIAS=False, LATE_LAUNCH=stage in mk.gluon_late_launch,
                   GROUP=mk.gluon_pacing[stage][0], IN_FLIGHT=mk.gluon_pacing[stage][1], WARPS=mk.gluon_warps,
-                  TIMED=False)
+                  TIMED=False, MMA=mma, LO=mk.gluon_lo(stage) if mma else 1)
     names = list(inspect.signature(mk_gluon.gemv_stage.fn).parameters)
     src = GluonASTSource(fn=mk_gluon.gemv_stage, signature=args | {c: "constexpr" for c in consts},
                          constexprs={(names.index(c),): v for c, v in consts.items()})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=mk.gluon_warps, launch_pdl=True))
     ptx_text = kernel.asm["ptx"]
-    regs, spills = _ptxas_usage(ptx_text, f"rlbench_gluon_{preset}_stage{stage}")
+    regs, spills = _ptxas_usage(ptx_text, f"rlbench_gluon_{preset}_stage{stage}{'_mma' if mma else ''}")
     before = ptx_text.partition("griddepcontrol.wait")[0]
     return dict(regs=regs, spill_bytes=spills, shared=kernel.metadata.shared, threads=32 * mk.gluon_warps,
                 boxes=(r // mk_gluon.BOX_ROWS.value) * (k // mk_gluon.BOX_K.value) * (2 if stage == 3 else 1),

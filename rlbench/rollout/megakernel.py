@@ -111,6 +111,14 @@ def _tiling(n_rows: int, k: int, programs: int, tile_elems: int, stacked: int = 
     return rows, block, bk, PIPELINE_STAGES if math.ceil(k / bk) >= PIPELINE_MIN_CHUNKS else 1
 
 
+def mma_tile_split(chunk_rows: int) -> int | None:
+    """A tensor-core Gluon tile of `chunk_rows` [8, 64] chunks lives in two shared buffers of power-of-two sizes
+    (Gluon's layouts need them): the first one's size, or None when the rest is not a power of two either."""
+    lo = 1 << (chunk_rows.bit_length() - 1)
+    rest = chunk_rows - lo
+    return lo if rest == 0 or rest == _pow2(rest) else None
+
+
 def unsupported(model: torch.nn.Module, layers: list | None, device: torch.device) -> str | None:
     """Why the megakernel cannot run this model here (None when it can)."""
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -200,19 +208,27 @@ class DecodeMegakernel:
         620 / 642-644 / 663-665 with the Triton stages."""
         self.gluon_stages = (0, 2, 3, 4)
         """The GEMV stages that may run in Gluon (QKV, o_proj, gate/up, down; benchmarks/megakernel.py --gluon)."""
-        self.gluon_late_launch = (0, 3, 4)
+        self.gluon_late_launch = (0, 3)
         """Gluon stages that let the next kernel launch only after their wait (it then arrives one stage ahead);
         the others let it launch at once (it arrives as early as an SM has room). o_proj launches gate/up early,
-        so that gate/up's 12 MB stream during the attention merge and o_proj; QKV, gate/up and down launch late,
-        so that the next stage's stream does not run during the latency-bound attention (measured: all early
-        596 / 632 / 695 us, all late 544 / 631 / 634, this mix 518 / 584 / 621 at pos 256 / 1024 / 1500)."""
-        self.gluon_pacing = {0: (8, 2), 2: (2, 2), 3: (2, 2), 4: (2, 2)}
+        so that gate/up's 12 MB stream during the attention merge and o_proj, and down launches QKV early, so
+        that QKV's tile has landed when down ends (with the tensor-core GEMVs down ends ~1 us sooner); QKV and
+        gate/up launch late, so that the next stage's stream does not run during the latency-bound attention
+        (measured, FFMA GEMVs: all early 596 / 632 / 695 us, all late 544 / 631 / 634, QKV + gate/up + down late
+        518 / 584 / 621 at pos 256 / 1024 / 1500; tensor cores, session 11: QKV + gate/up + down late 470.9 /
+        538.2, QKV + gate/up late 459.3 / 524.2 at pos 256 / 1024)."""
+        self.gluon_pacing = {0: (2, 2), 2: (2, 2), 3: (2, 2), 4: (2, 2)}
         """Per Gluon stage: (TMA boxes of 4 KB per mbarrier, such groups in flight per program). A burst of a
         whole stage's tiles (12 MB for gate/up) queues the latency-bound accesses of the stage on the critical path
-        behind it; two groups of two boxes (16 KB per SM, ~2 MB in flight on the GPU) pace the stream. QKV, whose
-        programs arrive only one stage ahead, loads its 64 KB tile at once (2 x 8 boxes)."""
+        behind it; two groups of two boxes (16 KB per SM, ~2 MB in flight on the GPU) pace the stream. (QKV's
+        64 KB at once was better while QKV launched late: 505 vs 518 us; launched early by down, paced is better:
+        459.3 vs 485.2 us at pos 256, session 11.)"""
         self.gluon_warps = 4
         """Warps of a Gluon stage program (8 measured 12-16% slower per call)."""
+        self.gluon_mma = True
+        """Gluon stages multiply on the tensor cores (`mk_gluon._consumer_mma`, tiles in 128-byte swizzled
+        [chunks, 8, 64] boxes) where `gluon_plan` allows it (K a multiple of 1,024), else with FFMAs on [8, 256]
+        boxes (`mk_gluon._consumer`). benchmarks/megakernel.py --gluon ...,f (FFMA) for the A/B."""
         self.gluon_carveout = 100
         """Carveout (percent) of every kernel of a step that runs Gluon stages: their tiles need shared memory, and
         an SM only hosts programs of different kernels side by side under one shared-memory split."""
@@ -253,9 +269,9 @@ class DecodeMegakernel:
 
     def gluon_plan(self) -> dict[int, tuple[int, int, int, int]]:
         """The GEMV stages `mk_gluon.gemv_stage` can run: stage -> (N, K, rows per program, K boxes rounded up to
-        a power of two). A stage needs K a multiple of the box width and its tile (plus the fp32 input) within
-        GLUON_TILE_BYTES; the others keep the Triton stage kernel."""
-        from rlbench.rollout.mk_gluon import BOX_K, BOX_ROWS
+        a power of two). A stage needs K a multiple of the box width (1,024 on the tensor cores, `gluon_mma`; 256
+        with FFMAs) and its tile (plus the input) within GLUON_TILE_BYTES; the others keep the Triton stage kernel."""
+        from rlbench.rollout.mk_gluon import BOX_K, BOX_ROWS, MMA_CHUNK, MMA_SLICES
 
         dims = {0: ((self.h + 2 * self.n_kv) * self.hd, self.d, 1), 2: (self.d, self.h * self.hd, 1),
                 3: (self.i, self.d, 2), 4: (self.d, self.i, 1)}
@@ -263,9 +279,24 @@ class DecodeMegakernel:
         for stage, (n, k, stacked) in dims.items():
             r = math.ceil(math.ceil(n / self.programs) / BOX_ROWS.value) * BOX_ROWS.value
             kcp = _pow2(k // BOX_K.value)
-            if k % BOX_K.value == 0 and stacked * r * k * 2 + kcp * BOX_K.value * 4 <= GLUON_TILE_BYTES:
+            if self.gluon_mma:
+                fits = (k % (MMA_SLICES.value * MMA_CHUNK.value) == 0 and (stacked * r + 1) * k * 2 <= GLUON_TILE_BYTES
+                        and mma_tile_split(stacked * r * k // (MMA_SLICES.value * MMA_CHUNK.value)) is not None)
+            else:
+                fits = k % BOX_K.value == 0 and stacked * r * k * 2 + kcp * BOX_K.value * 4 <= GLUON_TILE_BYTES
+            if fits:
                 plan[stage] = (n, k, r, kcp)
         return plan
+
+    def gluon_lo(self, stage: int) -> int:
+        """`mk_gluon.gemv_stage`'s LO for a planned stage: chunk rows in the first tile buffer (`mma_tile_split`;
+        1, unused, with FFMAs)."""
+        from rlbench.rollout.mk_gluon import MMA_CHUNK, MMA_SLICES
+
+        if not self.gluon_mma:
+            return 1
+        n, k, r, _ = self.gluon_plan()[stage]
+        return mma_tile_split((2 if stage == 3 else 1) * r * k // (MMA_SLICES.value * MMA_CHUNK.value))
 
     def gluon_active(self) -> dict[int, tuple[int, int, int, int]]:
         """The stages the next call runs in Gluon (`gluon_plan` within `gluon_stages`; none unless `gluon_gemv`
@@ -279,12 +310,27 @@ class DecodeMegakernel:
         if not self._descs:
             from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-            from rlbench.rollout.mk_gluon import BOX_K, BOX_ROWS, box_layout
+            from rlbench.rollout.mk_gluon import (
+                BOX_K,
+                BOX_ROWS,
+                MMA_BOX_ROWS,
+                MMA_CHUNK,
+                MMA_SLICES,
+                box_layout,
+                mma_box_layout,
+            )
 
             names = {0: "qkv", 2: "o", 3: "gate_up", 4: "down"}
-            box = [BOX_ROWS.value, BOX_K.value]
-            self._descs = [{s: TensorDescriptor.from_tensor(getattr(w, names[s]), box, box_layout())
-                            for s in self.gluon_plan()} for w in self._layers]
+
+            def desc(weight: torch.Tensor):
+                if not self.gluon_mma:
+                    return TensorDescriptor.from_tensor(weight, [BOX_ROWS.value, BOX_K.value], box_layout())
+                rows, k = weight.shape  # viewed as [rows, K / 64 chunks, 64]
+                c = MMA_CHUNK.value
+                return TensorDescriptor(weight, [rows, k // c, c], [weight.stride(0), c, 1],
+                                        [MMA_BOX_ROWS.value, MMA_SLICES.value, c], mma_box_layout())
+
+            self._descs = [{s: desc(getattr(w, names[s])) for s in self.gluon_plan()} for w in self._layers]
         return self._descs
 
     def check(self) -> None:
@@ -362,7 +408,7 @@ class DecodeMegakernel:
             (layer * 6 + stage) * self.programs * 4, self.eps, N=n, K=k, R=r, KCP=kcp, STAGE=stage,
             HAS_BIAS=stage == 0 and w.qkv_bias is not None, LATE_LAUNCH=stage in self.gluon_late_launch,
             GROUP=self.gluon_pacing[stage][0], IN_FLIGHT=self.gluon_pacing[stage][1], WARPS=self.gluon_warps,
-            TIMED=self.timed, num_warps=self.gluon_warps,
+            TIMED=self.timed, MMA=self.gluon_mma, LO=self.gluon_lo(stage), num_warps=self.gluon_warps,
             launch_pdl=pdl)
         self._carve(kernel, self.gluon_carveout)
 

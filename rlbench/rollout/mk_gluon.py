@@ -23,16 +23,30 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 BOX_ROWS = gl.constexpr(8)
 BOX_K = gl.constexpr(256)
+MMA_CHUNK = gl.constexpr(64)
+"""K elements of one 128-byte swizzled row of a tensor-core tile (`_consumer_mma`)."""
+MMA_SLICES = gl.constexpr(16)
+"""K chunks multiplied side by side by one mma: the m16n8k16 instruction's 16 A rows (`_consumer_mma`)."""
+MMA_BOX_ROWS = gl.constexpr(2)
+"""Weight rows of 1,024 K per TMA box of a tensor-core tile: 4 KB, as the FFMA path's [8, 256] boxes."""
 
 
 def box_layout() -> gl.NVMMASharedLayout:
     """The shared-memory layout of a weight box and of its TMA descriptor: unswizzled, so a warp reads a box row
     (512 bytes) as 32 x 16 bytes without bank conflicts."""
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+
+
+def mma_box_layout() -> gl.NVMMASharedLayout:
+    """The shared-memory layout of a tensor-core tile's TMA box [2 rows, 16 chunks, 64] (the weight viewed as
+    `[rows, K / 64, 64]`): 128-byte swizzle, so that ldmatrix reads 8 chunks of one 16-byte column without bank
+    conflicts."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
 
 
 @gluon.jit
@@ -64,8 +78,30 @@ def _box_coords(j, row0, N: gl.constexpr, NC: gl.constexpr, S: gl.constexpr):
 
 
 @gluon.jit
-def _producer(desc, tile, bars, row0, live, N: gl.constexpr, NC: gl.constexpr, S: gl.constexpr,
-              NBOX: gl.constexpr, GROUP: gl.constexpr, IN_FLIGHT: gl.constexpr):
+def _mma_box_coords(j, row0, N: gl.constexpr, KC: gl.constexpr, S: gl.constexpr):
+    """Box j of a tensor-core tile, in the order the consumer reads them: (row group, gate/up, 1,024-block of K,
+    row pair) -> its [row, 64-wide chunk, 0] in the weight's view `[rows, K / 64, 64]`."""
+    PAIRS: gl.constexpr = BOX_ROWS // MMA_BOX_ROWS
+    p = j % PAIRS
+    kc = (j // PAIRS) % KC
+    u = (j // (PAIRS * KC)) % S
+    r = j // (PAIRS * KC * S)
+    return row0 + r * BOX_ROWS + u * N + p * MMA_BOX_ROWS, kc * MMA_SLICES
+
+
+@gluon.jit
+def _chunk_rows(tile, tile_hi, c: gl.constexpr, n: gl.constexpr, LO: gl.constexpr):
+    """Rows [c, c + n) (each 16 chunks of 64) of a tensor-core tile held in two buffers of power-of-two sizes
+    (Gluon's layouts need them): `tile` has the first LO, `tile_hi` the rest."""
+    if c < LO:
+        return tile.slice(c, n)
+    else:
+        return tile_hi.slice(c - LO, n)
+
+
+@gluon.jit
+def _producer(desc, tile, tile_hi, LO: gl.constexpr, bars, row0, live, N: gl.constexpr, NC: gl.constexpr, S: gl.constexpr,
+              NBOX: gl.constexpr, GROUP: gl.constexpr, IN_FLIGHT: gl.constexpr, MMA: gl.constexpr):
     """Issue the tile's TMA boxes in groups of GROUP on one mbarrier each, at most IN_FLIGHT groups in flight
     (before the PDL wait): with a small window a paced stream instead of one burst of the whole tile from every
     SM at once, which queues the latency-bound accesses of the stages on the critical path behind it. (A producer
@@ -76,8 +112,15 @@ def _producer(desc, tile, bars, row0, live, N: gl.constexpr, NC: gl.constexpr, S
             mbarrier.wait(bars.index(g - IN_FLIGHT), 0, pred=live)
         mbarrier.expect(bars.index(g), min(GROUP, NBOX - g * GROUP) * BOX_ROWS * BOX_K * 2, pred=live)
         for jj in gl.static_range(min(GROUP, NBOX - g * GROUP)):
-            row, col = _box_coords(g * GROUP + jj, row0, N, NC, S)
-            tma.async_copy_global_to_shared(desc, [row, col], bars.index(g), tile.index(g * GROUP + jj), pred=live)
+            if MMA:
+                row, chunk = _mma_box_coords(g * GROUP + jj, row0, N, NC // MMA_SLICES, S)
+                tma.async_copy_global_to_shared(desc, [row, chunk, 0], bars.index(g),
+                                                _chunk_rows(tile, tile_hi, (g * GROUP + jj) * MMA_BOX_ROWS,
+                                                            MMA_BOX_ROWS, LO), pred=live)
+            else:
+                row, col = _box_coords(g * GROUP + jj, row0, N, NC, S)
+                tma.async_copy_global_to_shared(desc, [row, col], bars.index(g), tile.index(g * GROUP + jj),
+                                                pred=live)
 
 
 @gluon.jit
@@ -152,10 +195,119 @@ def _consumer(tile, bars, xs, inp, norm, bias, out, laps, lap_base, eps, row0, l
 
 
 @gluon.jit
+def _mma_rows(tile, tile_hi, LO: gl.constexpr, xs, b0, rg: gl.constexpr, KC: gl.constexpr, WARPS: gl.constexpr):
+    """Row group `rg` (8 weight rows) of the tile times the input on the tensor cores -> `[8]`, in the layout the
+    sums leave it in (converting it costs a CTA barrier, which would serialise the row groups).
+
+    A 1,024-block of K is cut into 16 chunks of 64 that one m16n8k16 mma multiplies side by side: A row (n, s)
+    is weight row n's chunk s (the tile as landed: [8 rows x 16 chunks, 64]), B column c is the input's chunk c
+    (`xs`), so C[(n, s)][c] is a partial dot product where s == c (the rest is discarded). Warp w owns weight
+    rows w and w + 4, so no sum crosses warps; every weight is read from shared memory once, by ldmatrix."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
+    NROW: gl.constexpr = BOX_ROWS * MMA_SLICES
+    acc = gl.zeros([NROW, MMA_SLICES], gl.float32, layout=mma)
+    for kc in gl.static_range(KC):
+        if KC == 1:
+            b = b0
+        else:
+            b = xs.slice(kc * MMA_SLICES, MMA_SLICES).permute([1, 0]).load(gl.DotOperandLayout(1, mma, 2))
+        a = _chunk_rows(tile, tile_hi, (rg * KC + kc) * BOX_ROWS, BOX_ROWS, LO)._reinterpret(
+            gl.bfloat16, [NROW, MMA_CHUNK], gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16))
+        acc = mma_v2(a.load(gl.DotOperandLayout(0, mma, 2)), b, acc)
+    i = gl.arange(0, NROW, layout=gl.SliceLayout(1, mma))
+    c = gl.arange(0, MMA_SLICES, layout=gl.SliceLayout(0, mma))
+    acc = gl.where((i % MMA_SLICES)[:, None] == c[None, :], acc, 0.0)  # the diagonal: chunk s times chunk s
+    return gl.sum(gl.sum(gl.reshape(acc, [BOX_ROWS, MMA_SLICES, MMA_SLICES]), axis=2), axis=1)
+
+
+@gluon.jit
+def _consumer_mma(tile, tile_hi, LO: gl.constexpr, bars, xs, inp, norm, bias, out, laps, lap_base, eps, row0, live, t_start,
+                  N: gl.constexpr, K: gl.constexpr, R: gl.constexpr, STAGE: gl.constexpr, HAS_BIAS: gl.constexpr,
+                  LATE_LAUNCH: gl.constexpr, NG: gl.constexpr, IN_FLIGHT: gl.constexpr, WARPS: gl.constexpr,
+                  TIMED: gl.constexpr):
+    """`_consumer` on the tensor cores (`_mma_rows`): the input goes to shared memory as bf16 (every stage input
+    is bf16-exact: HF rounds it there), in 1,024-blocks of [16 chunks, 64]."""
+    NCH: gl.constexpr = K // MMA_CHUNK
+    KC: gl.constexpr = NCH // MMA_SLICES
+    NRG: gl.constexpr = R // BOX_ROWS
+    GATED: gl.constexpr = STAGE == 3
+    NORMED: gl.constexpr = STAGE == 0 or STAGE == 3
+    RESIDUAL: gl.constexpr = STAGE == 2 or STAGE == 4
+    S: gl.constexpr = 2 if GATED else 1
+    BLOCK: gl.constexpr = MMA_SLICES * MMA_CHUNK
+    xl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    xr = gl.arange(0, MMA_SLICES, layout=gl.SliceLayout(1, xl))
+    xc = gl.arange(0, MMA_CHUNK, layout=gl.SliceLayout(0, xl))
+    xoff = xr[:, None] * MMA_CHUNK + xc[None, :]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
+    rs = gl.arange(0, BOX_ROWS, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+    if NORMED and KC == 1:  # token-independent: before the wait
+        s0 = gl.load(norm + xoff).to(gl.float32)
+    _asm("griddepcontrol.wait; // $0")
+    if LATE_LAUNCH:
+        _asm("griddepcontrol.launch_dependents; // $0")
+    t_wait = _timer() if TIMED else 0
+    if RESIDUAL:
+        res0 = gl.load(out + row0 + rs, mask=row0 + rs < N, other=0.0,
+                       cache_modifier=".cg").to(gl.float32)
+    if KC == 1:
+        v = gl.load(inp + xoff, cache_modifier=".cg").to(gl.float32)
+        if NORMED:
+            rstd = 1.0 / gl.sqrt(gl.sum(gl.sum(v * v, axis=1), axis=0) / K + eps)
+            v = _bf(s0 * _bf(v * rstd))
+        xs.slice(0, MMA_SLICES).store(v.to(gl.bfloat16))
+    else:
+        if NORMED:
+            ss = 0.0
+            for kc in gl.static_range(KC):
+                v = gl.load(inp + kc * BLOCK + xoff, cache_modifier=".cg").to(gl.float32)
+                ss += gl.sum(gl.sum(v * v, axis=1), axis=0)
+            rstd = 1.0 / gl.sqrt(ss / K + eps)
+        for kc in gl.static_range(KC):
+            v = gl.load(inp + kc * BLOCK + xoff, cache_modifier=".cg").to(gl.float32)
+            if NORMED:
+                v = _bf(gl.load(norm + kc * BLOCK + xoff).to(gl.float32) * _bf(v * rstd))
+            xs.slice(kc * MMA_SLICES, MMA_SLICES).store(v.to(gl.bfloat16))
+    gl.thread_barrier()
+    for g in gl.static_range(max(0, NG - IN_FLIGHT), NG):  # the groups the producer did not wait for
+        mbarrier.wait(bars.index(g), 0, pred=live)
+    t_ready = _timer() if TIMED else 0
+    b0 = xs.slice(0, MMA_SLICES).permute([1, 0]).load(gl.DotOperandLayout(1, mma, 2))
+    for r in gl.static_range(NRG):
+        o = _mma_rows(tile, tile_hi, LO, xs, b0, r * S, KC, WARPS)
+        if RESIDUAL:  # the residual came with the input (one row group here): bring the sum to its layout
+            rows = row0 + r * BOX_ROWS + rs
+            rmask = rows < N
+            if r == 0:
+                res = res0
+            else:
+                res = gl.load(out + rows, mask=rmask, other=0.0, cache_modifier=".cg").to(gl.float32)
+            o = gl.convert_layout(o, res.type.layout)
+            gl.store(out + rows, _bf(res + _bf(o)).to(gl.bfloat16), mask=rmask)
+        else:
+            rows = row0 + r * BOX_ROWS + gl.arange(0, BOX_ROWS, layout=o.type.layout)
+            rmask = rows < N
+            if GATED:
+                g = _bf(o)
+                u = _bf(_mma_rows(tile, tile_hi, LO, xs, b0, r * S + 1, KC, WARPS))
+                silu = _bf(g / (1.0 + gl.exp(-g)))
+                gl.store(out + rows, _bf(silu * u).to(gl.bfloat16), mask=rmask)
+            else:
+                if HAS_BIAS:
+                    o += gl.load(bias + rows, mask=rmask, other=0.0).to(gl.float32)
+                gl.store(out + rows, _bf(o).to(gl.bfloat16), mask=rmask)
+    if TIMED:
+        t_end = _timer()
+        i = gl.arange(0, 4, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+        stamps = gl.where(i == 0, t_start, gl.where(i == 1, t_wait, gl.where(i == 2, t_end, t_ready)))
+        gl.store(laps + lap_base + gl.program_id(0) * 4 + i, stamps)
+
+
+@gluon.jit
 def gemv_stage(desc, inp, norm, bias, out, laps, lap_base, eps,
                N: gl.constexpr, K: gl.constexpr, R: gl.constexpr, KCP: gl.constexpr, STAGE: gl.constexpr,
                HAS_BIAS: gl.constexpr, LATE_LAUNCH: gl.constexpr, GROUP: gl.constexpr, IN_FLIGHT: gl.constexpr,
-               WARPS: gl.constexpr, TIMED: gl.constexpr):
+               WARPS: gl.constexpr, TIMED: gl.constexpr, MMA: gl.constexpr, LO: gl.constexpr):
     """`desc`: TMA descriptor of this layer's `[rows, K]` weight (gate/up stacked `[2 N, K]`), boxes
     [BOX_ROWS, BOX_K]. `inp`: the stage input `[K]` (bf16); `norm`: its RMSNorm weight (QKV, gate/up);
     `bias`: QKV bias (HAS_BIAS); `out`: qkv (QKV), act (gate/up), or the residual x, read and written (o_proj,
@@ -163,12 +315,23 @@ def gemv_stage(desc, inp, norm, bias, out, laps, lap_base, eps,
     one's wait (its programs then arrive one stage ahead, not as many as fit). GROUP, IN_FLIGHT: TMA boxes per
     mbarrier and such groups in flight per program (`_producer`). With TIMED, `laps[lap_base + pid * 4:][:4]`
     gets the program's globaltimer at its start, after the wait, at its end, and when its whole tile had landed."""
-    NC: gl.constexpr = K // BOX_K
+    NC: gl.constexpr = K // MMA_CHUNK if MMA else K // BOX_K
     S: gl.constexpr = 2 if STAGE == 3 else 1
-    NBOX: gl.constexpr = (R // BOX_ROWS) * NC * S
+    NBOX: gl.constexpr = R * S * NC // MMA_SLICES // MMA_BOX_ROWS if MMA else (R // BOX_ROWS) * NC * S
     t_start = _timer() if TIMED else 0
-    tile = gl.allocate_shared_memory(gl.bfloat16, [NBOX, BOX_ROWS, BOX_K], desc.layout)
-    xs = gl.allocate_shared_memory(gl.float32, [KCP, BOX_K], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    if MMA:
+        tile = gl.allocate_shared_memory(gl.bfloat16, [LO, MMA_SLICES, MMA_CHUNK], desc.layout)
+        if LO == NBOX * MMA_BOX_ROWS:
+            tile_hi = tile
+        else:
+            tile_hi = gl.allocate_shared_memory(gl.bfloat16, [NBOX * MMA_BOX_ROWS - LO, MMA_SLICES, MMA_CHUNK],
+                                                desc.layout)
+        xs = gl.allocate_shared_memory(gl.bfloat16, [KCP // 4 * MMA_SLICES, MMA_CHUNK],
+                                       gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16))
+    else:
+        tile = gl.allocate_shared_memory(gl.bfloat16, [NBOX, BOX_ROWS, BOX_K], desc.layout)
+        tile_hi = tile
+        xs = gl.allocate_shared_memory(gl.float32, [KCP, BOX_K], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     NG: gl.constexpr = (NBOX + GROUP - 1) // GROUP
     bars = gl.allocate_shared_memory(gl.int64, [NG, 1], mbarrier.MBarrierLayout())
     for g in gl.static_range(NG):
@@ -178,8 +341,12 @@ def gemv_stage(desc, inp, norm, bias, out, laps, lap_base, eps,
     live = row0 < N
     if not LATE_LAUNCH:
         _asm("griddepcontrol.launch_dependents; // $0")
-    _producer(desc, tile, bars, row0, live, N, NC, S, NBOX, GROUP, IN_FLIGHT)
-    _consumer(tile, bars, xs, inp, norm, bias, out, laps, lap_base, eps, row0, live, t_start, N, K, R, KCP, STAGE,
-              HAS_BIAS, LATE_LAUNCH, NG, IN_FLIGHT, WARPS, TIMED)
-    for g in gl.static_range(NG):
-        mbarrier.invalidate(bars.index(g))
+    _producer(desc, tile, tile_hi, LO, bars, row0, live, N, NC, S, NBOX, GROUP, IN_FLIGHT, MMA)
+    if MMA:
+        _consumer_mma(tile, tile_hi, LO, bars, xs, inp, norm, bias, out, laps, lap_base, eps, row0, live, t_start, N, K, R,
+                      STAGE, HAS_BIAS, LATE_LAUNCH, NG, IN_FLIGHT, WARPS, TIMED)
+    else:
+        _consumer(tile, bars, xs, inp, norm, bias, out, laps, lap_base, eps, row0, live, t_start, N, K, R, KCP,
+                  STAGE, HAS_BIAS, LATE_LAUNCH, NG, IN_FLIGHT, WARPS, TIMED)
+    # (no mbarrier.inval: the barriers' shared memory is not reused before the program exits, and each
+    # invalidation is a CTA barrier on the way to the grid's completion, which the next stage waits for)

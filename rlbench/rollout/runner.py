@@ -33,6 +33,12 @@ from rlbench.rollout.kv_cache import KVCache
 from rlbench.rollout.megakernel import STAGE_SYNC, DecodeMegakernel, default_stage_sync, unsupported
 from rlbench.rollout.sampling import greedy_tokens, sample_tokens, token_hash
 
+
+def finish_step(*args) -> None:
+    from rlbench.rollout.step_kernel import finish_step as kernel  # triton: only where the megakernel runs
+
+    kernel(*args)
+
 SAMPLE_MODES = ("greedy", "sample", "truncate")
 """Decode-step variants, chosen once per `SamplingParams`: argmax only; Gumbel noise; noise + top-k/top-p."""
 
@@ -189,6 +195,7 @@ class ModelRunner:
         self._attend = DECODE_ATTENTION[self.opts.decode_attention] if compiled else sdpa_decode
         wrap = (lambda fn: _compile(fn, self.opts)) if compiled else (lambda fn: fn)
         self._prologue_fn, self._layer_fn, self._head_fn = wrap(self._prologue), wrap(self._layer), wrap(self._head)
+        self._embed_fn = wrap(self._embed)
 
     # ---- prefill (eager; matmul-bound) ----
     @torch.inference_mode()
@@ -210,11 +217,15 @@ class ModelRunner:
         return self.model.lm_head(self.base.norm(hidden[rows, last]))  # [B, V]
 
     # ---- decode: prologue -> layer x N -> head ----
-    def _prologue(self, tokens, positions, kv_len: int):
-        """`[B]` tokens/positions -> hidden `[B, 1, D]`, RoPE (cos, sin) `[B, 1, hd]`, mask `[B, 1, 1, kv_len]`."""
+    def _embed(self, tokens, positions):
+        """`[B]` tokens/positions -> hidden `[B, 1, D]`, RoPE (cos, sin) `[B, 1, hd]` (all the megakernel needs)."""
         hidden = self.base.embed_tokens(tokens[:, None])
         cos, sin = self.base.rotary_emb(hidden, positions[:, None])
-        return hidden, cos, sin, decode_mask(positions, kv_len)
+        return hidden, cos, sin
+
+    def _prologue(self, tokens, positions, kv_len: int):
+        """`_embed`, and the mask `[B, 1, 1, kv_len]`."""
+        return *self._embed(tokens, positions), decode_mask(positions, kv_len)
 
     def _layer(self, w, hidden, cos, sin, k_cache, v_cache, slots, positions, mask, kv_len: int):
         """One decoder layer of the decode step; `w` and the caches are this layer's (graph inputs)."""
@@ -239,10 +250,10 @@ class ModelRunner:
     def _logits_and_sample(self, tokens, positions, temperature, top_k, top_p, seeds, steps, kv_len: int,
                            mode: str):
         """One decode step for slots `[0, B)`: `[B]` inputs -> (tokens `[B]`, log_probs `[B]`); see SAMPLE_MODES."""
-        hidden, cos, sin, mask = self._prologue_fn(tokens, positions, kv_len)
         if self.megakernel is not None and tokens.shape[0] == 1:
-            hidden = self.megakernel(hidden, cos, sin, positions)  # every layer, slot 0
+            hidden = self.megakernel(*self._embed_fn(tokens, positions), positions)  # every layer, slot 0
         else:
+            hidden, cos, sin, mask = self._prologue_fn(tokens, positions, kv_len)
             hidden = self._layer_stack(hidden, cos, sin, positions, mask, kv_len)
         return self._head_fn(hidden, temperature, top_k, top_p, seeds, steps, self.state.vocab_hash, mode)
 
@@ -250,6 +261,9 @@ class ModelRunner:
         s = self.state
         tok, lp = self._logits_and_sample(s.tokens[:b], s.positions[:b], s.temperature[:b], s.top_k[:b],
                                           s.top_p[:b], s.seeds[:b], s.steps[:b], kv_len, mode)
+        if self.device.type == "cuda" and self.megakernel is not None:  # triton is there: one kernel, not five
+            finish_step(s, b, tok, lp, self.cache.shape.max_seq_len - 1)
+            return
         s.out_tokens[:b].copy_(tok)
         s.out_log_probs[:b].copy_(lp)
         s.tokens[:b].copy_(tok)
