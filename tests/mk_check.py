@@ -221,7 +221,7 @@ def compile_gluon_stage(preset: str, stage: int, programs: int = 132, mma: bool 
     mma = mk.gluon_mma
     n, k, r, kcp = mk.gluon_plan()[stage]
     if mma:
-        desc = (f"tensordesc<bf16[{mk_gluon.MMA_BOX_ROWS.value}, {mk_gluon.MMA_SLICES.value}, "
+        desc = (f"tensordesc<bf16[1, {mk_gluon.MMA_BOX_ROWS.value}, {mk_gluon.MMA_SLICES.value}, "
                 f"{mk_gluon.MMA_CHUNK.value}],{mk_gluon.mma_box_layout()!r}>")
     else:
         desc = f"tensordesc<bf16[{mk_gluon.BOX_ROWS.value}, {mk_gluon.BOX_K.value}],{mk_gluon.box_layout()!r}>"
@@ -306,6 +306,31 @@ def engine_stops_at_first_window() -> tuple[int, str]:
     return counted.launches, "no error"
 
 
+def finish_step_matches_torch() -> bool:
+    """`step_kernel.finish_step` (one Triton kernel, interpreted here) does what `_decode_eager`'s torch ops do:
+    3 of 5 slots, one at the position limit."""
+    from rlbench.rollout.runner import SlotState
+    from rlbench.rollout.step_kernel import finish_step
+
+    def state():
+        s = SlotState(5, 16, torch.device("cpu"))
+        s.tokens.copy_(torch.tensor([4, 5, 6, 7, 8]))
+        s.positions.copy_(torch.tensor([3, 9, 1, 2, 9]))
+        s.steps.copy_(torch.tensor([0, 1, 2, 3, 4]))
+        return s
+
+    tok, lp = torch.tensor([11, 12, 13]), torch.tensor([-0.5, -1.5, -2.5])
+    a, b = state(), state()
+    finish_step(a, 3, tok, lp, 9)
+    b.out_tokens[:3].copy_(tok)
+    b.out_log_probs[:3].copy_(lp)
+    b.tokens[:3].copy_(tok)
+    b.positions[:3].add_(1).clamp_(max=9)
+    b.steps[:3].add_(1)
+    names = ("tokens", "positions", "steps", "out_tokens", "out_log_probs")
+    return all(torch.equal(getattr(a, n), getattr(b, n)) for n in names)
+
+
 if __name__ == "__main__":
     _interpreter_numpy_shim()
     out = {case_name(*c): compare_to_f64(p, n, "cpu", tile_programs=tp) for c in CPU_CASES for p, n, tp in [c]}
@@ -315,4 +340,5 @@ if __name__ == "__main__":
     out["engine"] = engine_samples()
     out["timeout"] = barrier_timeout()
     out["engine_timeout"] = engine_stops_at_first_window()
+    out["finish_step"] = finish_step_matches_torch()
     json.dump(out, sys.stdout)

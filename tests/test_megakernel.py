@@ -59,6 +59,12 @@ def _check(r, label):
 
 
 @needs_triton
+def test_interpreted_finish_step_equals_the_torch_state_update(interpreted):
+    """The step's state update in one Triton kernel (CUDA steps) == the five torch ops (CPU steps)."""
+    assert interpreted["finish_step"]
+
+
+@needs_triton
 @pytest.mark.parametrize("case", [case_name(*c) + sync for c in CPU_CASES for sync in ("", "/launch")])
 def test_interpreted_megakernel_rounds_like_the_hf_layers(interpreted, case):
     """The grid-barrier kernel and (/launch) the per-stage kernels with their own attention merge."""
@@ -127,17 +133,30 @@ def test_gluon_plan_takes_the_stages_whose_tile_fits_shared_memory():
     assert sorted(mk.gluon_active()) == [0, 2, 3, 4]
     mk.stage_sync = "barrier"
     assert mk.gluon_active() == {}
+    # tensor-core tiles in rows of 8 chunks of 64, held in two power-of-two buffers
+    assert [mk.gluon_lo(st) for st in (0, 2, 3, 4)] == [64, 32, 64, 32]  # of 64, 32, 96 (64 + 32), 48 (32 + 16)
+    mk.gluon_mma = False
+    assert mk.gluon_plan() == {0: (4096, 1024, 32, 4), 2: (1024, 2048, 8, 8), 3: (3072, 1024, 24, 4),
+                               4: (1024, 3072, 8, 16)}
+    assert mk.gluon_lo(3) == 1
+
+
+def test_mma_tile_split_takes_two_power_of_two_buffers():
+    from rlbench.rollout.megakernel import mma_tile_split
+
+    assert [mma_tile_split(n) for n in (64, 96, 48, 24, 80, 112, 7)] == [64, 64, 32, 16, 64, None, None]
 
 
 @needs_gluon
+@pytest.mark.parametrize("mma", [True, False], ids=["tensor_cores", "ffma"])
 @pytest.mark.parametrize("stage", [0, 2, 3, 4])
-def test_gluon_stage_compiles_for_hopper_small_enough_to_share_an_sm(stage):
-    """Each Gluon GEMV stage of the 0.6B shape, compiled offline for sm_90 as the megakernel launches it: only its
-    norm weights are read and nothing is written before the PDL wait, one TMA copy per box, no spills, and few
-    enough registers and shared memory that the next GEMV stage's program fits on the same SM (65,536 registers,
-    227 KB): the point of the design."""
-    r = compile_gluon_stage("qwen3-0.6b-shape", stage)
-    nxt = compile_gluon_stage("qwen3-0.6b-shape", {0: 2, 2: 3, 3: 4, 4: 0}[stage])
+def test_gluon_stage_compiles_for_hopper_small_enough_to_share_an_sm(stage, mma):
+    """Each Gluon GEMV stage of the 0.6B shape, compiled offline for sm_90 as the megakernel launches it (tensor
+    cores, the default, and FFMAs): only its norm weights are read and nothing is written before the PDL wait, one
+    TMA copy per box, no spills, and few enough registers and shared memory that the next GEMV stage's program
+    fits on the same SM (65,536 registers, 227 KB): the point of the design."""
+    r = compile_gluon_stage("qwen3-0.6b-shape", stage, mma=mma)
+    nxt = compile_gluon_stage("qwen3-0.6b-shape", {0: 2, 2: 3, 3: 4, 4: 0}[stage], mma=mma)
     assert r["waits"] == 1 and r["stores_before_wait"] == 0
     assert r["loads_before_wait"] == (8 if stage in (0, 3) else 0)  # the RMSNorm weights, [4, 256] bf16
     assert r["tma_copies"] == r["boxes"] and r["spill_bytes"] == 0

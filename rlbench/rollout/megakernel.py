@@ -271,7 +271,7 @@ class DecodeMegakernel:
         """The GEMV stages `mk_gluon.gemv_stage` can run: stage -> (N, K, rows per program, K boxes rounded up to
         a power of two). A stage needs K a multiple of the box width (1,024 on the tensor cores, `gluon_mma`; 256
         with FFMAs) and its tile (plus the input) within GLUON_TILE_BYTES; the others keep the Triton stage kernel."""
-        from rlbench.rollout.mk_gluon import BOX_K, BOX_ROWS, MMA_CHUNK, MMA_SLICES
+        from rlbench.rollout.mk_gluon import BOX_K, BOX_ROWS, MMA_CHUNK, MMA_IN, MMA_SLICES
 
         dims = {0: ((self.h + 2 * self.n_kv) * self.hd, self.d, 1), 2: (self.d, self.h * self.hd, 1),
                 3: (self.i, self.d, 2), 4: (self.d, self.i, 1)}
@@ -280,7 +280,7 @@ class DecodeMegakernel:
             r = math.ceil(math.ceil(n / self.programs) / BOX_ROWS.value) * BOX_ROWS.value
             kcp = _pow2(k // BOX_K.value)
             if self.gluon_mma:
-                fits = (k % (MMA_SLICES.value * MMA_CHUNK.value) == 0 and (stacked * r + 1) * k * 2 <= GLUON_TILE_BYTES
+                fits = (k % (MMA_IN.value * MMA_CHUNK.value) == 0 and (stacked * r + 1) * k * 2 <= GLUON_TILE_BYTES
                         and mma_tile_split(stacked * r * k // (MMA_SLICES.value * MMA_CHUNK.value)) is not None)
             else:
                 fits = k % BOX_K.value == 0 and stacked * r * k * 2 + kcp * BOX_K.value * 4 <= GLUON_TILE_BYTES
@@ -325,10 +325,10 @@ class DecodeMegakernel:
             def desc(weight: torch.Tensor):
                 if not self.gluon_mma:
                     return TensorDescriptor.from_tensor(weight, [BOX_ROWS.value, BOX_K.value], box_layout())
-                rows, k = weight.shape  # viewed as [rows, K / 64 chunks, 64]
-                c = MMA_CHUNK.value
-                return TensorDescriptor(weight, [rows, k // c, c], [weight.stride(0), c, 1],
-                                        [MMA_BOX_ROWS.value, MMA_SLICES.value, c], mma_box_layout())
+                rows, k = weight.shape  # viewed as [K / 512 blocks, rows, 8 chunks, 64]
+                c, s = MMA_CHUNK.value, MMA_SLICES.value
+                return TensorDescriptor(weight, [k // (s * c), rows, s, c], [s * c, weight.stride(0), c, 1],
+                                        [1, MMA_BOX_ROWS.value, s, c], mma_box_layout())
 
             self._descs = [{s: desc(getattr(w, names[s])) for s in self.gluon_plan()} for w in self._layers]
         return self._descs
@@ -373,9 +373,9 @@ class DecodeMegakernel:
             raise ValueError(f"stage_sync={self.stage_sync!r}: use one of {STAGE_SYNC}")
         if self.stage_sync == "pdl" and hidden.is_cuda and torch.cuda.get_device_capability(hidden.device)[0] < 9:
             raise ValueError("stage_sync='pdl' needs programmatic dependent launch (sm_90+); use 'barrier'")
-        self.sync.zero_()
         cos, sin = cos.contiguous(), sin.contiguous()
         if self.stage_sync == "barrier":
+            self.sync.zero_()  # the grid barrier's counter and the attention merge's tickets
             args, consts = self.launch_args(hidden, cos, sin, positions)
             self._carve(decode_layers[(self.programs,)](*args, **consts, num_warps=self.num_warps), self.carveout)
             return hidden
@@ -384,7 +384,7 @@ class DecodeMegakernel:
         for layer in range(self.table.shape[0]):
             args, consts = self.stage_args(hidden, cos, sin, positions, layer)
             for stage in STAGE_ORDER:
-                first = layer == 0 and stage == 0  # follows the ticket memset: a plain launch (its wait is a no-op)
+                first = layer == 0 and stage == 0  # follows the embedding: a plain launch (its wait is a no-op)
                 if stage in plan:
                     self._gluon_stage(stage, layer, plan[stage], hidden, pdl and not first)
                     continue

@@ -30,10 +30,14 @@ BOX_ROWS = gl.constexpr(8)
 BOX_K = gl.constexpr(256)
 MMA_CHUNK = gl.constexpr(64)
 """K elements of one 128-byte swizzled row of a tensor-core tile (`_consumer_mma`)."""
-MMA_SLICES = gl.constexpr(16)
-"""K chunks multiplied side by side by one mma: the m16n8k16 instruction's 16 A rows (`_consumer_mma`)."""
-MMA_BOX_ROWS = gl.constexpr(2)
-"""Weight rows of 1,024 K per TMA box of a tensor-core tile: 4 KB, as the FFMA path's [8, 256] boxes."""
+MMA_SLICES = gl.constexpr(8)
+"""K chunks of a weight row multiplied side by side by one mma: the m16n8k16 instruction's 8 B columns
+(`_mma_rows`); 8 chunks of 64 make a 512-wide K block."""
+MMA_BOX_ROWS = gl.constexpr(4)
+"""Weight rows of one 512-wide K block per TMA box of a tensor-core tile: 4 KB, as the FFMA path's [8, 256]
+boxes."""
+MMA_IN = gl.constexpr(16)
+"""64-wide chunks of the input per load: [16, 64] (1,024 elements)."""
 
 
 def box_layout() -> gl.NVMMASharedLayout:
@@ -43,10 +47,10 @@ def box_layout() -> gl.NVMMASharedLayout:
 
 
 def mma_box_layout() -> gl.NVMMASharedLayout:
-    """The shared-memory layout of a tensor-core tile's TMA box [2 rows, 16 chunks, 64] (the weight viewed as
-    `[rows, K / 64, 64]`): 128-byte swizzle, so that ldmatrix reads 8 chunks of one 16-byte column without bank
-    conflicts."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+    """The shared-memory layout of a tensor-core tile's TMA box [1 block, 4 rows, 8 chunks, 64] (the weight viewed
+    as `[K / 512, rows, 8, 64]`): 128-byte swizzle, so that ldmatrix reads 8 chunks of one 16-byte column without
+    bank conflicts."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
 
 
 @gluon.jit
@@ -78,21 +82,21 @@ def _box_coords(j, row0, N: gl.constexpr, NC: gl.constexpr, S: gl.constexpr):
 
 
 @gluon.jit
-def _mma_box_coords(j, row0, N: gl.constexpr, KC: gl.constexpr, S: gl.constexpr):
-    """Box j of a tensor-core tile, in the order the consumer reads them: (row group, gate/up, 1,024-block of K,
-    row pair) -> its [row, 64-wide chunk, 0] in the weight's view `[rows, K / 64, 64]`."""
-    PAIRS: gl.constexpr = BOX_ROWS // MMA_BOX_ROWS
-    p = j % PAIRS
-    kc = (j // PAIRS) % KC
-    u = (j // (PAIRS * KC)) % S
-    r = j // (PAIRS * KC * S)
-    return row0 + r * BOX_ROWS + u * N + p * MMA_BOX_ROWS, kc * MMA_SLICES
+def _mma_box_coords(j, row0, N: gl.constexpr, H: gl.constexpr, S: gl.constexpr):
+    """Box j of a tensor-core tile, in the order the consumer reads them: (row group, gate/up, 512-wide K block,
+    half of the 8 rows) -> its [block, row, 0, 0] in the weight's view `[K / 512, rows, 8, 64]`."""
+    HALVES: gl.constexpr = BOX_ROWS // MMA_BOX_ROWS
+    p = j % HALVES
+    h = (j // HALVES) % H
+    u = (j // (HALVES * H)) % S
+    r = j // (HALVES * H * S)
+    return h, row0 + r * BOX_ROWS + u * N + p * MMA_BOX_ROWS
 
 
 @gluon.jit
 def _chunk_rows(tile, tile_hi, c: gl.constexpr, n: gl.constexpr, LO: gl.constexpr):
-    """Rows [c, c + n) (each 16 chunks of 64) of a tensor-core tile held in two buffers of power-of-two sizes
-    (Gluon's layouts need them): `tile` has the first LO, `tile_hi` the rest."""
+    """Rows [c, c + n) (each a weight row's 8 chunks of 64 of one K block) of a tensor-core tile held in two
+    buffers of power-of-two sizes (Gluon's layouts need them): `tile` has the first LO, `tile_hi` the rest."""
     if c < LO:
         return tile.slice(c, n)
     else:
@@ -113,10 +117,11 @@ def _producer(desc, tile, tile_hi, LO: gl.constexpr, bars, row0, live, N: gl.con
         mbarrier.expect(bars.index(g), min(GROUP, NBOX - g * GROUP) * BOX_ROWS * BOX_K * 2, pred=live)
         for jj in gl.static_range(min(GROUP, NBOX - g * GROUP)):
             if MMA:
-                row, chunk = _mma_box_coords(g * GROUP + jj, row0, N, NC // MMA_SLICES, S)
-                tma.async_copy_global_to_shared(desc, [row, chunk, 0], bars.index(g),
-                                                _chunk_rows(tile, tile_hi, (g * GROUP + jj) * MMA_BOX_ROWS,
-                                                            MMA_BOX_ROWS, LO), pred=live)
+                h, row = _mma_box_coords(g * GROUP + jj, row0, N, NC // MMA_SLICES, S)
+                dst = _chunk_rows(tile, tile_hi, (g * GROUP + jj) * MMA_BOX_ROWS, MMA_BOX_ROWS, LO)
+                tma.async_copy_global_to_shared(desc, [h, row, 0, 0], bars.index(g),
+                                                dst._reinterpret(gl.bfloat16, [1, MMA_BOX_ROWS, MMA_SLICES, MMA_CHUNK],
+                                                                 desc.layout), pred=live)
             else:
                 row, col = _box_coords(g * GROUP + jj, row0, N, NC, S)
                 tma.async_copy_global_to_shared(desc, [row, col], bars.index(g), tile.index(g * GROUP + jj),
@@ -195,28 +200,36 @@ def _consumer(tile, bars, xs, inp, norm, bias, out, laps, lap_base, eps, row0, l
 
 
 @gluon.jit
-def _mma_rows(tile, tile_hi, LO: gl.constexpr, xs, b0, rg: gl.constexpr, KC: gl.constexpr, WARPS: gl.constexpr):
+def _mma_rows(tile, tile_hi, LO: gl.constexpr, xs, b0, b1, rg: gl.constexpr, H: gl.constexpr, WARPS: gl.constexpr):
     """Row group `rg` (8 weight rows) of the tile times the input on the tensor cores -> `[8]`, in the layout the
     sums leave it in (converting it costs a CTA barrier, which would serialise the row groups).
 
-    A 1,024-block of K is cut into 16 chunks of 64 that one m16n8k16 mma multiplies side by side: A row (n, s)
-    is weight row n's chunk s (the tile as landed: [8 rows x 16 chunks, 64]), B column c is the input's chunk c
+    A 512-wide K block is cut into 8 chunks of 64 that one m16n8k16 mma multiplies side by side: A row (n, s)
+    is weight row n's chunk s (the tile as landed: [8 rows x 8 chunks, 64]), B column c is the input's chunk c
     (`xs`), so C[(n, s)][c] is a partial dot product where s == c (the rest is discarded). Warp w owns weight
-    rows w and w + 4, so no sum crosses warps; every weight is read from shared memory once, by ldmatrix."""
+    rows 2w and 2w + 1, so no sum crosses warps; every weight is read from shared memory once, by ldmatrix, and
+    goes through one mma (16 chunks side by side would need two n8 tiles: twice the mma work)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
     NROW: gl.constexpr = BOX_ROWS * MMA_SLICES
-    acc = gl.zeros([NROW, MMA_SLICES], gl.float32, layout=mma)
-    for kc in gl.static_range(KC):
-        if KC == 1:
+    swz: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16)
+    acc0 = gl.zeros([NROW, MMA_SLICES], gl.float32, layout=mma)
+    acc1 = gl.zeros([NROW, MMA_SLICES], gl.float32, layout=mma)
+    for h in gl.static_range(H):  # two accumulators: two chains of dependent mma, not one
+        if h == 0:
             b = b0
+        elif h == 1:
+            b = b1
         else:
-            b = xs.slice(kc * MMA_SLICES, MMA_SLICES).permute([1, 0]).load(gl.DotOperandLayout(1, mma, 2))
-        a = _chunk_rows(tile, tile_hi, (rg * KC + kc) * BOX_ROWS, BOX_ROWS, LO)._reinterpret(
-            gl.bfloat16, [NROW, MMA_CHUNK], gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16))
-        acc = mma_v2(a.load(gl.DotOperandLayout(0, mma, 2)), b, acc)
+            b = xs.slice(h * MMA_SLICES, MMA_SLICES).permute([1, 0]).load(gl.DotOperandLayout(1, mma, 2))
+        a = _chunk_rows(tile, tile_hi, (rg * H + h) * BOX_ROWS, BOX_ROWS, LO)._reinterpret(
+            gl.bfloat16, [NROW, MMA_CHUNK], swz).load(gl.DotOperandLayout(0, mma, 2))
+        if h % 2 == 0:
+            acc0 = mma_v2(a, b, acc0)
+        else:
+            acc1 = mma_v2(a, b, acc1)
     i = gl.arange(0, NROW, layout=gl.SliceLayout(1, mma))
     c = gl.arange(0, MMA_SLICES, layout=gl.SliceLayout(0, mma))
-    acc = gl.where((i % MMA_SLICES)[:, None] == c[None, :], acc, 0.0)  # the diagonal: chunk s times chunk s
+    acc = gl.where((i % MMA_SLICES)[:, None] == c[None, :], acc0 + acc1, 0.0)  # the diagonal: chunk s x chunk s
     return gl.sum(gl.sum(gl.reshape(acc, [BOX_ROWS, MMA_SLICES, MMA_SLICES]), axis=2), axis=1)
 
 
@@ -226,17 +239,18 @@ def _consumer_mma(tile, tile_hi, LO: gl.constexpr, bars, xs, inp, norm, bias, ou
                   LATE_LAUNCH: gl.constexpr, NG: gl.constexpr, IN_FLIGHT: gl.constexpr, WARPS: gl.constexpr,
                   TIMED: gl.constexpr):
     """`_consumer` on the tensor cores (`_mma_rows`): the input goes to shared memory as bf16 (every stage input
-    is bf16-exact: HF rounds it there), in 1,024-blocks of [16 chunks, 64]."""
+    is bf16-exact: HF rounds it there) as [K / 64, 64]."""
     NCH: gl.constexpr = K // MMA_CHUNK
-    KC: gl.constexpr = NCH // MMA_SLICES
+    KC: gl.constexpr = NCH // MMA_IN
+    H: gl.constexpr = NCH // MMA_SLICES
     NRG: gl.constexpr = R // BOX_ROWS
     GATED: gl.constexpr = STAGE == 3
     NORMED: gl.constexpr = STAGE == 0 or STAGE == 3
     RESIDUAL: gl.constexpr = STAGE == 2 or STAGE == 4
     S: gl.constexpr = 2 if GATED else 1
-    BLOCK: gl.constexpr = MMA_SLICES * MMA_CHUNK
+    BLOCK: gl.constexpr = MMA_IN * MMA_CHUNK
     xl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
-    xr = gl.arange(0, MMA_SLICES, layout=gl.SliceLayout(1, xl))
+    xr = gl.arange(0, MMA_IN, layout=gl.SliceLayout(1, xl))
     xc = gl.arange(0, MMA_CHUNK, layout=gl.SliceLayout(0, xl))
     xoff = xr[:, None] * MMA_CHUNK + xc[None, :]
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
@@ -255,7 +269,7 @@ def _consumer_mma(tile, tile_hi, LO: gl.constexpr, bars, xs, inp, norm, bias, ou
         if NORMED:
             rstd = 1.0 / gl.sqrt(gl.sum(gl.sum(v * v, axis=1), axis=0) / K + eps)
             v = _bf(s0 * _bf(v * rstd))
-        xs.slice(0, MMA_SLICES).store(v.to(gl.bfloat16))
+        xs.slice(0, MMA_IN).store(v.to(gl.bfloat16))
     else:
         if NORMED:
             ss = 0.0
@@ -267,14 +281,15 @@ def _consumer_mma(tile, tile_hi, LO: gl.constexpr, bars, xs, inp, norm, bias, ou
             v = gl.load(inp + kc * BLOCK + xoff, cache_modifier=".cg").to(gl.float32)
             if NORMED:
                 v = _bf(gl.load(norm + kc * BLOCK + xoff).to(gl.float32) * _bf(v * rstd))
-            xs.slice(kc * MMA_SLICES, MMA_SLICES).store(v.to(gl.bfloat16))
+            xs.slice(kc * MMA_IN, MMA_IN).store(v.to(gl.bfloat16))
     gl.thread_barrier()
     for g in gl.static_range(max(0, NG - IN_FLIGHT), NG):  # the groups the producer did not wait for
         mbarrier.wait(bars.index(g), 0, pred=live)
     t_ready = _timer() if TIMED else 0
     b0 = xs.slice(0, MMA_SLICES).permute([1, 0]).load(gl.DotOperandLayout(1, mma, 2))
+    b1 = xs.slice(MMA_SLICES, MMA_SLICES).permute([1, 0]).load(gl.DotOperandLayout(1, mma, 2))
     for r in gl.static_range(NRG):
-        o = _mma_rows(tile, tile_hi, LO, xs, b0, r * S, KC, WARPS)
+        o = _mma_rows(tile, tile_hi, LO, xs, b0, b1, r * S, H, WARPS)
         if RESIDUAL:  # the residual came with the input (one row group here): bring the sum to its layout
             rows = row0 + r * BOX_ROWS + rs
             rmask = rows < N
@@ -289,7 +304,7 @@ def _consumer_mma(tile, tile_hi, LO: gl.constexpr, bars, xs, inp, norm, bias, ou
             rmask = rows < N
             if GATED:
                 g = _bf(o)
-                u = _bf(_mma_rows(tile, tile_hi, LO, xs, b0, r * S + 1, KC, WARPS))
+                u = _bf(_mma_rows(tile, tile_hi, LO, xs, b0, b1, r * S + 1, H, WARPS))
                 silu = _bf(g / (1.0 + gl.exp(-g)))
                 gl.store(out + rows, _bf(silu * u).to(gl.bfloat16), mask=rmask)
             else:
@@ -320,13 +335,14 @@ def gemv_stage(desc, inp, norm, bias, out, laps, lap_base, eps,
     NBOX: gl.constexpr = R * S * NC // MMA_SLICES // MMA_BOX_ROWS if MMA else (R // BOX_ROWS) * NC * S
     t_start = _timer() if TIMED else 0
     if MMA:
-        tile = gl.allocate_shared_memory(gl.bfloat16, [LO, MMA_SLICES, MMA_CHUNK], desc.layout)
+        blocks: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+        tile = gl.allocate_shared_memory(gl.bfloat16, [LO, MMA_SLICES, MMA_CHUNK], blocks)
         if LO == NBOX * MMA_BOX_ROWS:
             tile_hi = tile
         else:
             tile_hi = gl.allocate_shared_memory(gl.bfloat16, [NBOX * MMA_BOX_ROWS - LO, MMA_SLICES, MMA_CHUNK],
-                                                desc.layout)
-        xs = gl.allocate_shared_memory(gl.bfloat16, [KCP // 4 * MMA_SLICES, MMA_CHUNK],
+                                                blocks)
+        xs = gl.allocate_shared_memory(gl.bfloat16, [KCP // 4 * MMA_IN, MMA_CHUNK],
                                        gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16))
     else:
         tile = gl.allocate_shared_memory(gl.bfloat16, [NBOX, BOX_ROWS, BOX_K], desc.layout)
