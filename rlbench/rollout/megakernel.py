@@ -25,10 +25,10 @@ With "pdl" (and "launch") the GEMV stages whose tile fits shared memory run as G
 `gluon_gemv`): their tile lands in shared memory, not registers, so that the next stage's programs share the SM
 and stream their tiles a stage ahead.
 
-Status (H200, docs/LOG.md 2026-11-30, sessions 8 and 10): correct (error vs float64 equal to the bf16 layer
-stack's); with "pdl" and the Gluon GEMV stages the 0.6B step takes 0.62-0.68 ms against the compiled path's
-1.15-1.31 ms (2.25-2.46x the floor, goal 2x; Triton stages 0.70-0.74 ms, "barrier" 0.84-0.86 ms), the 4B step
-(no stage fits) 3.01 ms (1.61x) against 4.06 ms compiled.
+Status (H200, docs/LOG.md 2026-11-30, sessions 8, 10 and 11): correct (error vs float64 equal to the bf16 layer
+stack's); with "pdl" and the tensor-core Gluon GEMV stages the 0.6B step takes 0.577-0.626 ms against the compiled
+path's 1.13-1.36 ms (2.08-2.26x the floor, goal 2x; FFMA Gluon stages 0.62-0.68 ms, Triton stages 0.70-0.74 ms,
+"barrier" 0.84-0.86 ms), the 4B step (no stage fits) 3.01 ms (1.61x) against 4.06 ms compiled.
 """
 
 from __future__ import annotations
@@ -112,8 +112,8 @@ def _tiling(n_rows: int, k: int, programs: int, tile_elems: int, stacked: int = 
 
 
 def mma_tile_split(chunk_rows: int) -> int | None:
-    """A tensor-core Gluon tile of `chunk_rows` [8, 64] chunks lives in two shared buffers of power-of-two sizes
-    (Gluon's layouts need them): the first one's size, or None when the rest is not a power of two either."""
+    """A tensor-core Gluon tile of `chunk_rows` rows of [8 chunks, 64] lives in two shared buffers of power-of-two
+    sizes (Gluon's layouts need them): the first one's size, or None when the rest is not a power of two either."""
     lo = 1 << (chunk_rows.bit_length() - 1)
     rest = chunk_rows - lo
     return lo if rest == 0 or rest == _pow2(rest) else None
@@ -204,8 +204,9 @@ class DecodeMegakernel:
         tile lands in shared memory by TMA, 4 warps, few registers) instead of the Triton stage kernels, so that
         the next stage's programs fit beside the current ones and load their tiles a stage ahead. Per-stage sync
         ("pdl" / "launch") only; default: where Gluon's Hopper TMA is available (sm_90+). Measured on the H200
-        (docs/LOG.md session 10): 0.6B 505-508 / 571-575 / 611-616 us per call at pos 256 / 1024 / 1500 against
-        620 / 642-644 / 663-665 with the Triton stages."""
+        (docs/LOG.md sessions 10-11): 0.6B 505-508 / 571-575 / 611-616 us per call at pos 256 / 1024 / 1500 against
+        620 / 642-644 / 663-665 with the Triton stages; on the tensor cores (`gluon_mma`) 455.6 / 520.2 at pos 256
+        / 1024.
         self.gluon_stages = (0, 2, 3, 4)
         """The GEMV stages that may run in Gluon (QKV, o_proj, gate/up, down; benchmarks/megakernel.py --gluon)."""
         self.gluon_late_launch = (0, 3)
@@ -226,9 +227,10 @@ class DecodeMegakernel:
         self.gluon_warps = 4
         """Warps of a Gluon stage program (8 measured 12-16% slower per call)."""
         self.gluon_mma = True
-        """Gluon stages multiply on the tensor cores (`mk_gluon._consumer_mma`, tiles in 128-byte swizzled
-        [chunks, 8, 64] boxes) where `gluon_plan` allows it (K a multiple of 1,024), else with FFMAs on [8, 256]
-        boxes (`mk_gluon._consumer`). benchmarks/megakernel.py --gluon ...,f (FFMA) for the A/B."""
+        """Gluon stages multiply on the tensor cores (`mk_gluon._mma_rows`: tiles in 128-byte swizzled boxes of
+        [4 rows, 8 chunks, 64], one mma per 8 chunks of 8 rows) where `gluon_plan` allows it (K a multiple of
+        1,024), else with FFMAs on [8, 256] boxes (`mk_gluon._consumer`). H200, session 11, same run: 455.6 / 520.2
+        vs 493.0 / 560.7 us per call at pos 256 / 1024 (benchmarks/megakernel.py --gluon default ...,f)."""
         self.gluon_carveout = 100
         """Carveout (percent) of every kernel of a step that runs Gluon stages: their tiles need shared memory, and
         an SM only hosts programs of different kernels side by side under one shared-memory split."""
@@ -289,8 +291,8 @@ class DecodeMegakernel:
         return plan
 
     def gluon_lo(self, stage: int) -> int:
-        """`mk_gluon.gemv_stage`'s LO for a planned stage: chunk rows in the first tile buffer (`mma_tile_split`;
-        1, unused, with FFMAs)."""
+        """`mk_gluon.gemv_stage`'s LO for a planned stage: rows of [8 chunks, 64] in the first tile buffer
+        (`mma_tile_split`; 1, unused, with FFMAs)."""
         from rlbench.rollout.mk_gluon import MMA_CHUNK, MMA_SLICES
 
         if not self.gluon_mma:

@@ -11,12 +11,14 @@ One kernel, `gemv_stage`, for the four GEMV stages (STAGE as in `mk_kernels.deco
 gate/up, 4 down). Program pid owns rows `[pid * R, pid * R + R)` (R a multiple of BOX_ROWS): before its PDL wait it
 issues the TMA copies of its tile in [BOX_ROWS, BOX_K] boxes, paced (`_producer`: a few groups of boxes in flight,
 so that 132 programs do not queue a whole stage's megabytes in front of the latency-bound work of the stages on
-the critical path); after the wait it reads the stage input (RMSNorm'd for QKV and gate/up) into shared memory as
-fp32, waits for the rest of the tile, and multiplies box by box (each warp owns rows: the row sums stay inside a
-warp). When the next kernel may launch (before or after the wait) is a per-stage choice
-(`DecodeMegakernel.gluon_late_launch`): it decides how far ahead the next stage's tiles stream. Rounding as in `mk_kernels`: every value HF holds in bf16
-is rounded to bf16 at the same point (integer round-to-nearest-even). The sums run in another order than the
-Triton stages', so the two paths agree to bf16 rounding, not bit for bit. GPU only (no interpreter).
+the critical path); after the wait it reads the stage input (RMSNorm'd for QKV and gate/up) into shared memory,
+waits for the rest of the tile, and multiplies it: on the tensor cores by default (`_mma_rows`, MMA: the tile in
+128-byte swizzled [4 rows, 8 chunks, 64] boxes, one m16n8k16 mma per 8 K chunks of 8 rows; session 11), else
+with FFMAs box by box (`_consumer`). Each warp owns rows: the row sums stay inside a warp. When the next kernel may
+launch (before or after the wait) is a per-stage choice (`DecodeMegakernel.gluon_late_launch`): it decides how
+far ahead the next stage's tiles stream. Rounding as in `mk_kernels`: every value HF holds in bf16 is rounded to
+bf16 at the same point (integer round-to-nearest-even). The sums run in another order than the Triton stages', so
+the two paths agree to bf16 rounding, not bit for bit. GPU only (no interpreter).
 """
 
 from __future__ import annotations
