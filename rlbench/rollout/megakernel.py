@@ -206,7 +206,7 @@ class DecodeMegakernel:
         ("pdl" / "launch") only; default: where Gluon's Hopper TMA is available (sm_90+). Measured on the H200
         (docs/LOG.md sessions 10-11): 0.6B 505-508 / 571-575 / 611-616 us per call at pos 256 / 1024 / 1500 against
         620 / 642-644 / 663-665 with the Triton stages; on the tensor cores (`gluon_mma`) 455.6 / 520.2 at pos 256
-        / 1024.
+        / 1024."""
         self.gluon_stages = (0, 2, 3, 4)
         """The GEMV stages that may run in Gluon (QKV, o_proj, gate/up, down; benchmarks/megakernel.py --gluon)."""
         self.gluon_late_launch = (0, 3)
