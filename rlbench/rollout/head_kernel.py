@@ -4,11 +4,12 @@ Why: as compiled torch the head is ~8 kernels (norm, lm_head + noise, three voca
 with a launch gap before each inside the step's CUDA graph; at batch 1 the 0.6B step is ~0.57 ms, of which the
 lm_head's 311 MB take 74 us and the rest of the head ~25 us (docs/LOG.md, session 11).
 
-`_head_partials`: program p streams its share of the lm_head rows (blocks of BR rows, software-pipelined loads),
+`_head_partials`: one-warp program p streams its share of the lm_head rows (blocks of BR rows, the next block's
+loads in flight while one is reduced),
 computes the logits as HF does (fp32 sums rounded to bf16, over the bf16 RMSNorm of the hidden state), and keeps
 per-program partials of everything `sampling.sample_tokens` / `greedy_tokens` reduce over the vocabulary: the
 first argmax of the tempered logits plus Gumbel noise (the same counter-based noise, `sampling.uniform_noise`),
-the first argmax of the tempered logits, and their online logsumexp. `_head_finish` (one program) combines the
+the first argmax of the tempered logits, and their online logsumexp, per row slot, reduced once at its end. `_head_finish` (one program) combines the
 partials (ties to the lowest token id, as `argmax_rows`), forms the log-prob `scaled[token] - logsumexp`, and
 writes the slot state as `step_kernel.finish_step`. Top-k/top-p ("truncate") keeps the compiled head.
 """
@@ -22,8 +23,11 @@ from triton.language.extra.cuda import gdc_wait
 
 from rlbench.rollout.mk_kernels import _bf  # integer round-to-nearest-even (the interpreter truncates casts)
 
-BLOCK_ROWS = 16
-"""lm_head rows per loaded block (16 x 1,024 bf16 = 32 KB on the 0.6B shape)."""
+BLOCK_ROWS = 4
+"""lm_head rows per loaded block of a one-warp program (4 x 1,024 bf16 = 8 KB on the 0.6B shape)."""
+PROGRAMS_PER_SM = 8
+"""One-warp programs per SM: every reduction stays inside a warp (shuffles, no CTA barrier), and 8 x 2 blocks
+in flight per SM keep ~128 KB of the lm_head streaming."""
 
 
 @triton.jit
@@ -38,8 +42,7 @@ def _mix32(x):
 
 @triton.jit
 def _head_partials(hidden, norm_w, lm_w, temperature, seeds, steps, part_f, part_i, eps, V,
-                   K: tl.constexpr, KP: tl.constexpr, BR: tl.constexpr, NOISE: tl.constexpr, STAGES: tl.constexpr,
-                   PDL: tl.constexpr):
+                   K: tl.constexpr, KP: tl.constexpr, BR: tl.constexpr, NOISE: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     k = tl.arange(0, KP)
@@ -60,36 +63,44 @@ def _head_partials(hidden, norm_w, lm_w, temperature, seeds, steps, part_f, part
     n_blocks = tl.cdiv(V, BR)
     first, last = pid * n_blocks // nprog, (pid + 1) * n_blocks // nprog
     r = tl.arange(0, BR)
-    key_max = tl.full([], float("-inf"), tl.float32)
-    key_idx = tl.full([], 0, tl.int32)
-    key_scaled = tl.full([], 0.0, tl.float32)
-    s_max = tl.full([], float("-inf"), tl.float32)
-    s_idx = tl.full([], 0, tl.int32)
-    s_sum = tl.full([], 0.0, tl.float32)
-    for blk in tl.range(first, last, num_stages=STAGES):
+    # running statistics per row slot (no reduction across the block inside the loop), reduced once at the end
+    key_max = tl.full([BR], float("-inf"), tl.float32)
+    key_idx = tl.zeros([BR], tl.int32)
+    key_scaled = tl.zeros([BR], tl.float32)
+    s_max = tl.full([BR], float("-inf"), tl.float32)
+    s_idx = tl.zeros([BR], tl.int32)
+    s_sum = tl.zeros([BR], tl.float32)
+    w_next = tl.load(lm_w + (first * BR + r)[:, None].to(tl.int64) * K + k[None, :],
+                     mask=((first * BR + r) < V)[:, None] & km[None, :], other=0.0)
+    for blk in range(first, last):
         rows = blk * BR + r
         rm = rows < V
-        w = tl.load(lm_w + rows[:, None].to(tl.int64) * K + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+        w = w_next  # the next block is in flight while this one is reduced (registers: a one-warp program has room)
+        nxt = rows + BR
+        w_next = tl.load(lm_w + nxt[:, None].to(tl.int64) * K + k[None, :],
+                         mask=((nxt < V) & (blk + 1 < last))[:, None] & km[None, :], other=0.0)
         logits = _bf(tl.sum(w.to(tl.float32) * x[None, :], axis=1))
-        scaled = tl.where(rm, logits / temp, float("-inf"))
-        # logsumexp (online) and first argmax of the tempered logits
-        b_max = tl.max(scaled, axis=0)
-        b_idx = tl.argmax(scaled, axis=0, tie_break_left=True)
-        m_new = tl.maximum(s_max, b_max)
-        s_sum = s_sum * tl.exp(s_max - m_new) + tl.sum(tl.exp(scaled - m_new), axis=0)
-        s_idx = tl.where(b_max > s_max, blk * BR + b_idx, s_idx)
+        scaled = logits / temp
+        # online logsumexp and first argmax of the tempered logits (a slot sees its rows in ascending order)
+        m_new = tl.where(rm, tl.maximum(s_max, scaled), s_max)
+        s_sum = tl.where(rm, s_sum * tl.exp(s_max - m_new) + tl.exp(scaled - m_new), s_sum)
+        s_idx = tl.where(rm & (scaled > s_max), rows, s_idx)
         s_max = m_new
         if NOISE:  # first argmax of scaled + Gumbel(u), u from the (seed, step, token) hash
             hsh = _mix32(row_hash ^ _mix32((rows * 2 + 1).to(tl.uint32)))
             u = ((hsh >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-            key = tl.where(rm, scaled - tl.log(-tl.log(u)), float("-inf"))
-            c_max = tl.max(key, axis=0)
-            c_idx = tl.argmax(key, axis=0, tie_break_left=True)
-            c_scaled = tl.sum(tl.where(r == c_idx, scaled, 0.0), axis=0)
-            better = c_max > key_max
-            key_idx = tl.where(better, blk * BR + c_idx, key_idx)
-            key_scaled = tl.where(better, c_scaled, key_scaled)
-            key_max = tl.maximum(key_max, c_max)
+            key = scaled - tl.log(-tl.log(u))
+            better = rm & (key > key_max)
+            key_idx = tl.where(better, rows, key_idx)
+            key_scaled = tl.where(better, scaled, key_scaled)
+            key_max = tl.where(better, key, key_max)
+    m = tl.max(s_max, axis=0)
+    p_sum = tl.sum(tl.where(s_max > float("-inf"), s_sum * tl.exp(s_max - m), 0.0), axis=0)
+    p_idx = tl.min(tl.where(s_max == m, s_idx, 2**30), axis=0)
+    k_max = tl.max(key_max, axis=0)
+    k_idx = tl.min(tl.where(key_max == k_max, key_idx, 2**30), axis=0)
+    k_scaled = tl.sum(tl.where((key_max == k_max) & (key_idx == k_idx), key_scaled, 0.0), axis=0)
+    s_max, s_sum, s_idx, key_max, key_idx, key_scaled = m, p_sum, p_idx, k_max, k_idx, k_scaled
     i = tl.arange(0, 4)
     tl.store(part_f + pid * 4 + i, tl.where(i == 0, s_max, tl.where(i == 1, s_sum, tl.where(i == 2, key_max,
                                                                                               key_scaled))))
@@ -132,10 +143,11 @@ class SampleHead:
     state update, as the compiled head + `finish_step` would leave them (greedy and sample modes)."""
 
     def __init__(self, model: torch.nn.Module, base: torch.nn.Module, device: torch.device,
-                 programs: int | None = None, stages: int = 3):
+                 programs: int | None = None):
         if programs is None:
-            programs = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-        self.model, self.base, self.programs, self.stages = model, base, programs, stages
+            programs = (PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+                        if device.type == "cuda" else 4)
+        self.model, self.base, self.programs = model, base, programs
         self.pdl = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
         """Launch the partials kernel with programmatic dependent launch (sm_90+): it starts while the
         megakernel's last stage runs and waits for it in-kernel."""
@@ -149,7 +161,7 @@ class SampleHead:
         _head_partials[(self.programs,)](hidden, self.base.norm.weight, w, state.temperature, state.seeds,
                                          state.steps, self.part_f, self.part_i, self.base.norm.variance_epsilon, v,
                                          K=k, KP=triton.next_power_of_2(k), BR=BLOCK_ROWS, NOISE=noise,
-                                         STAGES=self.stages, PDL=self.pdl, launch_pdl=self.pdl)
+                                         PDL=self.pdl, launch_pdl=self.pdl, num_warps=1)
         _head_finish[(1,)](self.part_f, self.part_i, state.temperature, state.out_tokens, state.out_log_probs,
                            state.tokens, state.positions, state.steps, self.programs, max_pos, NOISE=noise,
-                           PP=triton.next_power_of_2(self.programs))
+                           PP=triton.next_power_of_2(self.programs), num_warps=4)
