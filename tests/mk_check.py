@@ -331,6 +331,49 @@ def finish_step_matches_torch() -> bool:
     return all(torch.equal(getattr(a, n), getattr(b, n)) for n in names)
 
 
+def head_matches_sampling() -> dict:
+    """`head_kernel.SampleHead` (interpreted, 4 programs) against the compiled head's math on the CPU
+    (`greedy_tokens` / `sample_tokens` of `lm_head(norm(hidden))` in bf16): a 1,000-token vocabulary (a partial
+    last block), greedy and sampled rows, 24 (seed, step) pairs. Returns the mismatches and the largest log-prob
+    difference."""
+    from types import SimpleNamespace
+
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from rlbench.rollout.head_kernel import SampleHead
+    from rlbench.rollout.runner import SlotState
+    from rlbench.rollout.sampling import greedy_tokens, sample_tokens
+
+    torch.manual_seed(0)
+    d, v = 64, 1000
+    lm_head = torch.nn.Linear(d, v, bias=False).to(torch.bfloat16)
+    torch.nn.init.normal_(lm_head.weight, std=0.3)
+    norm = Qwen3RMSNorm(d, eps=1e-6).to(torch.bfloat16)
+    torch.nn.init.normal_(norm.weight, mean=1.0, std=0.2)
+    head = SampleHead(SimpleNamespace(lm_head=lm_head), SimpleNamespace(norm=norm), torch.device("cpu"), programs=4)
+    bad, worst = 0, 0.0
+    for case in range(24):
+        hidden = torch.randn(1, 1, d).to(torch.bfloat16)
+        mode = "greedy" if case % 4 == 0 else "sample"
+        temp = [0.0, 0.7, 1.0, 1.3][case % 4]
+        st = SlotState(1, v, torch.device("cpu"))
+        st.temperature.fill_(temp)
+        st.seeds.fill_(1000 + case)
+        st.steps.fill_(case * 7)
+        st.positions.fill_(5)
+        with torch.no_grad():
+            logits = lm_head(norm(hidden[:, -1]))
+            if mode == "greedy":
+                tok, lp = greedy_tokens(logits)
+            else:
+                tok, lp = sample_tokens(logits, st.temperature, st.top_k, st.top_p, st.seeds, st.steps,
+                                        st.vocab_hash, False)
+        head(hidden, st, mode, 9)
+        bad += int(st.out_tokens[0] != tok[0] or st.tokens[0] != tok[0] or st.positions[0] != 6 or st.steps[0] != case * 7 + 1)
+        worst = max(worst, abs(float(st.out_log_probs[0] - lp[0])))
+    return dict(mismatches=bad, max_lp_diff=worst)
+
+
 if __name__ == "__main__":
     _interpreter_numpy_shim()
     out = {case_name(*c): compare_to_f64(p, n, "cpu", tile_programs=tp) for c in CPU_CASES for p, n, tp in [c]}
@@ -341,4 +384,5 @@ if __name__ == "__main__":
     out["timeout"] = barrier_timeout()
     out["engine_timeout"] = engine_stops_at_first_window()
     out["finish_step"] = finish_step_matches_torch()
+    out["head"] = head_matches_sampling()
     json.dump(out, sys.stdout)

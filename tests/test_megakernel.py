@@ -59,6 +59,14 @@ def _check(r, label):
 
 
 @needs_triton
+def test_interpreted_sample_head_equals_the_compiled_heads_math(interpreted):
+    """The batch-1 head in two Triton kernels (norm, lm_head, Gumbel sampling, log-prob, state update) picks the
+    tokens `greedy_tokens` / `sample_tokens` pick from HF's bf16 logits, with their log-probs (24 cases)."""
+    r = interpreted["head"]
+    assert r["mismatches"] == 0 and r["max_lp_diff"] < 1e-5, r
+
+
+@needs_triton
 def test_interpreted_finish_step_equals_the_torch_state_update(interpreted):
     """The step's state update in one Triton kernel (CUDA steps) == the five torch ops (CPU steps)."""
     assert interpreted["finish_step"]

@@ -69,13 +69,16 @@ class StepOptions:
     """The megakernel's GEMV stages as Gluon kernels with their weight tile in shared memory
     (`DecodeMegakernel.gluon_gemv`): None: where available (sm_90+, per-stage sync); True: the same, with a warning
     where not available; False: the Triton stage kernels."""
+    megakernel_head: bool = True
+    """With the megakernel, batch-1 "greedy" and "sample" steps end in two Triton kernels (`head_kernel.py`: final
+    norm, lm_head, sampling and the state update) instead of the compiled head; "truncate" keeps the compiled one."""
     backend: str | object = "inductor"
     """torch.compile backend (tests pass a counting backend)."""
 
     def __post_init__(self) -> None:
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention={self.decode_attention!r} must be one of {sorted(DECODE_ATTENTION)}")
-        for name in ("megakernel", "megakernel_gluon"):
+        for name in ("megakernel", "megakernel_gluon"):  # (megakernel_head: a plain bool)
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, bool(getattr(self, name)))  # 0 / 1 (a command line): off / on
         if self.megakernel_sync not in ("auto", *STAGE_SYNC):
@@ -145,6 +148,7 @@ class ModelRunner:
         self.cuda_graphs = opts.cuda_graphs and self.device.type == "cuda"
         self.layers: list = []
         self.megakernel: DecodeMegakernel | None = None
+        self.head = None  # head_kernel.SampleHead, with the megakernel
         self._warned_megakernel = False
         self.bind_weights()
         self._graphs: dict[tuple[int, int, str], torch.cuda.CUDAGraph] = {}
@@ -174,6 +178,10 @@ class ModelRunner:
             if reason is None and (self.opts.megakernel or sync == "pdl"):
                 self.megakernel = DecodeMegakernel(self.model, fused, self.cache.shape.max_seq_len, self.device)
                 self.megakernel.stage_sync = sync
+                if self.opts.megakernel_head:
+                    from rlbench.rollout.head_kernel import SampleHead
+
+                    self.head = SampleHead(self.model, self.base, self.device)
                 if self.opts.megakernel_gluon is False:
                     self.megakernel.gluon_gemv = False
                 elif self.opts.megakernel_gluon and not self.megakernel.gluon_active():
@@ -259,6 +267,10 @@ class ModelRunner:
 
     def _decode_eager(self, b: int, kv_len: int, mode: str) -> None:
         s = self.state
+        if b == 1 and self.head is not None and mode != "truncate":  # megakernel + the two head kernels
+            hidden = self.megakernel(*self._embed_fn(s.tokens[:1], s.positions[:1]), s.positions[:1])
+            self.head(hidden, s, mode, self.cache.shape.max_seq_len - 1)
+            return
         tok, lp = self._logits_and_sample(s.tokens[:b], s.positions[:b], s.temperature[:b], s.top_k[:b],
                                           s.top_p[:b], s.seeds[:b], s.steps[:b], kv_len, mode)
         if self.device.type == "cuda" and self.megakernel is not None:  # triton is there: one kernel, not five

@@ -70,6 +70,9 @@ class TorchEngineConfig:
     stage's programs share the SM and load a stage ahead (`DecodeMegakernel.gluon_gemv`). None (default): where
     available (sm_90+ with a per-stage sync; stages whose tile fits 120 KB: all four of the 0.6B shape, none of the
     4B shape); True: the same, warning where nothing runs in Gluon; False: the Triton stage kernels."""
+    megakernel_head: bool = True
+    """With the megakernel, batch-1 greedy/sampling steps end in two Triton kernels (`head_kernel.py`: final norm,
+    lm_head, sampling, state update) instead of the compiled head (top-k/top-p steps keep the compiled head)."""
 
     def __post_init__(self) -> None:
         if self.max_seq_len < 2:
@@ -91,7 +94,8 @@ class TorchEngineConfig:
         return StepOptions(compile=self.compile and cuda, cuda_graphs=self.cuda_graphs and cuda,
                            fused_weights=self.fused_weights, decode_attention=self.decode_attention,
                            gemv_batch1=self.gemv_batch1, megakernel=self.megakernel,
-                           megakernel_sync=self.megakernel_sync, megakernel_gluon=self.megakernel_gluon)
+                           megakernel_sync=self.megakernel_sync, megakernel_gluon=self.megakernel_gluon,
+                           megakernel_head=self.megakernel_head)
 
 
 @dataclass
