@@ -1,8 +1,12 @@
 """The batch-1 head (final RMSNorm, lm_head, sampling, state update) in two Triton kernels, after the megakernel.
 
-Why: as compiled torch the head is ~8 kernels (norm, lm_head + noise, three vocab reductions, the state update)
-with a launch gap before each inside the step's CUDA graph; at batch 1 the 0.6B step is ~0.57 ms, of which the
-lm_head's 311 MB take 74 us and the rest of the head ~25 us (docs/LOG.md, session 11).
+Why: as compiled torch the head is ~7 kernels (norm, lm_head + noise, three vocab reductions, the state update)
+with a launch gap before each inside the step's CUDA graph; at batch 1 the 0.6B step is ~0.58 ms, of which the
+lm_head's 311 MB take 74 us and the rest of the head ~25 us. Measured on the H200 (docs/LOG.md, session 11, one
+run): sampling steps 0.569 / 0.618 ms at kv 256 / 1024 against 0.578 / 0.628 with the compiled head; greedy
+0.567 / 0.615 against 0.568 / 0.618. (Blocks of 16 rows reduced across 4 warps each took 0.738 ms: a CTA barrier
+per block; here every program is one warp.) The partials kernel is launched with PDL after the megakernel's last
+stage on sm_90+.
 
 `_head_partials`: one-warp program p streams its share of the lm_head rows (blocks of BR rows, the next block's
 loads in flight while one is reduced),

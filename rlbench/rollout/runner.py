@@ -9,7 +9,8 @@ one layer instead of the unrolled model. The CUDA graph still captures the whole
 
 With `megakernel` on (and supported), a batch-1 step replaces the per-layer loop by Triton stage kernels chained
 with programmatic dependent launch, or one persistent kernel with grid barriers (`megakernel.py`); the prologue
-and head are unchanged.
+stays compiled, and the head (final norm, lm_head, sampling, state update) runs as two Triton kernels
+(`head_kernel.py`) except for top-k/top-p steps.
 
 The layer forward is the engine's own over fused QKV / gate-up weights (`fused.py`), or the HF module's
 forward (other architectures, `fused_weights=False`); only the attention (`attention.py`) and the KV cache
@@ -59,7 +60,8 @@ class StepOptions:
     """Batch 1 gets its own compiled graph whose matmuls inductor lowers to GEMV reductions."""
     megakernel: bool | None = None
     """Batch-1 steps run all decoder layers as Triton stage kernels (`megakernel.py`) where
-    `megakernel.unsupported` allows (CUDA, bf16 fused layers); the prologue and head stay compiled. None: only
+    `megakernel.unsupported` allows (CUDA, bf16 fused layers); the prologue stays compiled (the head: see
+    `megakernel_head`). None: only
     where the stages chain by programmatic dependent launch (sm_90+), silently off elsewhere; True: wherever
     supported, with a warning where not; False: off."""
     megakernel_sync: str = "auto"
@@ -178,7 +180,8 @@ class ModelRunner:
             if reason is None and (self.opts.megakernel or sync == "pdl"):
                 self.megakernel = DecodeMegakernel(self.model, fused, self.cache.shape.max_seq_len, self.device)
                 self.megakernel.stage_sync = sync
-                if self.opts.megakernel_head:
+                if self.opts.megakernel_head and getattr(self.model.lm_head, "bias", None) is None and hasattr(
+                        self.base.norm, "variance_epsilon"):  # an RMSNorm and a plain linear head, as the kernel
                     from rlbench.rollout.head_kernel import SampleHead
 
                     self.head = SampleHead(self.model, self.base, self.device)
