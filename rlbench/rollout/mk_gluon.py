@@ -74,6 +74,29 @@ def _timer():
 
 
 @gluon.jit
+def _stamp(laps, lap_base, t_start, t_wait, t_ready, WARPS: gl.constexpr):
+    """TIMED: the program's start, wait, end and tile-landed globaltimer stamps into `laps`."""
+    t_end = _timer()
+    i = gl.arange(0, 4, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+    stamps = gl.where(i == 0, t_start, gl.where(i == 1, t_wait, gl.where(i == 2, t_end, t_ready)))
+    gl.store(laps + lap_base + gl.program_id(0) * 4 + i, stamps)
+
+
+@gluon.jit
+def _store_rows(out, bias, rows, rmask, o, up, GATED: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """A row group's results, rounded as HF: silu(gate) * up for gate/up (`o` the gate sums, `up` the up sums),
+    else the sums (+ the QKV bias)."""
+    if GATED:
+        g = _bf(o)
+        silu = _bf(g / (1.0 + gl.exp(-g)))
+        gl.store(out + rows, _bf(silu * _bf(up)).to(gl.bfloat16), mask=rmask)
+    else:
+        if HAS_BIAS:
+            o += gl.load(bias + rows, mask=rmask, other=0.0).to(gl.float32)
+        gl.store(out + rows, _bf(o).to(gl.bfloat16), mask=rmask)
+
+
+@gluon.jit
 def _box_coords(j, row0, N: gl.constexpr, NC: gl.constexpr, S: gl.constexpr):
     """Box j of a program's tile, in the order the consumer reads them: (row group, K chunk, gate/up) ->
     its [row, column] in the weight."""
@@ -185,20 +208,10 @@ def _consumer(tile, bars, xs, inp, norm, bias, out, laps, lap_base, eps, row0, l
             else:
                 res = gl.load(out + rows, mask=rmask, other=0.0, cache_modifier=".cg").to(gl.float32)
             gl.store(out + rows, _bf(res + _bf(o)).to(gl.bfloat16), mask=rmask)
-        elif GATED:
-            g = _bf(o)
-            u = _bf(gl.sum(acc_up, axis=1))
-            silu = _bf(g / (1.0 + gl.exp(-g)))
-            gl.store(out + rows, _bf(silu * u).to(gl.bfloat16), mask=rmask)
         else:
-            if HAS_BIAS:
-                o += gl.load(bias + rows, mask=rmask, other=0.0).to(gl.float32)
-            gl.store(out + rows, _bf(o).to(gl.bfloat16), mask=rmask)
+            _store_rows(out, bias, rows, rmask, o, gl.sum(acc_up, axis=1), GATED, HAS_BIAS)
     if TIMED:
-        t_end = _timer()
-        i = gl.arange(0, 4, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
-        stamps = gl.where(i == 0, t_start, gl.where(i == 1, t_wait, gl.where(i == 2, t_end, t_ready)))
-        gl.store(laps + lap_base + gl.program_id(0) * 4 + i, stamps)
+        _stamp(laps, lap_base, t_start, t_wait, t_ready, WARPS)
 
 
 @gluon.jit
@@ -304,20 +317,10 @@ def _consumer_mma(tile, tile_hi, LO: gl.constexpr, bars, xs, inp, norm, bias, ou
         else:
             rows = row0 + r * BOX_ROWS + gl.arange(0, BOX_ROWS, layout=o.type.layout)
             rmask = rows < N
-            if GATED:
-                g = _bf(o)
-                u = _bf(_mma_rows(tile, tile_hi, LO, xs, b0, b1, r * S + 1, H, WARPS))
-                silu = _bf(g / (1.0 + gl.exp(-g)))
-                gl.store(out + rows, _bf(silu * u).to(gl.bfloat16), mask=rmask)
-            else:
-                if HAS_BIAS:
-                    o += gl.load(bias + rows, mask=rmask, other=0.0).to(gl.float32)
-                gl.store(out + rows, _bf(o).to(gl.bfloat16), mask=rmask)
+            up = _mma_rows(tile, tile_hi, LO, xs, b0, b1, r * S + 1, H, WARPS) if GATED else o
+            _store_rows(out, bias, rows, rmask, o, up, GATED, HAS_BIAS)
     if TIMED:
-        t_end = _timer()
-        i = gl.arange(0, 4, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
-        stamps = gl.where(i == 0, t_start, gl.where(i == 1, t_wait, gl.where(i == 2, t_end, t_ready)))
-        gl.store(laps + lap_base + gl.program_id(0) * 4 + i, stamps)
+        _stamp(laps, lap_base, t_start, t_wait, t_ready, WARPS)
 
 
 @gluon.jit
