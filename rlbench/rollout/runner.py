@@ -34,12 +34,6 @@ from rlbench.rollout.kv_cache import KVCache
 from rlbench.rollout.megakernel import STAGE_SYNC, DecodeMegakernel, default_stage_sync, unsupported
 from rlbench.rollout.sampling import greedy_tokens, sample_tokens, token_hash
 
-
-def finish_step(*args) -> None:
-    from rlbench.rollout.step_kernel import finish_step as kernel  # triton: only where the megakernel runs
-
-    kernel(*args)
-
 SAMPLE_MODES = ("greedy", "sample", "truncate")
 """Decode-step variants, chosen once per `SamplingParams`: argmax only; Gumbel noise; noise + top-k/top-p."""
 
@@ -277,6 +271,8 @@ class ModelRunner:
         tok, lp = self._logits_and_sample(s.tokens[:b], s.positions[:b], s.temperature[:b], s.top_k[:b],
                                           s.top_p[:b], s.seeds[:b], s.steps[:b], kv_len, mode)
         if self.device.type == "cuda" and self.megakernel is not None:  # triton is there: one kernel, not five
+            from rlbench.rollout.step_kernel import finish_step
+
             finish_step(s, b, tok, lp, self.cache.shape.max_seq_len - 1)
             return
         s.out_tokens[:b].copy_(tok)
