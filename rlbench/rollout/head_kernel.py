@@ -26,6 +26,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from rlbench.rollout.mk_kernels import _bf  # integer round-to-nearest-even (the interpreter truncates casts)
+from rlbench.rollout.step_kernel import store_step
 
 BLOCK_ROWS = 4
 """lm_head rows per loaded block of a one-warp program (4 x 1,024 bf16 = 8 KB on the 0.6B shape)."""
@@ -42,6 +43,19 @@ def _mix32(x):
     x = x ^ (x >> 15)
     x = x * 0x5BD1E995
     return x ^ (x >> 16)
+
+
+@triton.jit
+def _first_max(v, idx):
+    """(max of `v`, the lowest `idx` holding it): argmax with ties to the lowest token id, as `argmax_rows`."""
+    m = tl.max(v, axis=0)
+    return m, tl.min(tl.where(v == m, idx, 2**30), axis=0)
+
+
+@triton.jit
+def _sum_at(run_max, run_sum, m):
+    """Online-softmax sums `run_sum` (each relative to its `run_max`) brought to the common max `m` and added."""
+    return tl.sum(tl.where(run_max > float("-inf"), run_sum * tl.exp(run_max - m), 0.0), axis=0)
 
 
 @triton.jit
@@ -98,11 +112,9 @@ def _head_partials(hidden, norm_w, lm_w, temperature, seeds, steps, part_f, part
             key_idx = tl.where(better, rows, key_idx)
             key_scaled = tl.where(better, scaled, key_scaled)
             key_max = tl.where(better, key, key_max)
-    m = tl.max(s_max, axis=0)
-    p_sum = tl.sum(tl.where(s_max > float("-inf"), s_sum * tl.exp(s_max - m), 0.0), axis=0)
-    p_idx = tl.min(tl.where(s_max == m, s_idx, 2**30), axis=0)
-    k_max = tl.max(key_max, axis=0)
-    k_idx = tl.min(tl.where(key_max == k_max, key_idx, 2**30), axis=0)
+    m, p_idx = _first_max(s_max, s_idx)
+    p_sum = _sum_at(s_max, s_sum, m)
+    k_max, k_idx = _first_max(key_max, key_idx)
     k_scaled = tl.sum(tl.where((key_max == k_max) & (key_idx == k_idx), key_scaled, 0.0), axis=0)
     s_max, s_sum, s_idx, key_max, key_idx, key_scaled = m, p_sum, p_idx, k_max, k_idx, k_scaled
     i = tl.arange(0, 4)
@@ -119,27 +131,21 @@ def _head_finish(part_f, part_i, temperature, out_tokens, out_log_probs, tokens,
     s_max = tl.load(part_f + p * 4, mask=pm, other=float("-inf"))
     s_sum = tl.load(part_f + p * 4 + 1, mask=pm, other=0.0)
     s_idx = tl.load(part_i + p * 2, mask=pm, other=2**30)
-    m = tl.max(s_max, axis=0)
-    lse = m + tl.log(tl.sum(s_sum * tl.exp(s_max - m), axis=0))
-    # programs hold ascending token ranges: among equal maxima the lowest id wins, as argmax_rows
-    tok = tl.min(tl.where(s_max == m, s_idx, 2**30), axis=0)
+    m, tok = _first_max(s_max, s_idx)  # programs hold ascending token ranges
+    lse = m + tl.log(_sum_at(s_max, s_sum, m))
     scaled_tok = m
     if NOISE:
         key_max = tl.load(part_f + p * 4 + 2, mask=pm, other=float("-inf"))
         key_scaled = tl.load(part_f + p * 4 + 3, mask=pm, other=0.0)
         key_idx = tl.load(part_i + p * 2 + 1, mask=pm, other=2**30)
-        km = tl.max(key_max, axis=0)
-        k_tok = tl.min(tl.where(key_max == km, key_idx, 2**30), axis=0)
+        km, k_tok = _first_max(key_max, key_idx)
         k_scaled = tl.sum(tl.where((key_max == km) & (key_idx == k_tok), key_scaled, 0.0), axis=0)
         sampled = tl.load(temperature) > 0
         tok = tl.where(sampled, k_tok, tok)
         scaled_tok = tl.where(sampled, k_scaled, scaled_tok)
-    t = tok.to(tl.int64)
-    tl.store(out_tokens, t)
-    tl.store(tokens, t)
-    tl.store(out_log_probs, scaled_tok - lse)
-    tl.store(positions, tl.minimum(tl.load(positions) + 1, max_pos))
-    tl.store(steps, tl.load(steps) + 1)
+    i = tl.arange(0, 1)
+    store_step(i, i < 1, tl.zeros([1], tl.int64) + tok, tl.zeros([1], tl.float32) + (scaled_tok - lse), out_tokens,
+               out_log_probs, tokens, positions, steps, max_pos)
 
 
 class SampleHead:

@@ -119,6 +119,13 @@ def mma_tile_split(chunk_rows: int) -> int | None:
     return lo if rest == 0 or rest == _pow2(rest) else None
 
 
+def _mma_tile_rows(stacked: int, rows: int, k: int) -> int:
+    """Rows of [8 chunks, 64] in a tensor-core Gluon tile of `stacked * rows` weight rows of K."""
+    from rlbench.rollout.mk_gluon import MMA_CHUNK, MMA_SLICES
+
+    return stacked * rows * k // (MMA_SLICES.value * MMA_CHUNK.value)
+
+
 def unsupported(model: torch.nn.Module, layers: list | None, device: torch.device) -> str | None:
     """Why the megakernel cannot run this model here (None when it can)."""
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -273,7 +280,7 @@ class DecodeMegakernel:
         """The GEMV stages `mk_gluon.gemv_stage` can run: stage -> (N, K, rows per program, K boxes rounded up to
         a power of two). A stage needs K a multiple of the box width (1,024 on the tensor cores, `gluon_mma`; 256
         with FFMAs) and its tile (plus the input) within GLUON_TILE_BYTES; the others keep the Triton stage kernel."""
-        from rlbench.rollout.mk_gluon import BOX_K, BOX_ROWS, MMA_CHUNK, MMA_IN, MMA_SLICES
+        from rlbench.rollout.mk_gluon import BOX_K, BOX_ROWS, MMA_CHUNK, MMA_IN
 
         dims = {0: ((self.h + 2 * self.n_kv) * self.hd, self.d, 1), 2: (self.d, self.h * self.hd, 1),
                 3: (self.i, self.d, 2), 4: (self.d, self.i, 1)}
@@ -283,7 +290,7 @@ class DecodeMegakernel:
             kcp = _pow2(k // BOX_K.value)
             if self.gluon_mma:
                 fits = (k % (MMA_IN.value * MMA_CHUNK.value) == 0 and (stacked * r + 1) * k * 2 <= GLUON_TILE_BYTES
-                        and mma_tile_split(stacked * r * k // (MMA_SLICES.value * MMA_CHUNK.value)) is not None)
+                        and mma_tile_split(_mma_tile_rows(stacked, r, k)) is not None)
             else:
                 fits = k % BOX_K.value == 0 and stacked * r * k * 2 + kcp * BOX_K.value * 4 <= GLUON_TILE_BYTES
             if fits:
@@ -293,12 +300,10 @@ class DecodeMegakernel:
     def gluon_lo(self, stage: int) -> int:
         """`mk_gluon.gemv_stage`'s LO for a planned stage: rows of [8 chunks, 64] in the first tile buffer
         (`mma_tile_split`; 1, unused, with FFMAs)."""
-        from rlbench.rollout.mk_gluon import MMA_CHUNK, MMA_SLICES
-
         if not self.gluon_mma:
             return 1
         n, k, r, _ = self.gluon_plan()[stage]
-        return mma_tile_split((2 if stage == 3 else 1) * r * k // (MMA_SLICES.value * MMA_CHUNK.value))
+        return mma_tile_split(_mma_tile_rows(2 if stage == 3 else 1, r, k))
 
     def gluon_active(self) -> dict[int, tuple[int, int, int, int]]:
         """The stages the next call runs in Gluon (`gluon_plan` within `gluon_stages`; none unless `gluon_gemv`

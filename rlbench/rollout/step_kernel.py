@@ -11,15 +11,22 @@ import triton.language as tl
 
 
 @triton.jit
+def store_step(i, m, t, lp, out_tokens, out_log_probs, tokens, positions, steps, max_pos):
+    """Slots `i` (where `m`): out_tokens = tokens = t, out_log_probs = lp, positions += 1 (clamped to max_pos),
+    steps += 1. Also the end of `head_kernel._head_finish`."""
+    tl.store(out_tokens + i, t, mask=m)
+    tl.store(tokens + i, t, mask=m)
+    tl.store(out_log_probs + i, lp, mask=m)
+    tl.store(positions + i, tl.minimum(tl.load(positions + i, mask=m) + 1, max_pos), mask=m)
+    tl.store(steps + i, tl.load(steps + i, mask=m) + 1, mask=m)
+
+
+@triton.jit
 def _finish_step(tok, lp, out_tokens, out_log_probs, tokens, positions, steps, b, max_pos, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
     m = i < b
-    t = tl.load(tok + i, mask=m)
-    tl.store(out_tokens + i, t, mask=m)
-    tl.store(tokens + i, t, mask=m)
-    tl.store(out_log_probs + i, tl.load(lp + i, mask=m), mask=m)
-    tl.store(positions + i, tl.minimum(tl.load(positions + i, mask=m) + 1, max_pos), mask=m)
-    tl.store(steps + i, tl.load(steps + i, mask=m) + 1, mask=m)
+    store_step(i, m, tl.load(tok + i, mask=m), tl.load(lp + i, mask=m), out_tokens, out_log_probs, tokens,
+               positions, steps, max_pos)
 
 
 def finish_step(state, b: int, tok, lp, max_pos: int) -> None:
