@@ -371,7 +371,13 @@ def head_matches_sampling() -> dict:
         head(hidden, st, mode, 9)
         bad += int(st.out_tokens[0] != tok[0] or st.tokens[0] != tok[0] or st.positions[0] != 6 or st.steps[0] != case * 7 + 1)
         worst = max(worst, abs(float(st.out_log_probs[0] - lp[0])))
-    return dict(mismatches=bad, max_lp_diff=worst)
+    nan_tokens = []  # NaN hidden states (a stalled megakernel's output): still token ids the engine can embed
+    for mode in ("greedy", "sample"):
+        st = SlotState(1, v, torch.device("cpu"))
+        st.temperature.fill_(1.0)
+        head(torch.full((1, 1, d), float("nan"), dtype=torch.bfloat16), st, mode, 9)
+        nan_tokens.append(int(st.out_tokens[0]))
+    return dict(mismatches=bad, max_lp_diff=worst, nan_tokens_in_range=all(0 <= t < v for t in nan_tokens))
 
 
 if __name__ == "__main__":

@@ -47,9 +47,11 @@ def _mix32(x):
 
 @triton.jit
 def _first_max(v, idx):
-    """(max of `v`, the lowest `idx` holding it): argmax with ties to the lowest token id, as `argmax_rows`."""
+    """(max of `v`, the lowest `idx` holding it): argmax with ties to the lowest token id, as `argmax_rows`.
+    A NaN counts as a maximum (torch's argmax picks NaNs too), so that NaN logits (a diverged model, or a stalled
+    megakernel before `check` reports it) still give a token id in range, not the 2**30 filler."""
     m = tl.max(v, axis=0)
-    return m, tl.min(tl.where(v == m, idx, 2**30), axis=0)
+    return m, tl.min(tl.where((v == m) | (v != v), idx, 2**30), axis=0)
 
 
 @triton.jit
