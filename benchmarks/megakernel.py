@@ -114,9 +114,9 @@ def stage_timeline(mk, call, layers: int) -> str:
     t = mk.stage_laps.view(layers, 6, mk.programs, 4)[:, order, :, :4].double().cpu().flatten(0, 1)
     t = (t - t[:, :, 2].amax(1).roll(1)[:, None, None])[len(order):] / 1e3  # from the previous end; layers 1..
     t = t.view(layers - 1, len(order), mk.programs, 4)
-    gluon = mk.gluon_active()
+    gluon = set(mk.gluon_active()) | ({1} if mk.gluon_attention_active() else set())
     rows = [f"  {'stage':8} {'start 1st':>9} {'start avg':>9} {'start last':>10} {'wait avg':>9} {'wait last':>9} "
-            f"{'end avg':>8} {'end':>7} {'ready avg':>9} {'ready last':>10}  (us; ready: Gluon tile landed)"]
+            f"{'end avg':>8} {'end':>7} {'ready avg':>9} {'ready last':>10}  (us; ready: Gluon tile landed / attention's q normed)"]
     for i, stage in enumerate(order):
         s = t[:, i]
         ready = (f" {s[..., 3].mean():9.2f} {s[..., 3].amax(1).mean():10.2f}" if stage in gluon else "")
@@ -147,8 +147,9 @@ def main() -> None:
                          "DecodeMegakernel.gluon_gemv): 'default', '-' (none), or the stages as digits (unpaced, "
                          "early launch), then optionally ',gGxF' (TMA boxes per barrier, groups in flight), ',pS=GxF' "
                          "(the same for stage S), ',L[digits]' (those stages, all without digits, let the next "
-                         "kernel launch after their wait), ',wN' (warps), ',f' (FFMAs, not the tensor cores); the "
-                         "default is 0234,g2x2,L03")
+                         "kernel launch after their wait), ',wN' (warps), ',f' (FFMAs, not the tensor cores), ',a' "
+                         "(the Triton attention stage, not mk_attend's); 'default,OPTS' applies OPTS to the default "
+                         "0234,g2x2,L03")
     ap.add_argument("--barriers", action="store_true",
                     help="also time grid barriers alone and empty kernel boundaries (PDL and plain)")
     ap.add_argument("--stages", action="store_true",
@@ -195,11 +196,12 @@ def main() -> None:
         mk.bind(runner.layers, cache.k, cache.v)
         mk.num_warps, mk.carveout, mk.merge_chunk = warps, None if carve < 0 else carve, chunk
         mk.stage_sync, mk.merge_warps, mk.gluon_gemv = sync, merge_warps or mk.merge_warps, gluon != "-"
-        if gluon not in ("-", "default"):  # e.g. "0234,g2x2,L034,p0=8x2,w8": stages, pacing (all / one stage),
-            # late launch (all / those stages), warps
+        if gluon != "-":  # e.g. "0234,g2x2,L034,p0=8x2,w8": stages, pacing (all / one stage), late launch (all /
+            # those stages), warps; "default,a": the defaults but the Triton attention stage
             stages, *opts = gluon.split(",")
-            mk.gluon_stages, mk.gluon_late_launch = tuple(int(c) for c in stages), ()  # unpaced, early launch
-            mk.gluon_pacing = {st: (64, 1) for st in mk.gluon_pacing}
+            if stages != "default":
+                mk.gluon_stages, mk.gluon_late_launch = tuple(int(c) for c in stages), ()  # unpaced, early launch
+                mk.gluon_pacing = {st: (64, 1) for st in mk.gluon_pacing}
             for o in opts:
                 if o[0] == "g":
                     mk.gluon_pacing = {st: tuple(map(int, o[1:].split("x"))) for st in mk.gluon_pacing}
@@ -207,14 +209,17 @@ def main() -> None:
                     st, gf = o[1:].split("=")
                     mk.gluon_pacing[int(st)] = tuple(map(int, gf.split("x")))
                 elif o[0] == "L":
-                    mk.gluon_late_launch = tuple(int(c) for c in (o[1:] or stages))
+                    mk.gluon_late_launch = tuple(int(c) for c in (o[1:] or mk.gluon_stages))
                 elif o[0] == "w":
                     mk.gluon_warps = int(o[1:])
                 elif o == "f":
                     mk.gluon_mma = False
+                elif o == "a":
+                    mk.gluon_attention = False
         label = (f"tile {tile:5} programs {mk.programs:3} warps {warps:2} carveout {carve:3} merge {chunk:2} {sync:7}"
                  + (f" merge warps {merge_warps}" if merge_warps else "")
-                 + (f" gluon {gluon}" if mk.gluon_active() else ""))
+                 + (f" gluon {gluon}" if mk.gluon_active() else "")
+                 + (" gluon-attention" if mk.gluon_attention_active() else ""))
         for pos in args.pos:
             p = torch.tensor([pos], device="cuda")
             try:

@@ -39,10 +39,12 @@ def _runner(model, max_seq_len, device, dtype=torch.bfloat16, megakernel=True):
 
 
 @torch.inference_mode()
-def compare_to_f64(preset, prompt_len, device, max_seq_len=256, tile_programs=None, sync=None, gluon=None):
+def compare_to_f64(preset, prompt_len, device, max_seq_len=256, tile_programs=None, sync=None, gluon=None,
+                   attention=None):
     """One batch-1 decode step at position `prompt_len` three ways: the megakernel (its `stage_sync`, default
     the device's), the engine's bf16 layer stack (HF's ops) and float64 (same weights, same cached K/V). Returns
-    errors vs float64 and cache checks."""
+    errors vs float64 and cache checks. `gluon` / `attention`: set `gluon_gemv` / `gluon_attention` (None: the
+    default)."""
     model = build_model(preset, device=device, dtype=torch.bfloat16, seed=0).eval()
     runner = _runner(model, max_seq_len, device)
     assert runner.megakernel is not None
@@ -60,6 +62,7 @@ def compare_to_f64(preset, prompt_len, device, max_seq_len=256, tile_programs=No
         mk = DecodeMegakernel(model, runner.layers, max_seq_len, torch.device(device), tile_programs=tile_programs)
     mk.stage_sync = sync or mk.stage_sync
     mk.gluon_gemv = mk.gluon_gemv if gluon is None else gluon
+    mk.gluon_attention = mk.gluon_attention if attention is None else attention
     mk.bind(runner.layers, runner.cache.k, runner.cache.v)
     h_mk = mk(hidden.clone(), cos, sin, pos)
 
@@ -242,6 +245,43 @@ def compile_gluon_stage(preset: str, stage: int, programs: int = 132, mma: bool 
                 boxes=(r // mk_gluon.BOX_ROWS.value) * (k // mk_gluon.BOX_K.value) * (2 if stage == 3 else 1),
                 tma_copies=ptx_text.count("cp.async.bulk.tensor"), waits=ptx_text.count("griddepcontrol.wait"),
                 loads_before_wait=len(re.findall(r"ld\.global", before)),
+                stores_before_wait=len(re.findall(r"\b(?:st\.global|atom\.|red\.)", before)))
+
+
+def compile_gluon_attention(preset: str, programs: int = 132) -> dict:
+    """Compile `mk_attend.attend_stage` for a preset for sm_90 without a GPU, as `DecodeMegakernel` launches it
+    (pointers and 16-aligned ints specialized as the launcher does); returns registers, spills, shared memory, the
+    CTA barriers before/after the PDL wait, the cp.async copies, mma instructions, and the global loads and stores
+    before the wait in the PTX."""
+    import inspect
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from rlbench.rollout import mk_attend
+    from rlbench.rollout.fused import fuse_layers
+
+    model = build_model(preset, meta=True, dtype=torch.bfloat16)
+    mk = DecodeMegakernel(model, fuse_layers(model), 1536, torch.device("cpu"), programs=programs)
+    ptrs = dict(qkv="*bf16", kc="*bf16", vc="*bf16", q_norm="*bf16", k_norm="*bf16", cos="*bf16", sin="*bf16",
+                pos_ptr="*i64", part_acc="*fp32", part_m="*fp32", part_l="*fp32", laps="*i64")
+    args = ptrs | dict(lap_base="i32", eps="fp32", scale="fp32", head_stride="i32", max_splits="i32")
+    consts = dict(H=mk.h, NKV=mk.n_kv, HD=mk.hd, G=mk.group, BG=1 << (mk.group - 1).bit_length(),
+                  HAS_NORM=mk.has_qk_norm, TIMED=False)
+    names = list(inspect.signature(mk_attend.attend_stage.fn).parameters)
+    src = GluonASTSource(fn=mk_attend.attend_stage, signature=args | {c: "constexpr" for c in consts},
+                         constexprs={(names.index(c),): v for c, v in consts.items()},
+                         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in [*ptrs, "head_stride"]})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=mk_attend.WARPS.value, launch_pdl=True))
+    ptx_text = kernel.asm["ptx"]
+    regs, spills = _ptxas_usage(ptx_text, f"rlbench_gluon_{preset}_attend")
+    before, _, after = ptx_text.partition("griddepcontrol.wait")
+    return dict(regs=regs, spill_bytes=spills, shared=kernel.metadata.shared, barriers_before_wait=before.count("bar.sync"),
+                barriers_after_wait=after.count("bar.sync"), copies=ptx_text.count("cp.async.cg"),
+                mma=ptx_text.count("mma.sync"), loads_before_wait=len(re.findall(r"ld\.global", before)),
                 stores_before_wait=len(re.findall(r"\b(?:st\.global|atom\.|red\.)", before)))
 
 

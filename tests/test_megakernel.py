@@ -21,6 +21,7 @@ from mk_check import (
     case_name,
     compare_to_f64,
     compile_for_hopper,
+    compile_gluon_attention,
     compile_gluon_stage,
     distinct_outputs,
     sync_outputs,
@@ -173,6 +174,25 @@ def test_gluon_stage_compiles_for_hopper_small_enough_to_share_an_sm(stage, mma)
     assert r["shared"] + nxt["shared"] <= 227 * 1024
 
 
+@needs_gluon
+@pytest.mark.parametrize("preset", ["qwen3-0.6b-shape", "qwen3-4b-shape"])
+def test_gluon_attention_compiles_for_hopper_and_shares_an_sm_with_qkv(preset):
+    """The Gluon attention stage compiled offline for sm_90 as the megakernel launches it: before the PDL wait it
+    reads only the position, the q/k norm weights and the RoPE row (6 16-byte loads per thread) and starts
+    cp.async copies of cached K/V (two blocks: 2 x 2 x [64, 128] bf16 in 16-byte copies), nothing is written;
+    after the wait a bounded number of CTA barriers (the Triton stage
+    had 19: q/k norms, the softmax of each block, operand conversions), two batched mma per block (16 + 16
+    m16n8k16), and registers and shared memory that fit on an SM beside the QKV stage's program, which launched it."""
+    r = compile_gluon_attention(preset)
+    qkv = compile_gluon_stage("qwen3-0.6b-shape", 0)
+    assert r["loads_before_wait"] == 7 and r["stores_before_wait"] == 0
+    assert r["copies"] == 80 and r["mma"] == 32
+    assert r["barriers_after_wait"] <= 8
+    assert r["spill_bytes"] <= 96
+    assert r["regs"] * 128 + qkv["regs"] * qkv["threads"] <= 65536
+    assert r["shared"] + qkv["shared"] <= 227 * 1024
+
+
 def test_moved_weights_drop_the_batch1_graphs_that_hold_gluon_descriptors():
     """A CUDA graph keeps a Gluon stage's TMA descriptor (old addresses) as a kernel parameter: when `bind` finds
     that weights or cache moved, the batch-1 graphs go; other batches' graphs (no megakernel) stay."""
@@ -300,29 +320,37 @@ def test_asking_for_it_where_unsupported_warns_and_decodes_normally():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda, reason="needs a CUDA device")
-@pytest.mark.parametrize("prompt_len,sync,gluon", [(5, None, None), (300, None, None), (1400, None, None),
-                                                   (300, None, False), (1400, None, False), (300, "barrier", None)])
-def test_megakernel_06b_rounds_like_the_hf_layers(prompt_len, sync, gluon):
+@pytest.mark.parametrize("prompt_len,sync,gluon,attention", [
+    (5, None, None, None), (300, None, None, None), (1400, None, None, None), (2100, None, None, None),
+    (2500, None, None, None), (300, None, None, False), (1400, None, None, False), (300, None, False, None),
+    (1400, None, False, None), (300, "barrier", None, None)])
+def test_megakernel_06b_rounds_like_the_hf_layers(prompt_len, sync, gluon, attention):
     """qwen3-0.6b-shape with one program per SM, the device's default stage sync (PDL on an H100/H200, with the
-    Gluon GEMV stages by default there; gluon=False: the Triton stage kernels) and the grid-barrier kernel
-    (barriers, merge tickets and the cache write live)."""
-    r = compare_to_f64("qwen3-0.6b-shape", prompt_len, "cuda", max_seq_len=1536, sync=sync, gluon=gluon)
-    _check(r, f"0.6b @ {prompt_len} {sync or 'default'}{' triton stages' if gluon is False else ''}")
+    Gluon GEMV and attention stages by default there; attention=False: the Triton attention stage; gluon=False:
+    every stage in Triton) and the grid-barrier kernel (barriers, merge tickets and the cache write live). On
+    132 SMs, position 1400 gives attention tasks of 2 blocks, 2100 gives 136 tasks (4 programs run a second
+    one) and 2500 tasks of 3 blocks (the Gluon stage's block ring refills a buffer)."""
+    r = compare_to_f64("qwen3-0.6b-shape", prompt_len, "cuda", max_seq_len=max(1536, (prompt_len // 64 + 2) * 64), sync=sync,
+                       gluon=gluon, attention=attention)
+    label = {False: " triton stages"}.get(gluon, "") + {False: " triton attention"}.get(attention, "")
+    _check(r, f"0.6b @ {prompt_len} {sync or 'default'}{label}")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda or torch.cuda.get_device_capability()[0] < 9, reason="needs an sm_90+ GPU")
 def test_gluon_gemv_stages_are_the_default_on_sm90():
-    """On an H100/H200 the engine's megakernel runs all four GEMV stages of the 0.6B shape in Gluon, none of the
-    4B shape's (their tiles exceed GLUON_TILE_BYTES), and megakernel_gluon=False turns them off."""
+    """On an H100/H200 the engine's megakernel runs all four GEMV stages of the 0.6B shape in Gluon, and its
+    attention stage, none of the 4B shape's (their tiles exceed GLUON_TILE_BYTES), and megakernel_gluon=False
+    turns them off."""
     for preset, stages in (("qwen3-0.6b-shape", [0, 2, 3, 4]), ("qwen3-4b-shape", [])):
         engine = TorchEngine(build_model(preset, device="cuda", dtype=torch.bfloat16),
                              TorchEngineConfig(max_seq_len=256, num_slots=1, compile=False, cuda_graphs=False))
         assert sorted(engine.runner.megakernel.gluon_active()) == stages, preset
+        assert engine.runner.megakernel.gluon_attention_active() == bool(stages), preset  # it needs their carveout
     engine = TorchEngine(build_model("qwen3-0.6b-shape", device="cuda", dtype=torch.bfloat16),
                          TorchEngineConfig(max_seq_len=256, num_slots=1, compile=False, cuda_graphs=False,
                                            megakernel_gluon=False))
-    assert engine.runner.megakernel.gluon_active() == {}
+    assert engine.runner.megakernel.gluon_active() == {} and not engine.runner.megakernel.gluon_attention_active()
 
 
 @pytest.mark.gpu

@@ -238,11 +238,19 @@ class DecodeMegakernel:
         [4 rows, 8 chunks, 64], one mma per 8 chunks of 8 rows) where `gluon_plan` allows it (K a multiple of
         1,024), else with FFMAs on [8, 256] boxes (`mk_gluon._consumer`). H200, session 11, same run: 455.6 / 520.2
         vs 493.0 / 560.7 us per call at pos 256 / 1024 (benchmarks/megakernel.py --gluon default ...,f)."""
+        self.gluon_attention = True
+        """Run the attention stage as `mk_attend.attend_stage` (each warp its own online softmax over a quarter of a
+        block, the cached K/V copied to shared memory before the PDL wait, no CTA barrier per block) instead of
+        the Triton stage, where `gluon_attention_active` allows it."""
+        self.gluon_attention_kv = 0
+        self.gluon_attention_stamp = 0
+        """(experiment) 0: cached K/V copies start before the PDL wait; 1: and land before it; 2: start after it."""
         self.gluon_carveout = 100
         """Carveout (percent) of every kernel of a step that runs Gluon stages: their tiles need shared memory, and
         an SM only hosts programs of different kernels side by side under one shared-memory split."""
         self._descs: list = []
         self._layers: list = []
+        self._caches: list = []
         self.timed = False
         """Profiling: per-program cycles working/waiting per stage into `laps` (benchmarks/megakernel.py --stages)."""
         self.laps = torch.zeros(programs, 16, dtype=torch.int64, device=device)
@@ -269,12 +277,13 @@ class DecodeMegakernel:
         self.head_stride = k_cache[0].stride(1)
         self._bound = key
         self._layers, self._descs = list(layers), []
+        self._caches = list(zip(k_cache, v_cache))
         return True
 
     def unbind(self) -> None:
         """Forget the bound weights (their tensors and TMA descriptors), so that their memory can be freed
         (`sleep(release_weights=True)`); the next `bind` binds afresh."""
-        self._layers, self._descs, self._bound = [], [], ()
+        self._layers, self._descs, self._bound, self._caches = [], [], (), []
 
     def gluon_plan(self) -> dict[int, tuple[int, int, int, int]]:
         """The GEMV stages `mk_gluon.gemv_stage` can run: stage -> (N, K, rows per program, K boxes rounded up to
@@ -311,6 +320,15 @@ class DecodeMegakernel:
         if not self.gluon_gemv or self.stage_sync == "barrier":
             return {}
         return {s: p for s, p in self.gluon_plan().items() if s in self.gluon_stages}
+
+    def gluon_attention_active(self) -> bool:
+        """Whether the next call runs the Gluon attention stage: `gluon_attention`, Gluon GEMV stages active (their
+        kernels' shared-memory carveout is the one the attention program needs, 69 KB), and shapes it handles: a
+        KV group of at most 8 q heads, a power-of-two head size (multiple of 8) and 16-byte aligned cache rows."""
+        from rlbench.rollout.mk_attend import QR
+
+        return (self.gluon_attention and bool(self.gluon_active()) and self.group <= QR.value // 2
+                and self.hd == _pow2(self.hd) and self.hd % 8 == 0 and self.head_stride % 8 == 0)
 
     def _gluon_descs(self) -> list[dict]:
         """Per layer, the TMA descriptors of the planned stages' weights (built once per bind)."""
@@ -388,12 +406,16 @@ class DecodeMegakernel:
             return hidden
         pdl = self.stage_sync == "pdl"
         plan = self.gluon_active()
+        attend = self.gluon_attention_active()
         for layer in range(self.table.shape[0]):
             args, consts = self.stage_args(hidden, cos, sin, positions, layer)
             for stage in STAGE_ORDER:
                 first = layer == 0 and stage == 0  # follows the embedding: a plain launch (its wait is a no-op)
                 if stage in plan:
                     self._gluon_stage(stage, layer, plan[stage], hidden, pdl and not first)
+                    continue
+                if stage == 1 and attend:
+                    self._gluon_attend(layer, cos, sin, positions, pdl)
                     continue
                 warps = self.merge_warps if stage == 5 else self.num_warps
                 self._carve(decode_stage[(self.programs,)](*args, **consts, STAGE=stage, PDL=pdl, num_warps=warps,
@@ -417,6 +439,19 @@ class DecodeMegakernel:
             GROUP=self.gluon_pacing[stage][0], IN_FLIGHT=self.gluon_pacing[stage][1], WARPS=self.gluon_warps,
             TIMED=self.timed, MMA=self.gluon_mma, LO=self.gluon_lo(stage), num_warps=self.gluon_warps,
             launch_pdl=pdl)
+        self._carve(kernel, self.gluon_carveout)
+
+    def _gluon_attend(self, layer: int, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                      pdl: bool) -> None:
+        from rlbench.rollout.mk_attend import WARPS, attend_stage
+
+        w, (kc, vc) = self._layers[layer], self._caches[layer]
+        kernel = attend_stage[(self.programs,)](
+            self.qkv, kc, vc, self.qkv if w.q_norm is None else w.q_norm, self.qkv if w.k_norm is None else w.k_norm,
+            cos, sin, positions, self.part_acc, self.part_m, self.part_l, self.stage_laps,
+            (layer * 6 + 1) * self.programs * 4, self.eps, self.scale, self.head_stride, self.max_splits,
+            H=self.h, NKV=self.n_kv, HD=self.hd, G=self.group, BG=_pow2(self.group), HAS_NORM=self.has_qk_norm,
+            TIMED=self.timed, num_warps=WARPS.value, launch_pdl=pdl)
         self._carve(kernel, self.gluon_carveout)
 
     def _carve(self, kernel, percent: int | None) -> None:
