@@ -26,10 +26,11 @@ for part in "$@"; do case $part in
              python3 benchmarks/train.py --preset qwen3-0.6b-shape --attn flex_attention --compile --steps 3 --warmup 2 --json $OUT/train.jsonl" ) & ;;
   mk) run mk 0 "$(lim 480)" "python3 -m pytest -q -s -m gpu tests/test_megakernel.py;
         python3 benchmarks/megakernel.py --pos 256 1024 1500 --stages --barriers --stage-sync pdl barrier \
-          --gluon - default 0234,g2x2,L03,f;
+          --gluon - default default,a 0234,g2x2,L03,f;
         python3 benchmarks/megakernel.py --preset qwen3-4b-shape --pos 1024 --iters 50 --stage-sync pdl barrier;
         python3 benchmarks/decode_profile.py --kv 256 1024 --batch 1 --megakernel 0 1 --megakernel-sync pdl barrier --megakernel-gluon 0 1;
         python3 benchmarks/decode_profile.py --kv 256 1024 --batch 1 --megakernel 1 --megakernel-head 0 1 --modes sample greedy;
+        python3 benchmarks/decode_profile.py --kv 256 1024 --batch 1 --megakernel 1 --megakernel-attention 1 0 --modes sample greedy;
         python3 benchmarks/decode_profile.py --preset qwen3-4b-shape --kv 1024 --batch 1 --megakernel 0 1 --steps 30;
         python3 benchmarks/rollout.py --device cuda --preset qwen3-0.6b-shape --batch-sizes 1 --prompt-len 512 \
           --new-tokens 1024 --hf-new-tokens 256 --megakernel --out $OUT/rollout_mk.json" ;;

@@ -23,12 +23,14 @@ keep the compiled path. On the CPU it runs under Triton's interpreter with one p
 
 With "pdl" (and "launch") the GEMV stages whose tile fits shared memory run as Gluon kernels (`mk_gluon.py`,
 `gluon_gemv`): their tile lands in shared memory, not registers, so that the next stage's programs share the SM
-and stream their tiles a stage ahead.
+and stream their tiles a stage ahead; with them, the attention stage runs in Gluon too (`mk_attend.py`,
+`gluon_attention`: per-warp online softmax on the tensor cores, no CTA barrier per block).
 
-Status (H200, docs/LOG.md 2026-11-30, sessions 8, 10 and 11): correct (error vs float64 equal to the bf16 layer
-stack's); with "pdl" and the tensor-core Gluon GEMV stages the 0.6B step takes 0.577-0.626 ms against the compiled
-path's 1.13-1.36 ms (2.08-2.26x the floor, goal 2x; FFMA Gluon stages 0.62-0.68 ms, Triton stages 0.70-0.74 ms,
-"barrier" 0.84-0.86 ms), the 4B step (no stage fits) 3.01 ms (1.61x) against 4.06 ms compiled.
+Status (H200, docs/LOG.md 2026-11-30, sessions 8, 10-12): correct (error vs float64 equal to the bf16 layer
+stack's); with "pdl", the tensor-core Gluon GEMV stages and the Gluon attention stage the 0.6B step takes
+0.553-0.589 ms at kv 256-1024 against the compiled path's 1.13-1.36 ms (1.99-2.12x the floor, goal 2x; Triton
+attention 0.564-0.618 ms, FFMA Gluon stages 0.62-0.68 ms, Triton stages 0.70-0.74 ms, "barrier" 0.84-0.86 ms),
+the 4B step (no stage fits) 3.01 ms (1.61x) against 4.06 ms compiled.
 """
 
 from __future__ import annotations
@@ -240,8 +242,11 @@ class DecodeMegakernel:
         vs 493.0 / 560.7 us per call at pos 256 / 1024 (benchmarks/megakernel.py --gluon default ...,f)."""
         self.gluon_attention = True
         """Run the attention stage as `mk_attend.attend_stage` (each warp its own online softmax over a quarter of a
-        block, the cached K/V copied to shared memory before the PDL wait, no CTA barrier per block) instead of
-        the Triton stage, where `gluon_attention_active` allows it."""
+        block, the cached K/V copied to shared memory before the PDL wait, no reduction across warps per block)
+        instead of the Triton stage, where `gluon_attention_active` allows it. H200, session 12, same run: 448.5 /
+        496.6 / 522.2 us per call at pos 256 / 1024 / 1500 vs 453.7 / 517.2 / 540.7; decode step 0.553 / 0.589 ms
+        at kv 256 / 1024 vs 0.564 / 0.613-0.618 (benchmarks/megakernel.py --gluon default default,a;
+        decode_profile.py --megakernel-attention 0 1)."""
         self.gluon_attention_kv = 0
         self.gluon_attention_stamp = 0
         """(experiment) 0: cached K/V copies start before the PDL wait; 1: and land before it; 2: start after it."""

@@ -3,19 +3,22 @@
 Why (docs/LOG.md, session 11): the Triton attention stage (`mk_kernels._stage_attend`) was the longest stage of
 a layer, ~3.3 us from its PDL wait to its end for one 64-position block at pos 256. Its sm_90 SASS has 19 CTA
 barriers: the q/k norms, the row max and row sum of every block, and the conversions of q, K, V and p into
-tensor-core operands, most of them after the wait. Here every reduction of a block stays inside a warp, and the
-cached K and V become tensor-core operands before the wait.
+tensor-core operands, most of them after the wait. Here no reduction of a block crosses warps, and the cached K
+and V are copied to shared memory (cp.async) before the wait, ldmatrix'd into operands after it.
 
 Tasks are those of `mk_kernels._stage_attend` (`_attn_grid`: a task is a KV head and a split of `per`
 consecutive 64-position blocks), and so are the partial slots the merge kernel (`mk_kernels._stage_merge`)
 reads. Within a task, warp w takes positions [16 w, 16 w + 16) of every block: the scores `q @ K^T` and `p @ V`
 are batched mma (the warp is the batch dimension), and each warp keeps its own running max, sum and accumulator.
-The four warps' partials are combined once, at the end of the task. The KV group's q heads are padded to 16
-rows (mma's M). The new token's K and V come from the qkv buffer: q and the new k are normed and rotated in a
-small layout, pass through shared memory (the one CTA barrier after the wait), and the new K/V replace the
-cached operand's column at `pos` (the cache holds nothing there yet). Rounding as in `mk_kernels`: q and the new
-K are bf16 values, p is rounded to bf16 for `p @ V`, sums in fp32; the sums run in another order than the Triton
-stage's (per warp, then across warps), so the two agree to rounding, not bit for bit. GPU only (no interpreter).
+The four warps' partials are combined once, at the end of the task, through shared memory. The KV group's q
+heads are padded to 16 rows (mma's M). After the wait every load of a task goes out in one round trip (the
+group's q heads and the new token's k and v; the norm weights and the RoPE row were loaded before the wait):
+the first version loaded them a round trip after another and was slower than the Triton stage (docs/LOG.md,
+session 12). q and the new k are normed and rotated in a small layout (the real q rows only); q reaches the mma
+through shared memory, and the new K/V replace the zero column the copy left at `pos` (the cache holds nothing
+there yet). Rounding as in `mk_kernels`: q and the new K are bf16 values, p is rounded to bf16 for `p @ V`,
+sums in fp32; the sums run in another order than the Triton stage's (per warp, then across warps), so the two
+agree to rounding, not bit for bit. GPU only (no interpreter).
 """
 
 from __future__ import annotations
