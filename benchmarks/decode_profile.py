@@ -108,6 +108,9 @@ def main() -> None:
     ap.add_argument("--bandwidth-tbs", type=float, default=4.3, help="HBM bandwidth for the floor (H200: 4.3)")
     ap.add_argument("--profile", action="store_true", help="print the kernel table of each measured bucket")
     args = ap.parse_args()
+    if args.steps >= min(args.kv):
+        ap.error(f"--steps {args.steps} must be below every --kv (the timed steps run the positions just below the "
+                 f"kv bucket's length; kv {min(args.kv)} leaves room for {min(args.kv) - 1})")
     model = build_model(args.preset, device="cuda", dtype=torch.bfloat16)
     floor = weight_bytes(model) / (args.bandwidth_tbs * 1e12) * 1e3
     print(f"{args.preset}: weights {weight_bytes(model) / 2**30:.2f} GiB, floor {floor:.3f} ms "

@@ -124,8 +124,8 @@ def test_kernel_compiles_for_hopper_and_fits_one_program_per_sm(preset):
 
 
 def test_gluon_plan_takes_the_stages_whose_tile_fits_shared_memory():
-    """0.6B: every GEMV stage (rows per program a multiple of 8, tile + fp32 input <= GLUON_TILE_BYTES); 4B: none;
-    off on the CPU and under the grid-barrier sync."""
+    """0.6B: every GEMV stage (rows per program a multiple of 8, tile + fp32 input <= GLUON_TILE_BYTES) and the
+    attention stage; 4B: none; off on the CPU and under the grid-barrier sync."""
     from rlbench.rollout.fused import fuse_layers
     from rlbench.rollout.megakernel import DecodeMegakernel
 
@@ -141,8 +141,15 @@ def test_gluon_plan_takes_the_stages_whose_tile_fits_shared_memory():
     assert not mk.gluon_gemv and mk.gluon_active() == {}  # no TMA on the CPU
     mk.gluon_gemv = True
     assert sorted(mk.gluon_active()) == [0, 2, 3, 4]
+    assert mk.gluon_attention_active()  # with them, the Gluon attention stage (its carveout is theirs)
+    mk.gluon_attention = False
+    assert not mk.gluon_attention_active()
+    mk.gluon_attention = True
+    four = plan("qwen3-4b-shape")
+    four.stage_sync, four.gluon_gemv = "pdl", True
+    assert not four.gluon_attention_active()  # no Gluon GEMV stage there: the Triton attention stage
     mk.stage_sync = "barrier"
-    assert mk.gluon_active() == {}
+    assert mk.gluon_active() == {} and not mk.gluon_attention_active()
     # tensor-core tiles in rows of 8 chunks of 64, held in two power-of-two buffers
     assert [mk.gluon_lo(st) for st in (0, 2, 3, 4)] == [64, 32, 64, 32]  # of 64, 32, 96 (64 + 32), 48 (32 + 16)
     mk.gluon_mma = False
