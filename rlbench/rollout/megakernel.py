@@ -247,9 +247,6 @@ class DecodeMegakernel:
         496.6 / 522.2 us per call at pos 256 / 1024 / 1500 vs 453.7 / 517.2 / 540.7; decode step 0.553 / 0.589 ms
         at kv 256 / 1024 vs 0.564 / 0.613-0.618 (benchmarks/megakernel.py --gluon default default,a;
         decode_profile.py --megakernel-attention 0 1)."""
-        self.gluon_attention_kv = 0
-        self.gluon_attention_stamp = 0
-        """(experiment) 0: cached K/V copies start before the PDL wait; 1: and land before it; 2: start after it."""
         self.gluon_carveout = 100
         """Carveout (percent) of every kernel of a step that runs Gluon stages: their tiles need shared memory, and
         an SM only hosts programs of different kernels side by side under one shared-memory split."""
