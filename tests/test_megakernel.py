@@ -184,12 +184,13 @@ def test_gluon_stage_compiles_for_hopper_small_enough_to_share_an_sm(stage, mma)
 @needs_gluon
 @pytest.mark.parametrize("preset", ["qwen3-0.6b-shape", "qwen3-4b-shape"])
 def test_gluon_attention_compiles_for_hopper_and_shares_an_sm_with_qkv(preset):
-    """The Gluon attention stage compiled offline for sm_90 as the megakernel launches it: before the PDL wait it
-    reads only the position, the q/k norm weights and the RoPE row (6 16-byte loads per thread) and starts
-    cp.async copies of cached K/V (two blocks: 2 x 2 x [64, 128] bf16 in 16-byte copies), nothing is written;
-    after the wait a bounded number of CTA barriers (the Triton stage
-    had 19: q/k norms, the softmax of each block, operand conversions), two batched mma per block (16 + 16
-    m16n8k16), and registers and shared memory that fit on an SM beside the QKV stage's program, which launched it."""
+    """The Gluon attention stage compiled offline for sm_90 as the megakernel launches it (the 4B shape's KV group
+    of 4 compiles too, though its step keeps the Triton stages): before the PDL wait it reads only the position,
+    the q/k norm weights and the RoPE row (6 16-byte loads per thread) and starts cp.async copies of cached K/V
+    (two blocks: 2 x 2 x [64, 128] bf16 in 16-byte copies), nothing is written; after the wait a bounded number
+    of CTA barriers (the Triton stage had 19: q/k norms, the softmax of each block, operand conversions), two
+    batched mma per block (16 + 16 m16n8k16), and registers and shared memory that fit on an SM beside the QKV
+    stage's program, which launched it."""
     r = compile_gluon_attention(preset)
     qkv = compile_gluon_stage("qwen3-0.6b-shape", 0)
     assert r["loads_before_wait"] == 7 and r["stores_before_wait"] == 0
