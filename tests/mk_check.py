@@ -15,7 +15,7 @@ import torch
 from rlbench.models import build_model
 from rlbench.rollout import SamplingParams
 from rlbench.rollout.kv_cache import CacheShape, KVCache
-from rlbench.rollout.megakernel import DecodeMegakernel
+from rlbench.rollout.megakernel import DecodeMegakernel, _pow2
 from rlbench.rollout.runner import ModelRunner, StepOptions
 from rlbench.rollout.torch_engine import TorchEngine, TorchEngineConfig
 
@@ -204,16 +204,31 @@ def _ptxas_usage(ptx_text: str, name: str) -> tuple[int, int]:
             int(re.search(r"(\d+) bytes spill stores", info).group(1)))
 
 
-def compile_gluon_stage(preset: str, stage: int, programs: int = 132, mma: bool | None = None) -> dict:
-    """Compile `mk_gluon.gemv_stage` for one GEMV stage of a preset for sm_90 without a GPU, with the options
-    `DecodeMegakernel` launches it with; returns registers per thread, spills, shared memory, threads, the TMA
-    copies, PDL waits, and the global loads and stores before the wait in the PTX."""
+def _compile_gluon(fn, args: dict, consts: dict, num_warps: int, name: str, aligned: tuple = ()) -> tuple:
+    """Compile the Gluon kernel `fn` for sm_90 without a GPU: `args` its runtime arguments' types, `consts` its
+    constexprs, `aligned` the arguments to specialize as 16-divisible (as the launcher does for tensors and
+    ints that are). Returns the PTX, registers, spill bytes and shared memory."""
     import inspect
-    import re
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
+
+    names = list(inspect.signature(fn.fn).parameters)
+    src = GluonASTSource(fn=fn, signature=args | {c: "constexpr" for c in consts},
+                         constexprs={(names.index(c),): v for c, v in consts.items()},
+                         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, launch_pdl=True))
+    ptx_text = kernel.asm["ptx"]
+    regs, spills = _ptxas_usage(ptx_text, name)
+    return ptx_text, regs, spills, kernel.metadata.shared
+
+
+def compile_gluon_stage(preset: str, stage: int, programs: int = 132, mma: bool | None = None) -> dict:
+    """Compile `mk_gluon.gemv_stage` for one GEMV stage of a preset for sm_90 without a GPU, with the options
+    `DecodeMegakernel` launches it with; returns registers per thread, spills, shared memory, threads, the TMA
+    copies, PDL waits, and the global loads and stores before the wait in the PTX."""
+    import re
 
     from rlbench.rollout import mk_gluon
     from rlbench.rollout.fused import fuse_layers
@@ -233,15 +248,11 @@ def compile_gluon_stage(preset: str, stage: int, programs: int = 132, mma: bool 
     consts = dict(N=n, K=k, R=r, KCP=kcp, STAGE=stage, HAS_BIAS=False, LATE_LAUNCH=stage in mk.gluon_late_launch,
                   GROUP=mk.gluon_pacing[stage][0], IN_FLIGHT=mk.gluon_pacing[stage][1], WARPS=mk.gluon_warps,
                   TIMED=False, MMA=mma, LO=mk.gluon_lo(stage) if mma else 1)
-    names = list(inspect.signature(mk_gluon.gemv_stage.fn).parameters)
-    src = GluonASTSource(fn=mk_gluon.gemv_stage, signature=args | {c: "constexpr" for c in consts},
-                         constexprs={(names.index(c),): v for c, v in consts.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=mk.gluon_warps, launch_pdl=True))
-    ptx_text = kernel.asm["ptx"]
-    regs, spills = _ptxas_usage(ptx_text, f"rlbench_gluon_{preset}_stage{stage}{'_mma' if mma else ''}")
+    ptx_text, regs, spills, shared = _compile_gluon(
+        mk_gluon.gemv_stage, args, consts, mk.gluon_warps,
+        f"rlbench_gluon_{preset}_stage{stage}{'_mma' if mma else ''}")
     before = ptx_text.partition("griddepcontrol.wait")[0]
-    return dict(regs=regs, spill_bytes=spills, shared=kernel.metadata.shared, threads=32 * mk.gluon_warps,
+    return dict(regs=regs, spill_bytes=spills, shared=shared, threads=32 * mk.gluon_warps,
                 boxes=(r // mk_gluon.BOX_ROWS.value) * (k // mk_gluon.BOX_K.value) * (2 if stage == 3 else 1),
                 tma_copies=ptx_text.count("cp.async.bulk.tensor"), waits=ptx_text.count("griddepcontrol.wait"),
                 loads_before_wait=len(re.findall(r"ld\.global", before)),
@@ -253,12 +264,7 @@ def compile_gluon_attention(preset: str, programs: int = 132) -> dict:
     (pointers and 16-aligned ints specialized as the launcher does); returns registers, spills, shared memory, the
     CTA barriers before/after the PDL wait, the cp.async copies, mma instructions, and the global loads and stores
     before the wait in the PTX."""
-    import inspect
     import re
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     from rlbench.rollout import mk_attend
     from rlbench.rollout.fused import fuse_layers
@@ -268,18 +274,12 @@ def compile_gluon_attention(preset: str, programs: int = 132) -> dict:
     ptrs = dict(qkv="*bf16", kc="*bf16", vc="*bf16", q_norm="*bf16", k_norm="*bf16", cos="*bf16", sin="*bf16",
                 pos_ptr="*i64", part_acc="*fp32", part_m="*fp32", part_l="*fp32", laps="*i64")
     args = ptrs | dict(lap_base="i32", eps="fp32", scale="fp32", head_stride="i32", max_splits="i32")
-    consts = dict(H=mk.h, NKV=mk.n_kv, HD=mk.hd, G=mk.group, BG=1 << (mk.group - 1).bit_length(),
+    consts = dict(H=mk.h, NKV=mk.n_kv, HD=mk.hd, G=mk.group, BG=_pow2(mk.group),
                   HAS_NORM=mk.has_qk_norm, TIMED=False)
-    names = list(inspect.signature(mk_attend.attend_stage.fn).parameters)
-    src = GluonASTSource(fn=mk_attend.attend_stage, signature=args | {c: "constexpr" for c in consts},
-                         constexprs={(names.index(c),): v for c, v in consts.items()},
-                         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in [*ptrs, "head_stride"]})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=mk_attend.WARPS.value, launch_pdl=True))
-    ptx_text = kernel.asm["ptx"]
-    regs, spills = _ptxas_usage(ptx_text, f"rlbench_gluon_{preset}_attend")
+    ptx_text, regs, spills, shared = _compile_gluon(mk_attend.attend_stage, args, consts, mk_attend.WARPS.value,
+                                                    f"rlbench_gluon_{preset}_attend", aligned=(*ptrs, "head_stride"))
     before, _, after = ptx_text.partition("griddepcontrol.wait")
-    return dict(regs=regs, spill_bytes=spills, shared=kernel.metadata.shared, barriers_before_wait=before.count("bar.sync"),
+    return dict(regs=regs, spill_bytes=spills, shared=shared, barriers_before_wait=before.count("bar.sync"),
                 barriers_after_wait=after.count("bar.sync"), copies=ptx_text.count("cp.async.cg"),
                 mma=ptx_text.count("mma.sync"), loads_before_wait=len(re.findall(r"ld\.global", before)),
                 stores_before_wait=len(re.findall(r"\b(?:st\.global|atom\.|red\.)", before)))

@@ -27,11 +27,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from rlbench.rollout import megakernel
 from rlbench.rollout.mk_gluon import _asm, _stamp, _timer
+from rlbench.rollout.mk_kernels import _attn_grid, _task
 
 WARPS = gl.constexpr(4)
-SPLIT = gl.constexpr(64)
-"""Positions per block (`megakernel.SPLIT`); a warp takes SPLIT // WARPS of them."""
+SPLIT = gl.constexpr(megakernel.SPLIT)
+"""Positions per block, the merge kernel's (its task grid must be this one's); a warp takes SPLIT // WARPS."""
 QR = gl.constexpr(16)
 """A KV group's q heads, padded to mma's M."""
 
@@ -98,12 +100,6 @@ def _norm_rope(a, b, norm, cos, sin, eps, HD: gl.constexpr, HAS_NORM: gl.constex
 
 
 @gluon.jit
-def _task(t, n_splits, per):
-    """Attention task t -> (KV head, split, first block), as `mk_kernels._task`."""
-    return t // n_splits, t % n_splits, (t % n_splits) * per
-
-
-@gluon.jit
 def attend_stage(qkv, kc, vc, q_norm, k_norm, cos, sin, pos_ptr, part_acc, part_m, part_l, laps, lap_base, eps,
                  scale, head_stride, max_splits, H: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
                  G: gl.constexpr, BG: gl.constexpr, HAS_NORM: gl.constexpr, TIMED: gl.constexpr):
@@ -139,9 +135,7 @@ def attend_stage(qkv, kc, vc, q_norm, k_norm, cos, sin, pos_ptr, part_acc, part_
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     pos = gl.load(pos_ptr).to(gl.int32)
-    n_blocks = pos // SPLIT + 1
-    per = gl.cdiv(NKV * n_blocks, nprog)
-    n_splits = gl.cdiv(n_blocks, per)
+    n_blocks, per, n_splits = _attn_grid(pos, nprog, NKV, SPLIT)
     n_tasks = NKV * n_splits
     g0, _, first0 = _task(pid, n_splits, per)
     if pid < n_tasks:  # this program's first task's first two blocks, before the wait
