@@ -328,19 +328,23 @@ def test_asking_for_it_where_unsupported_warns_and_decodes_normally():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda, reason="needs a CUDA device")
-@pytest.mark.parametrize("prompt_len,sync,gluon,attention", [
-    (5, None, None, None), (300, None, None, None), (1400, None, None, None), (2100, None, None, None),
-    (2500, None, None, None), (300, None, None, False), (1400, None, None, False), (300, None, False, None),
-    (1400, None, False, None), (300, "barrier", None, None)])
-def test_megakernel_06b_rounds_like_the_hf_layers(prompt_len, sync, gluon, attention):
+@pytest.mark.parametrize("prompt_len,sync,gluon,attention,per_sm", [
+    (5, None, None, None, None), (300, None, None, None, None), (1024, None, None, None, None),
+    (1400, None, None, None, None), (2100, None, None, None, None), (2500, None, None, None, None),
+    (1024, None, None, None, 2), (1400, None, None, None, 2), (2500, None, None, None, 2),
+    (300, None, None, False, None), (1400, None, None, False, None), (300, None, False, None, None),
+    (1400, None, False, None, None), (300, "barrier", None, None, None)])
+def test_megakernel_06b_rounds_like_the_hf_layers(prompt_len, sync, gluon, attention, per_sm):
     """qwen3-0.6b-shape with one program per SM, the device's default stage sync (PDL on an H100/H200, with the
     Gluon GEMV and attention stages by default there; attention=False: the Triton attention stage; gluon=False:
-    every stage in Triton) and the grid-barrier kernel (barriers, merge tickets and the cache write live). On
-    132 SMs, position 1400 gives attention tasks of 2 blocks, 2100 gives 136 tasks (4 programs run a second
-    one) and 2500 tasks of 3 blocks (the Gluon stage's block ring refills a buffer)."""
+    every stage in Triton; per_sm: Gluon attention programs per SM) and the grid-barrier kernel (barriers, merge
+    tickets and the cache write live). On 132 SMs, position 1400 gives attention tasks of 2 blocks, 2100 gives
+    136 tasks (4 programs run a second one) and 2500 tasks of 3 blocks (the Gluon stage's block ring refills a
+    buffer); at 1024 the task holding the new token has no cached position (its block starts at 1024)."""
     r = compare_to_f64("qwen3-0.6b-shape", prompt_len, "cuda", max_seq_len=max(1536, (prompt_len // 64 + 2) * 64), sync=sync,
-                       gluon=gluon, attention=attention)
-    label = {False: " triton stages"}.get(gluon, "") + {False: " triton attention"}.get(attention, "")
+                       gluon=gluon, attention=attention, attention_per_sm=per_sm)
+    label = ({False: " triton stages"}.get(gluon, "") + {False: " triton attention"}.get(attention, "")
+             + (f" attention x{per_sm}" if per_sm else ""))
     _check(r, f"0.6b @ {prompt_len} {sync or 'default'}{label}")
 
 

@@ -247,6 +247,10 @@ class DecodeMegakernel:
         496.6 / 522.2 us per call at pos 256 / 1024 / 1500 vs 453.7 / 517.2 / 540.7; decode step 0.553 / 0.589 ms
         at kv 256 / 1024 vs 0.564 / 0.613-0.618 (benchmarks/megakernel.py --gluon default default,a;
         decode_profile.py --megakernel-attention 0 1)."""
+        self.attention_programs_per_sm = 1
+        """Programs per SM of the Gluon attention stage (its grid; the Triton stage keeps `programs`). With more
+        programs, a task holds fewer 64-position blocks (at pos 1,024, 17 blocks x 8 KV heads: 2 per task on 132
+        programs, 1 on 264) and the merge more splits."""
         self.gluon_carveout = 100
         """Carveout (percent) of every kernel of a step that runs Gluon stages: their tiles need shared memory, and
         an SM only hosts programs of different kernels side by side under one shared-memory split."""
@@ -332,6 +336,10 @@ class DecodeMegakernel:
         return (self.gluon_attention and bool(self.gluon_active()) and self.group <= QR.value // 2
                 and self.hd == _pow2(self.hd) and self.hd % 8 == 0 and self.head_stride % 8 == 0)
 
+    def attention_programs(self) -> int:
+        """The attention stage's grid (the merge computes its task grid for this many programs)."""
+        return self.programs * (self.attention_programs_per_sm if self.gluon_attention_active() else 1)
+
     def _gluon_descs(self) -> list[dict]:
         """Per layer, the TMA descriptors of the planned stages' weights (built once per bind)."""
         if not self._descs:
@@ -389,6 +397,7 @@ class DecodeMegakernel:
         args, consts = self.launch_args(hidden, cos, sin, positions)
         args = args[:12] + (self.stage_laps, layer) + args[15:]  # no err / laps / num_layers
         consts = {k: v for k, v in consts.items() if k != "MAX_SPINS"}
+        consts["ATT_PROGS"] = self.attention_programs()
         return args, consts
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -448,10 +457,10 @@ class DecodeMegakernel:
         from rlbench.rollout.mk_attend import WARPS, attend_stage
 
         w, (kc, vc) = self._layers[layer], self._caches[layer]
-        kernel = attend_stage[(self.programs,)](
+        kernel = attend_stage[(self.attention_programs(),)](
             self.qkv, kc, vc, self.qkv if w.q_norm is None else w.q_norm, self.qkv if w.k_norm is None else w.k_norm,
             cos, sin, positions, self.part_acc, self.part_m, self.part_l, self.stage_laps,
-            (layer * 6 + 1) * self.programs * 4, self.eps, self.scale, self.head_stride, self.max_splits,
+            (layer * 6 + 1) * self.programs * 4, self.programs, self.eps, self.scale, self.head_stride, self.max_splits,
             H=self.h, NKV=self.n_kv, HD=self.hd, G=self.group, BG=_pow2(self.group), HAS_NORM=self.has_qk_norm,
             TIMED=self.timed, num_warps=WARPS.value, launch_pdl=pdl)
         self._carve(kernel, self.gluon_carveout)

@@ -15,10 +15,13 @@ heads are padded to 16 rows (mma's M). After the wait every load of a task goes 
 group's q heads and the new token's k and v; the norm weights and the RoPE row were loaded before the wait):
 the first version loaded them a round trip after another and was slower than the Triton stage (docs/LOG.md,
 session 12). q and the new k are normed and rotated in a small layout (the real q rows only); q reaches the mma
-through shared memory, and the new K/V replace the zero column the copy left at `pos` (the cache holds nothing
-there yet). Rounding as in `mk_kernels`: q and the new K are bf16 values, p is rounded to bf16 for `p @ V`,
-sums in fp32; the sums run in another order than the Triton stage's (per warp, then across warps), so the two
-agree to rounding, not bit for bit. GPU only (no interpreter).
+through shared memory. The block loop reads cached positions only (`< pos`); the new token is a rank-1 term, its
+score `scale * q . k_new` computed once per task and joined to the partial where the warps' partials are
+combined (the first version put the new K/V into the mma operands with register selects: 288 of the block
+loop's ~400 instructions). Rounding as in `mk_kernels`: q and the new K are bf16 values, p is rounded to bf16
+for `p @ V` (the new token's too), sums in fp32; the sums run in another order than the Triton stage's (per
+warp, then across warps, then the new token), so the two agree to rounding, not bit for bit. GPU only (no
+interpreter).
 """
 
 from __future__ import annotations
@@ -100,16 +103,18 @@ def _norm_rope(a, b, norm, cos, sin, eps, HD: gl.constexpr, HAS_NORM: gl.constex
 
 
 @gluon.jit
-def attend_stage(qkv, kc, vc, q_norm, k_norm, cos, sin, pos_ptr, part_acc, part_m, part_l, laps, lap_base, eps,
-                 scale, head_stride, max_splits, H: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
+def attend_stage(qkv, kc, vc, q_norm, k_norm, cos, sin, pos_ptr, part_acc, part_m, part_l, laps, lap_base, lap_progs,
+                 eps, scale, head_stride, max_splits, H: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
                  G: gl.constexpr, BG: gl.constexpr, HAS_NORM: gl.constexpr, TIMED: gl.constexpr):
     """One layer's attention for the token at `pos`: `qkv` the QKV stage's output (bf16, q heads then K then V),
     `kc`/`vc` this layer's cache `[slots, NKV, positions, HD]` (slot 0; `head_stride` between KV heads; the new
     K/V are written at `pos`), `q_norm`/`k_norm` the head norms (unread without HAS_NORM), `cos`/`sin` the
     token's RoPE row. Task (g, s)'s partial (unnormalised sums, running max, sum of exponentials of its BG q
     rows) goes to slot `g * max_splits + s` of `part_acc`/`part_m`/`part_l`. The next kernel launches at once
-    (it is the merge: few registers). With TIMED, `laps[lap_base + pid * 4:][:4]` gets the program's globaltimer
-    at its start, after its wait, at its end, and when q and the new K were normed (its first task)."""
+    (it is the merge: few registers). The grid may be several programs per SM (`DecodeMegakernel.
+    attention_programs_per_sm`; the merge kernel computes the task grid for this grid's size). With TIMED,
+    `laps[lap_base + pid * 4:][:4]` gets the globaltimer of programs pid < `lap_progs` at their start, after
+    their wait, at their end, and when q and the new K were normed (their first task)."""
     P: gl.constexpr = SPLIT // WARPS
     gl.static_assert(WARPS * QR == SPLIT)  # the exchanged accumulators [W, QR / 2, HD] fp32 fit one K buffer
     gl.static_assert(BG <= QR // 2)
@@ -123,8 +128,8 @@ def attend_stage(qkv, kc, vc, q_norm, k_norm, cos, sin, pos_ptr, part_acc, part_
     ksm = gl.allocate_shared_memory(gl.bfloat16, [2, WARPS, P, HD], kv_sh)  # two blocks: this one and the next
     vsm = gl.allocate_shared_memory(gl.bfloat16, [2, WARPS, P, HD], kv_sh)
     qs = gl.allocate_shared_memory(gl.bfloat16, [QR, HD], plain)
-    ks = gl.allocate_shared_memory(gl.bfloat16, [1, HD], plain)
     vs = gl.allocate_shared_memory(gl.bfloat16, [1, HD], plain)
+    ns = gl.allocate_shared_memory(gl.float32, [QR], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # new token's
     ms = gl.allocate_shared_memory(gl.float32, [WARPS, QR], plain)  # the warps' partials, exchanged
     ls = gl.allocate_shared_memory(gl.float32, [WARPS, QR], plain)
     # the warps' accumulators (8 rows, fp32, swizzled: mma's row-per-lane stores without bank conflicts) are
@@ -157,29 +162,27 @@ def attend_stage(qkv, kc, vc, q_norm, k_norm, cos, sin, pos_ptr, part_acc, part_
     t_wait = _timer() if TIMED else 0
     t_ready = t_wait
     jq = gl.arange(0, BG, layout=gl.SliceLayout(1, rows_l))[:, None]
-    # where a block's positions sit in the score / operand tensors
-    ws = _iota(WARPS, 0, mma) * P + _iota(P, 2, mma)  # [W, 1, P] in the scores' layout
-    wk = _iota(WARPS, 0, lb) * P + _iota(P, 2, lb)  # [W, 1, P] for K^T
-    wv = _iota(WARPS, 0, lb) * P + _iota(P, 1, lb)  # [W, P, 1] for V
+    ws = _iota(WARPS, 0, mma) * P + _iota(P, 2, mma)  # [W, 1, P]: where a block's positions sit in the scores
     for t in range(pid, n_tasks, nprog):  # one per program (a second only where `per` rounds up short)
         g, s, first = _task(t, n_splits, per)
         last = gl.minimum(first + per, n_blocks)
-        if t != pid:
-            gl.thread_barrier()  # the previous task's reads of the buffers are done
-            _fetch(kc, vc, ksm.index(0), vsm.index(0), g, first, pos, head_stride, HD, kv_l)
-            if first + 1 < last:
-                _fetch(kc, vc, ksm.index(1), vsm.index(1), g, first + 1, pos, head_stride, HD, kv_l)
         # every load of the task in one round trip: the group's q heads, the new token's k and v
         qa, qb = _rot_pair(qkv, g * G + jq, jq < G, HD, rows_l, True)
         ka, kb = _rot_pair(qkv, H + g + zero, live, HD, rows_l, True)
         v_new = gl.load(qkv + (H + NKV + g) * HD + d1 + zero, cache_modifier=".cg")
+        gl.thread_barrier()  # the previous task's reads of the shared buffers are done (unconditional: one barrier)
+        if t != pid:
+            _fetch(kc, vc, ksm.index(0), vsm.index(0), g, first, pos, head_stride, HD, kv_l)
+            if first + 1 < last:
+                _fetch(kc, vc, ksm.index(1), vsm.index(1), g, first + 1, pos, head_stride, HD, kv_l)
         q = _norm_rope(qa, qb, q_nrm, cs, sn, eps, HD, HAS_NORM, rows_l)
         k_new = _norm_rope(ka, kb, k_nrm, cs, sn, eps, HD, HAS_NORM, rows_l)
-        if last == n_blocks:  # this task holds the new token: into the cache
+        holds = last == n_blocks  # this task holds the new token: into the cache, and its rank-1 term
+        if holds:
             gl.store(kc + g * head_stride + pos * HD + d1 + zero, k_new.to(gl.bfloat16))
             gl.store(vc + g * head_stride + pos * HD + d1 + zero, v_new)
         qs.slice(0, BG).store(q.to(gl.bfloat16))
-        ks.store(k_new.to(gl.bfloat16))
+        ns.slice(0, BG).store(gl.sum(q * k_new, axis=1) * scale)
         vs.store(v_new)
         if TIMED:
             if t == pid:
@@ -196,13 +199,10 @@ def attend_stage(qkv, kc, vc, q_norm, k_norm, cos, sin, pos_ptr, part_acc, part_
             gl.thread_barrier()  # every thread's copies (and, at the first block, the rows above) visible
             kt = ksm.index(i % 2).permute([0, 2, 1]).load(lb)  # K^T [W, HD, P]
             v = vsm.index(i % 2).load(lb)
-            if blk == n_blocks - 1:  # the new token's column
-                kt = gl.where(blk * SPLIT + wk == pos, gl.expand_dims(ks.load(gl.SliceLayout(2, lb)), 2), kt)
-                v = gl.where(blk * SPLIT + wv == pos, gl.expand_dims(vs.load(gl.SliceLayout(1, lb)), 1), v)
             q3, _w = gl.broadcast(gl.expand_dims(qs.load(gl.SliceLayout(0, la)), 0),
                                  gl.full([WARPS, 1, 1], 0, gl.bfloat16, la))
             sc = mma_v2(q3, kt, gl.zeros([WARPS, QR, P], gl.float32, mma)) * scale
-            sc = gl.where(blk * SPLIT + ws <= pos, sc, float("-inf"))
+            sc = gl.where(blk * SPLIT + ws < pos, sc, float("-inf"))  # cached positions only
             m_new = gl.maximum(m_run, gl.max(sc, axis=2))
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a warp may see no position yet
             keep = gl.exp(m_run - m_safe)
@@ -213,9 +213,10 @@ def attend_stage(qkv, kc, vc, q_norm, k_norm, cos, sin, pos_ptr, part_acc, part_
             if blk + 2 < last:  # the block after next into this one's buffer
                 gl.thread_barrier()
                 _fetch(kc, vc, ksm.index(i % 2), vsm.index(i % 2), g, blk + 2, pos, head_stride, HD, kv_l)
-        # the warps' partials into the task's, through shared memory (one barrier): every task sees >= 1
-        # position, so the max over warps is finite; a warp that saw none weighs 0. Only the first 8 q rows are
-        # exchanged: rows 8-15 are the other half of mma's registers, split off for free
+        # the warps' partials and the new token into the task's, through shared memory (one barrier): every task
+        # sees >= 1 position (the new token's task may see no cached one), so the max is finite; a warp that saw
+        # none weighs 0. Only the first 8 q rows are exchanged: rows 8-15 are the other half of mma's registers,
+        # split off for free
         acc8, _hi = gl.split(gl.permute(gl.reshape(acc, [WARPS, 2, QR // 2, HD]), [0, 2, 3, 1]))
         gl.thread_barrier()  # the previous task's reads of the exchange buffers are done
         ms.store(m_run)
@@ -223,10 +224,15 @@ def attend_stage(qkv, kc, vc, q_norm, k_norm, cos, sin, pos_ptr, part_acc, part_
         accs.store(acc8)
         gl.thread_barrier()
         m = ms.slice(0, QR // 2, dim=1).load(gl.SliceLayout(2, red_l))  # [W, 8]
+        s_new = ns.slice(0, QR // 2).load(gl.SliceLayout(0, gl.SliceLayout(2, red_l)))  # [8]
         m_tot = gl.max(m, axis=0)
+        m_tot = gl.where(holds, gl.maximum(m_tot, s_new), m_tot)
         w = gl.exp(m - gl.expand_dims(m_tot, 0))
-        l_tot = gl.sum(ls.slice(0, QR // 2, dim=1).load(gl.SliceLayout(2, red_l)) * w, axis=0)
-        a_tot = gl.sum(accs.load(red_l) * gl.expand_dims(w, 2), axis=0)  # [8, HD]
+        p_new = gl.where(holds, gl.exp(s_new - m_tot), 0.0)
+        l_tot = gl.sum(ls.slice(0, QR // 2, dim=1).load(gl.SliceLayout(2, red_l)) * w, axis=0) + p_new
+        v_new3 = gl.expand_dims(vs.load(gl.SliceLayout(0, red_l)).to(gl.float32), 0)  # [1, 1, HD]
+        p_new3 = gl.expand_dims(gl.expand_dims(_rn(p_new), 0), 2)  # [1, 8, 1]
+        a_tot = gl.sum(accs.load(red_l) * gl.expand_dims(w, 2), axis=0) + gl.sum(p_new3 * v_new3, axis=0)  # [8, HD]
         slot = g * max_splits + s
         jr = gl.arange(0, QR // 2, layout=gl.SliceLayout(1, gl.SliceLayout(0, red_l)))
         dd = gl.arange(0, HD, layout=gl.SliceLayout(0, gl.SliceLayout(0, red_l)))
@@ -235,4 +241,5 @@ def attend_stage(qkv, kc, vc, q_norm, k_norm, cos, sin, pos_ptr, part_acc, part_
         gl.store(part_m + slot * BG + jm, m_tot, mask=jm < BG)
         gl.store(part_l + slot * BG + jm, l_tot, mask=jm < BG)
     if TIMED:
-        _stamp(laps, lap_base, t_start, t_wait, t_ready, WARPS)
+        if pid < lap_progs:
+            _stamp(laps, lap_base, t_start, t_wait, t_ready, WARPS)
