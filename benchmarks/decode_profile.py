@@ -62,6 +62,7 @@ def run_variant(model, args, fused: bool, attention: str, gemv: bool, mk: bool, 
     if engine.runner.megakernel is not None:
         mkl = engine.runner.megakernel  # both read at each call (graphs are captured at first use)
         mkl.gluon_attention, mkl.attention_programs_per_sm = attend > 0, max(attend, 1)
+        mkl.merge_chunk = args.merge_chunk or mkl.merge_chunk
     if engine.runner.megakernel is not None and engine.runner.megakernel.gluon_active():
         mk_sync += " gluon " + "".join(map(str, sorted(engine.runner.megakernel.gluon_active())))
         mk_sync += f"1x{attend}" if engine.runner.megakernel.gluon_attention_active() else ""
@@ -105,6 +106,8 @@ def main() -> None:
     ap.add_argument("--megakernel-attention", type=int, nargs="+", default=[1], choices=[0, 1, 2, 3],
                     help="the megakernel's attention stage: 0 Triton, N > 0 Gluon (DecodeMegakernel.gluon_attention) "
                          "with N programs per SM (attention_programs_per_sm)")
+    ap.add_argument("--merge-chunk", type=int, default=0,
+                    help="the megakernel's attention splits merged per load (DecodeMegakernel.merge_chunk; 0: default)")
     ap.add_argument("--max-seq-len", type=int, default=1536)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--bandwidth-tbs", type=float, default=4.3, help="HBM bandwidth for the floor (H200: 4.3)")

@@ -148,7 +148,7 @@ def main() -> None:
                          "early launch), then optionally ',gGxF' (TMA boxes per barrier, groups in flight), ',pS=GxF' "
                          "(the same for stage S), ',L[digits]' (those stages, all without digits, let the next "
                          "kernel launch after their wait), ',wN' (warps), ',f' (FFMAs, not the tensor cores), ',a' "
-                         "(the Triton attention stage, not mk_attend's), ',AN' (N Gluon attention programs per SM); 'default,OPTS' applies OPTS to the default "
+                         "(the Triton attention stage, not mk_attend's), ',AN' (N Gluon attention programs per SM), ',hN' (N K/V blocks copied before its wait); 'default,OPTS' applies OPTS to the default "
                          "0234,g2x2,L03")
     ap.add_argument("--barriers", action="store_true",
                     help="also time grid barriers alone and empty kernel boundaries (PDL and plain)")
@@ -218,10 +218,12 @@ def main() -> None:
                     mk.gluon_attention = False
                 elif o[0] == "A":
                     mk.attention_programs_per_sm = int(o[1:])
+                elif o[0] == "h":
+                    mk.attention_ahead = int(o[1:])
         label = (f"tile {tile:5} programs {mk.programs:3} warps {warps:2} carveout {carve:3} merge {chunk:2} {sync:7}"
                  + (f" merge warps {merge_warps}" if merge_warps else "")
                  + (f" gluon {gluon}" if mk.gluon_active() else "")
-                 + (f" gluon-attention x{mk.attention_programs() // mk.programs}"
+                 + (f" gluon-attention x{mk.attention_programs() // mk.programs} ahead {mk.attention_ahead}"
                     if mk.gluon_attention_active() else ""))
         for pos in args.pos:
             p = torch.tensor([pos], device="cuda")

@@ -251,6 +251,8 @@ class DecodeMegakernel:
         """Programs per SM of the Gluon attention stage (its grid; the Triton stage keeps `programs`). With more
         programs, a task holds fewer 64-position blocks (at pos 1,024, 17 blocks x 8 KV heads: 2 per task on 132
         programs, 1 on 264) and the merge more splits."""
+        self.attention_ahead = 2
+        """Cached K/V blocks the Gluon attention copies before its PDL wait (1 or 2; the rest after its loads)."""
         self.gluon_carveout = 100
         """Carveout (percent) of every kernel of a step that runs Gluon stages: their tiles need shared memory, and
         an SM only hosts programs of different kernels side by side under one shared-memory split."""
@@ -462,7 +464,7 @@ class DecodeMegakernel:
             cos, sin, positions, self.part_acc, self.part_m, self.part_l, self.stage_laps,
             (layer * 6 + 1) * self.programs * 4, self.programs, self.eps, self.scale, self.head_stride, self.max_splits,
             H=self.h, NKV=self.n_kv, HD=self.hd, G=self.group, BG=_pow2(self.group), HAS_NORM=self.has_qk_norm,
-            TIMED=self.timed, num_warps=WARPS.value, launch_pdl=pdl)
+            TIMED=self.timed, AHEAD=self.attention_ahead, num_warps=WARPS.value, launch_pdl=pdl)
         self._carve(kernel, self.gluon_carveout)
 
     def _carve(self, kernel, percent: int | None) -> None:

@@ -105,7 +105,8 @@ def _norm_rope(a, b, norm, cos, sin, eps, HD: gl.constexpr, HAS_NORM: gl.constex
 @gluon.jit
 def attend_stage(qkv, kc, vc, q_norm, k_norm, cos, sin, pos_ptr, part_acc, part_m, part_l, laps, lap_base, lap_progs,
                  eps, scale, head_stride, max_splits, H: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
-                 G: gl.constexpr, BG: gl.constexpr, HAS_NORM: gl.constexpr, TIMED: gl.constexpr):
+                 G: gl.constexpr, BG: gl.constexpr, HAS_NORM: gl.constexpr, TIMED: gl.constexpr,
+                 AHEAD: gl.constexpr = 2):
     """One layer's attention for the token at `pos`: `qkv` the QKV stage's output (bf16, q heads then K then V),
     `kc`/`vc` this layer's cache `[slots, NKV, positions, HD]` (slot 0; `head_stride` between KV heads; the new
     K/V are written at `pos`), `q_norm`/`k_norm` the head norms (unread without HAS_NORM), `cos`/`sin` the
@@ -143,9 +144,9 @@ def attend_stage(qkv, kc, vc, q_norm, k_norm, cos, sin, pos_ptr, part_acc, part_
     n_blocks, per, n_splits = _attn_grid(pos, nprog, NKV, SPLIT)
     n_tasks = NKV * n_splits
     g0, _, first0 = _task(pid, n_splits, per)
-    if pid < n_tasks:  # this program's first task's first two blocks, before the wait
+    if pid < n_tasks:  # this program's first task's first AHEAD blocks (1 or 2), before the wait
         _fetch(kc, vc, ksm.index(0), vsm.index(0), g0, first0, pos, head_stride, HD, kv_l)
-        if first0 + 1 < gl.minimum(first0 + per, n_blocks):
+        if AHEAD == 2 and first0 + 1 < gl.minimum(first0 + per, n_blocks):
             _fetch(kc, vc, ksm.index(1), vsm.index(1), g0, first0 + 1, pos, head_stride, HD, kv_l)
     # token-independent rows (the RoPE row is written before the first layer's kernels): before the wait
     zero = gl.arange(0, 1, layout=gl.SliceLayout(1, rows_l))[:, None]
@@ -173,8 +174,8 @@ def attend_stage(qkv, kc, vc, q_norm, k_norm, cos, sin, pos_ptr, part_acc, part_
         gl.thread_barrier()  # the previous task's reads of the shared buffers are done (unconditional: one barrier)
         if t != pid:
             _fetch(kc, vc, ksm.index(0), vsm.index(0), g, first, pos, head_stride, HD, kv_l)
-            if first + 1 < last:
-                _fetch(kc, vc, ksm.index(1), vsm.index(1), g, first + 1, pos, head_stride, HD, kv_l)
+        if (t != pid or AHEAD == 1) and first + 1 < last:
+            _fetch(kc, vc, ksm.index(1), vsm.index(1), g, first + 1, pos, head_stride, HD, kv_l)
         q = _norm_rope(qa, qb, q_nrm, cs, sn, eps, HD, HAS_NORM, rows_l)
         k_new = _norm_rope(ka, kb, k_nrm, cs, sn, eps, HD, HAS_NORM, rows_l)
         holds = last == n_blocks  # this task holds the new token: into the cache, and its rank-1 term
