@@ -51,7 +51,7 @@ def step_ms(engine: TorchEngine, b: int, kv: int, mode: str, steps: int = 200) -
 
 
 def run_variant(model, args, fused: bool, attention: str, gemv: bool, mk: bool, floor: float,
-                sync: str = "auto", gluon: bool | None = None, head: bool = True, attend: int = 1) -> list[dict]:
+                sync: str = "auto", gluon: bool | None = None, head: bool = True, attend: bool = True) -> list[dict]:
     cfg = TorchEngineConfig(max_seq_len=args.max_seq_len, num_slots=max(args.batch), fused_weights=fused,
                             decode_attention=attention, gemv_batch1=gemv, megakernel=mk, megakernel_sync=sync,
                             megakernel_gluon=gluon, megakernel_head=head)
@@ -61,11 +61,11 @@ def run_variant(model, args, fused: bool, attention: str, gemv: bool, mk: bool, 
     mk_sync = engine.runner.megakernel.stage_sync if engine.runner.megakernel is not None else ""
     if engine.runner.megakernel is not None:
         mkl = engine.runner.megakernel  # both read at each call (graphs are captured at first use)
-        mkl.gluon_attention, mkl.attention_programs_per_sm = attend > 0, max(attend, 1)
+        mkl.gluon_attention = bool(attend)
         mkl.merge_chunk = args.merge_chunk or mkl.merge_chunk
     if engine.runner.megakernel is not None and engine.runner.megakernel.gluon_active():
         mk_sync += " gluon " + "".join(map(str, sorted(engine.runner.megakernel.gluon_active())))
-        mk_sync += f"1x{attend}" if engine.runner.megakernel.gluon_attention_active() else ""
+        mk_sync += "1" if engine.runner.megakernel.gluon_attention_active() else ""
     if engine.runner.head is not None:
         mk_sync += " head"
     name = f"fused={int(engine.runner.fused)} attn={attention} gemv1={int(gemv)} mk={int(mk)} {mk_sync}"
@@ -103,9 +103,8 @@ def main() -> None:
                          "the default)")
     ap.add_argument("--megakernel-head", type=int, nargs="+", default=[1], choices=[0, 1],
                     help="the megakernel step's head as two Triton kernels (TorchEngineConfig.megakernel_head)")
-    ap.add_argument("--megakernel-attention", type=int, nargs="+", default=[1], choices=[0, 1, 2, 3],
-                    help="the megakernel's attention stage: 0 Triton, N > 0 Gluon (DecodeMegakernel.gluon_attention) "
-                         "with N programs per SM (attention_programs_per_sm)")
+    ap.add_argument("--megakernel-attention", type=int, nargs="+", default=[1], choices=[0, 1],
+                    help="the megakernel's attention stage in Gluon (DecodeMegakernel.gluon_attention) or Triton")
     ap.add_argument("--merge-chunk", type=int, default=0,
                     help="the megakernel's attention splits merged per load (DecodeMegakernel.merge_chunk; 0: default)")
     ap.add_argument("--max-seq-len", type=int, default=1536)
@@ -128,7 +127,7 @@ def main() -> None:
     for fused, attention, gemv, mk, sync, gluon, head, attend in variants:
         t0 = time.perf_counter()
         rows += run_variant(model, args, bool(fused), attention, bool(gemv), bool(mk), floor, sync,
-                            None if gluon < 0 else bool(gluon), bool(head), attend)
+                            None if gluon < 0 else bool(gluon), bool(head), bool(attend))
         print(f"  variant total {time.perf_counter() - t0:.1f} s", flush=True)
     print(f"\n{'variant':45} {'batch':>5} {'kv':>5} {'mode':>7} {'ms/step':>8} {'x floor':>8} {'first use s':>11}")
     for r in rows:

@@ -124,6 +124,12 @@ def stage_timeline(mk, call, layers: int) -> str:
                     f"{s[..., 0].amax(1).mean():10.2f} {s[..., 1].mean():9.2f} {s[..., 1].amax(1).mean():9.2f} "
                     f"{s[..., 2].mean():8.2f} {s[..., 2].amax(1).mean():7.2f}{ready}")
     rows.append(f"  layer    {t[:, :, :, 2].amax(2).sum(1).mean():7.2f} us (sum of the stages' ends)")
+    for i, stage in enumerate(order):  # is the last program to end the same one every layer?
+        end = t[:, i, :, 2].mean(0)
+        late = end.argsort(descending=True)[:6].tolist()
+        rows.append(f"  latest {STAGE_NAMES[stage]:8} " + " ".join(
+            f"pid {p:3} end {end[p]:5.2f} (wait {t[:, i, p, 1].mean():5.2f} ready {t[:, i, p, 3].mean():5.2f} "
+            f"last in {int((t[:, i, :, 2].argmax(1) == p).sum()):2} layers)" for p in late[:3]))
     return "\n".join(rows)
 
 
@@ -148,7 +154,7 @@ def main() -> None:
                          "early launch), then optionally ',gGxF' (TMA boxes per barrier, groups in flight), ',pS=GxF' "
                          "(the same for stage S), ',L[digits]' (those stages, all without digits, let the next "
                          "kernel launch after their wait), ',wN' (warps), ',f' (FFMAs, not the tensor cores), ',a' "
-                         "(the Triton attention stage, not mk_attend's), ',AN' (N Gluon attention programs per SM), ',hN' (N K/V blocks copied before its wait); 'default,OPTS' applies OPTS to the default "
+                         "(the Triton attention stage, not mk_attend's), ',hN' (N K/V blocks copied before its wait), ',s' (a 2-block task's blocks one after the other); 'default,OPTS' applies OPTS to the default "
                          "0234,g2x2,L03")
     ap.add_argument("--barriers", action="store_true",
                     help="also time grid barriers alone and empty kernel boundaries (PDL and plain)")
@@ -216,14 +222,14 @@ def main() -> None:
                     mk.gluon_mma = False
                 elif o == "a":
                     mk.gluon_attention = False
-                elif o[0] == "A":
-                    mk.attention_programs_per_sm = int(o[1:])
                 elif o[0] == "h":
                     mk.attention_ahead = int(o[1:])
+                elif o == "s":
+                    mk.attention_pair = False
         label = (f"tile {tile:5} programs {mk.programs:3} warps {warps:2} carveout {carve:3} merge {chunk:2} {sync:7}"
                  + (f" merge warps {merge_warps}" if merge_warps else "")
                  + (f" gluon {gluon}" if mk.gluon_active() else "")
-                 + (f" gluon-attention x{mk.attention_programs() // mk.programs} ahead {mk.attention_ahead}"
+                 + (f" gluon-attention ahead {mk.attention_ahead}{' pair' if mk.attention_pair else ''}"
                     if mk.gluon_attention_active() else ""))
         for pos in args.pos:
             p = torch.tensor([pos], device="cuda")

@@ -40,11 +40,11 @@ def _runner(model, max_seq_len, device, dtype=torch.bfloat16, megakernel=True):
 
 @torch.inference_mode()
 def compare_to_f64(preset, prompt_len, device, max_seq_len=256, tile_programs=None, sync=None, gluon=None,
-                   attention=None, attention_per_sm=None):
+                   attention=None):
     """One batch-1 decode step at position `prompt_len` three ways: the megakernel (its `stage_sync`, default
     the device's), the engine's bf16 layer stack (HF's ops) and float64 (same weights, same cached K/V). Returns
-    errors vs float64 and cache checks. `gluon` / `attention` / `attention_per_sm`: set `gluon_gemv` /
-    `gluon_attention` / `attention_programs_per_sm` (None: the default)."""
+    errors vs float64 and cache checks. `gluon` / `attention`: set `gluon_gemv` / `gluon_attention` (None: the
+    default)."""
     model = build_model(preset, device=device, dtype=torch.bfloat16, seed=0).eval()
     runner = _runner(model, max_seq_len, device)
     assert runner.megakernel is not None
@@ -63,7 +63,6 @@ def compare_to_f64(preset, prompt_len, device, max_seq_len=256, tile_programs=No
     mk.stage_sync = sync or mk.stage_sync
     mk.gluon_gemv = mk.gluon_gemv if gluon is None else gluon
     mk.gluon_attention = mk.gluon_attention if attention is None else attention
-    mk.attention_programs_per_sm = attention_per_sm or mk.attention_programs_per_sm
     mk.bind(runner.layers, runner.cache.k, runner.cache.v)
     h_mk = mk(hidden.clone(), cos, sin, pos)
 
@@ -274,14 +273,16 @@ def compile_gluon_attention(preset: str, programs: int = 132) -> dict:
     mk = DecodeMegakernel(model, fuse_layers(model), 1536, torch.device("cpu"), programs=programs)
     ptrs = dict(qkv="*bf16", kc="*bf16", vc="*bf16", q_norm="*bf16", k_norm="*bf16", cos="*bf16", sin="*bf16",
                 pos_ptr="*i64", part_acc="*fp32", part_m="*fp32", part_l="*fp32", laps="*i64")
-    args = ptrs | dict(lap_base="i32", lap_progs="i32", eps="fp32", scale="fp32", head_stride="i32", max_splits="i32")
+    args = ptrs | dict(lap_base="i32", eps="fp32", scale="fp32", head_stride="i32", max_splits="i32")
     consts = dict(H=mk.h, NKV=mk.n_kv, HD=mk.hd, G=mk.group, BG=_pow2(mk.group),
-                  HAS_NORM=mk.has_qk_norm, TIMED=False, AHEAD=mk.attention_ahead)
+                  HAS_NORM=mk.has_qk_norm, TIMED=False, AHEAD=mk.attention_ahead,
+                  PAIR=mk.attention_pair)
     ptx_text, regs, spills, shared = _compile_gluon(mk_attend.attend_stage, args, consts, mk_attend.WARPS.value,
                                                     f"rlbench_gluon_{preset}_attend", aligned=(*ptrs, "head_stride"))
     before, _, after = ptx_text.partition("griddepcontrol.wait")
     return dict(regs=regs, spill_bytes=spills, shared=shared, barriers_before_wait=before.count("bar.sync"),
                 barriers_after_wait=after.count("bar.sync"), copies=ptx_text.count("cp.async.cg"),
+                copies_before_wait=before.count("cp.async.cg"),
                 mma=ptx_text.count("mma.sync"), loads_before_wait=len(re.findall(r"ld\.global", before)),
                 stores_before_wait=len(re.findall(r"\b(?:st\.global|atom\.|red\.)", before)))
 

@@ -45,11 +45,12 @@ TABLE = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "post_norm", 
 """Columns of the per-layer pointer table: the `FusedLayer` field of that name, then the layer's K and V cache."""
 SPLIT = 64
 """Cached positions per attention task (KV head x split is the attention stage's task grid)."""
-MERGE_CHUNK = 16
-"""Splits merged per load when the partial softmaxes are combined (16: one load for up to 16 splits, ~2,000
-positions on 132 SMs). Measured side by side on the H200 in two runs (docs/LOG.md session 7): 16 was 1-3% faster
-than 32 at pos 256 / 1024 / 1500 and on 4B (final run 738.8 / 781.2 / 803.3 us per 0.6B call against 747.5 / 796.0
-/ 822.1); 8 was faster at pos 256 but slower at 1024, 1500 and on 4B."""
+MERGE_CHUNK = 32
+"""Splits merged per load when the partial softmaxes are combined (one load for up to 32 splits, ~4,000 positions
+on 132 SMs). H200, session 13, same run, Gluon stages and attention: 32 gave 424.4 / 468.4 / 483.7 us per 0.6B call
+at pos 256 / 1024 / 1500 against 423.9 / 480.3 / 502.7 with 16, although both merge 5 / 9 / 12 splits in one load:
+the merge's last program ended 1.74 vs 2.06 us after the attention at pos 1024 (docs/LOG.md). Session 7, with the
+Triton stages of then, 16 had been 1-3% faster."""
 TILE_ELEMS = 16384
 """Weight elements a GEMV tile loads per K step when the tile is double buffered; a tile of up to twice that
 is loaded as one chunk (all in flight before the barrier, one round trip after it)."""
@@ -227,12 +228,13 @@ class DecodeMegakernel:
         (measured, FFMA GEMVs: all early 596 / 632 / 695 us, all late 544 / 631 / 634, QKV + gate/up + down late
         518 / 584 / 621 at pos 256 / 1024 / 1500; tensor cores, session 11: QKV + gate/up + down late 470.9 /
         538.2, QKV + gate/up late 459.3 / 524.2 at pos 256 / 1024)."""
-        self.gluon_pacing = {0: (2, 2), 2: (2, 2), 3: (2, 2), 4: (2, 2)}
+        self.gluon_pacing = {0: (2, 2), 2: (2, 2), 3: (2, 2), 4: (4, 2)}
         """Per Gluon stage: (TMA boxes of 4 KB per mbarrier, such groups in flight per program). A burst of a
         whole stage's tiles (12 MB for gate/up) queues the latency-bound accesses of the stage on the critical path
         behind it; two groups of two boxes (16 KB per SM, ~2 MB in flight on the GPU) pace the stream. (QKV's
         64 KB at once was better while QKV launched late: 505 vs 518 us; launched early by down, paced is better:
-        459.3 vs 485.2 us at pos 256, session 11.)"""
+        459.3 vs 485.2 us at pos 256, session 11. Down, whose tile is half landed when gate/up ends, takes four
+        boxes per group: 420.8 / 444.3 / 457.0 vs 427.3 / 447.1 / 460.6 us at pos 256 / 1024 / 1500, session 13.)"""
         self.gluon_warps = 4
         """Warps of a Gluon stage program (8 measured 12-16% slower per call)."""
         self.gluon_mma = True
@@ -247,12 +249,15 @@ class DecodeMegakernel:
         496.6 / 522.2 us per call at pos 256 / 1024 / 1500 vs 453.7 / 517.2 / 540.7; decode step 0.553 / 0.589 ms
         at kv 256 / 1024 vs 0.564 / 0.613-0.618 (benchmarks/megakernel.py --gluon default default,a;
         decode_profile.py --megakernel-attention 0 1)."""
-        self.attention_programs_per_sm = 1
-        """Programs per SM of the Gluon attention stage (its grid; the Triton stage keeps `programs`). With more
-        programs, a task holds fewer 64-position blocks (at pos 1,024, 17 blocks x 8 KV heads: 2 per task on 132
-        programs, 1 on 264) and the merge more splits."""
         self.attention_ahead = 2
-        """Cached K/V blocks the Gluon attention copies before its PDL wait (1 or 2; the rest after its loads)."""
+        """Cached K/V blocks the Gluon attention copies before its PDL wait (1 or 2; with 1 a task's second block
+        is copied after its q/k/v loads went out). H200, session 13, same run, with `attention_pair`: 2 gave 427.3 /
+        447.1 / 460.6 us per call at pos 256 / 1024 / 1500 against 427.8 / 455.6 / 468.8 with 1 (without pairs 1
+        and 2 were even)."""
+        self.attention_pair = True
+        """The Gluon attention runs a task of exactly two blocks (positions ~1,024-2,100 on 132 SMs) as one step:
+        both blocks' scores, one softmax update, two independent mma chains instead of a serial second block.
+        H200, session 13, same run: 455.6 / 468.8 vs 476.4 / 483.1 us per call at pos 1024 / 1500."""
         self.gluon_carveout = 100
         """Carveout (percent) of every kernel of a step that runs Gluon stages: their tiles need shared memory, and
         an SM only hosts programs of different kernels side by side under one shared-memory split."""
@@ -338,10 +343,6 @@ class DecodeMegakernel:
         return (self.gluon_attention and bool(self.gluon_active()) and self.group <= QR.value // 2
                 and self.hd == _pow2(self.hd) and self.hd % 8 == 0 and self.head_stride % 8 == 0)
 
-    def attention_programs(self) -> int:
-        """The attention stage's grid (the merge computes its task grid for this many programs)."""
-        return self.programs * (self.attention_programs_per_sm if self.gluon_attention_active() else 1)
-
     def _gluon_descs(self) -> list[dict]:
         """Per layer, the TMA descriptors of the planned stages' weights (built once per bind)."""
         if not self._descs:
@@ -399,7 +400,6 @@ class DecodeMegakernel:
         args, consts = self.launch_args(hidden, cos, sin, positions)
         args = args[:12] + (self.stage_laps, layer) + args[15:]  # no err / laps / num_layers
         consts = {k: v for k, v in consts.items() if k != "MAX_SPINS"}
-        consts["ATT_PROGS"] = self.attention_programs()
         return args, consts
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -459,12 +459,12 @@ class DecodeMegakernel:
         from rlbench.rollout.mk_attend import WARPS, attend_stage
 
         w, (kc, vc) = self._layers[layer], self._caches[layer]
-        kernel = attend_stage[(self.attention_programs(),)](
+        kernel = attend_stage[(self.programs,)](
             self.qkv, kc, vc, self.qkv if w.q_norm is None else w.q_norm, self.qkv if w.k_norm is None else w.k_norm,
             cos, sin, positions, self.part_acc, self.part_m, self.part_l, self.stage_laps,
-            (layer * 6 + 1) * self.programs * 4, self.programs, self.eps, self.scale, self.head_stride, self.max_splits,
+            (layer * 6 + 1) * self.programs * 4, self.eps, self.scale, self.head_stride, self.max_splits,
             H=self.h, NKV=self.n_kv, HD=self.hd, G=self.group, BG=_pow2(self.group), HAS_NORM=self.has_qk_norm,
-            TIMED=self.timed, AHEAD=self.attention_ahead, num_warps=WARPS.value, launch_pdl=pdl)
+            TIMED=self.timed, AHEAD=self.attention_ahead, PAIR=self.attention_pair, num_warps=WARPS.value, launch_pdl=pdl)
         self._carve(kernel, self.gluon_carveout)
 
     def _carve(self, kernel, percent: int | None) -> None:

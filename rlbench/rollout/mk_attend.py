@@ -10,7 +10,10 @@ Tasks are those of `mk_kernels._stage_attend` (`_attn_grid`: a task is a KV head
 consecutive 64-position blocks), and so are the partial slots the merge kernel (`mk_kernels._stage_merge`)
 reads. Within a task, warp w takes positions [16 w, 16 w + 16) of every block: the scores `q @ K^T` and `p @ V`
 are batched mma (the warp is the batch dimension), and each warp keeps its own running max, sum and accumulator.
-The four warps' partials are combined once, at the end of the task, through shared memory. The KV group's q
+The four warps' partials are combined once, at the end of the task, through shared memory. A task of exactly
+two blocks (`PAIR`) takes both in one step: two independent score chains and one softmax update instead of a
+second, serial block (session 13: ~21 us less per call at pos 1024). Longer tasks run block after block, a
+two-buffer ring copying the block after next. The KV group's q
 heads are padded to 16 rows (mma's M). After the wait every load of a task goes out in one round trip (the
 group's q heads and the new token's k and v; the norm weights and the RoPE row were loaded before the wait):
 the first version loaded them a round trip after another and was slower than the Triton stage (docs/LOG.md,
@@ -18,7 +21,7 @@ session 12). q and the new k are normed and rotated in a small layout (the real 
 through shared memory. The block loop reads cached positions only (`< pos`); the new token is a rank-1 term, its
 score `scale * q . k_new` computed once per task and joined to the partial where the warps' partials are
 combined (the first version put the new K/V into the mma operands with register selects: 288 of the block
-loop's ~400 instructions). Rounding as in `mk_kernels`: q and the new K are bf16 values, p is rounded to bf16
+loop's ~400 instructions; session 13: 423-429 vs 448.5 us per call at pos 256). Rounding as in `mk_kernels`: q and the new K are bf16 values, p is rounded to bf16
 for `p @ V` (the new token's too), sums in fp32; the sums run in another order than the Triton stage's (per
 warp, then across warps, then the new token), so the two agree to rounding, not bit for bit. GPU only (no
 interpreter).
@@ -69,6 +72,22 @@ def _fetch(kc, vc, ks, vs, g, blk, pos, head_stride, HD: gl.constexpr, layout: g
 
 
 @gluon.jit
+def _q3(qs, la: gl.constexpr):
+    """The task's q rows from shared memory as every warp's mma A operand `[WARPS, QR, HD]`."""
+    q3, _w = gl.broadcast(gl.expand_dims(qs.load(gl.SliceLayout(0, la)), 0), gl.full([WARPS, 1, 1], 0, gl.bfloat16, la))
+    return q3
+
+
+@gluon.jit
+def _scores(kbuf, q3, blk, pos, ws, scale, lb: gl.constexpr, mma: gl.constexpr):
+    """Block `blk`'s scaled scores `[WARPS, QR, 16]` from its K in `kbuf` (`[WARPS, 16, HD]`), -inf at and after
+    `pos` (cached positions only; `ws` where the block's positions sit)."""
+    P: gl.constexpr = SPLIT // WARPS
+    sc = mma_v2(q3, kbuf.permute([0, 2, 1]).load(lb), gl.zeros([WARPS, QR, P], gl.float32, mma)) * scale
+    return gl.where(blk * SPLIT + ws < pos, sc, float("-inf"))
+
+
+@gluon.jit
 def _rn(x):
     """fp32 rounded to the nearest bf16 (ties to even), kept as fp32: the GPU's cvt.rn (Gluon has no CPU
     interpreter, so no integer emulation is needed; two instructions instead of `mk_gluon._bf`'s five)."""
@@ -103,19 +122,17 @@ def _norm_rope(a, b, norm, cos, sin, eps, HD: gl.constexpr, HAS_NORM: gl.constex
 
 
 @gluon.jit
-def attend_stage(qkv, kc, vc, q_norm, k_norm, cos, sin, pos_ptr, part_acc, part_m, part_l, laps, lap_base, lap_progs,
-                 eps, scale, head_stride, max_splits, H: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
+def attend_stage(qkv, kc, vc, q_norm, k_norm, cos, sin, pos_ptr, part_acc, part_m, part_l, laps, lap_base, eps,
+                 scale, head_stride, max_splits, H: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
                  G: gl.constexpr, BG: gl.constexpr, HAS_NORM: gl.constexpr, TIMED: gl.constexpr,
-                 AHEAD: gl.constexpr = 2):
+                 AHEAD: gl.constexpr, PAIR: gl.constexpr):
     """One layer's attention for the token at `pos`: `qkv` the QKV stage's output (bf16, q heads then K then V),
     `kc`/`vc` this layer's cache `[slots, NKV, positions, HD]` (slot 0; `head_stride` between KV heads; the new
     K/V are written at `pos`), `q_norm`/`k_norm` the head norms (unread without HAS_NORM), `cos`/`sin` the
     token's RoPE row. Task (g, s)'s partial (unnormalised sums, running max, sum of exponentials of its BG q
     rows) goes to slot `g * max_splits + s` of `part_acc`/`part_m`/`part_l`. The next kernel launches at once
-    (it is the merge: few registers). The grid may be several programs per SM (`DecodeMegakernel.
-    attention_programs_per_sm`; the merge kernel computes the task grid for this grid's size). With TIMED,
-    `laps[lap_base + pid * 4:][:4]` gets the globaltimer of programs pid < `lap_progs` at their start, after
-    their wait, at their end, and when q and the new K were normed (their first task)."""
+    (it is the merge: few registers). With TIMED, `laps[lap_base + pid * 4:][:4]` gets the program's globaltimer
+    at its start, after its wait, at its end, and when q and the new K were normed (its first task)."""
     P: gl.constexpr = SPLIT // WARPS
     gl.static_assert(WARPS * QR == SPLIT)  # the exchanged accumulators [W, QR / 2, HD] fp32 fit one K buffer
     gl.static_assert(BG <= QR // 2)
@@ -191,25 +208,36 @@ def attend_stage(qkv, kc, vc, q_norm, k_norm, cos, sin, pos_ptr, part_acc, part_
         m_run = gl.full([WARPS, QR], float("-inf"), gl.float32, gl.SliceLayout(2, mma))
         l_run = gl.zeros([WARPS, QR], gl.float32, gl.SliceLayout(2, mma))
         acc = gl.zeros([WARPS, QR, HD], gl.float32, mma)
-        for blk in range(first, last):
+        start = first
+        if PAIR and last - first == 2:  # both blocks at once: two independent score chains, one softmax step
+            async_copy.wait_group(0)
+            gl.thread_barrier()  # every thread's copies and the rows above visible
+            q3 = _q3(qs, la)
+            sa = _scores(ksm.index(0), q3, first, pos, ws, scale, lb, mma)
+            sb = _scores(ksm.index(1), q3, first + 1, pos, ws, scale, lb, mma)
+            m_run = gl.maximum(gl.max(sa, axis=2), gl.max(sb, axis=2))
+            m_safe = gl.expand_dims(gl.where(m_run == float("-inf"), 0.0, m_run), 2)  # a warp may see none
+            pa = gl.exp(sa - m_safe)
+            pb = gl.exp(sb - m_safe)
+            l_run = gl.sum(pa, axis=2) + gl.sum(pb, axis=2)
+            acc = mma_v2(gl.convert_layout(pa.to(gl.bfloat16), la), vsm.index(0).load(lb), acc)
+            acc = mma_v2(gl.convert_layout(pb.to(gl.bfloat16), la), vsm.index(1).load(lb), acc)
+            start = last
+        for blk in range(start, last):
             i = blk - first
             if blk + 1 < last:  # this block's copy has landed (the next one's may be in flight)
                 async_copy.wait_group(1)
             else:
                 async_copy.wait_group(0)
             gl.thread_barrier()  # every thread's copies (and, at the first block, the rows above) visible
-            kt = ksm.index(i % 2).permute([0, 2, 1]).load(lb)  # K^T [W, HD, P]
-            v = vsm.index(i % 2).load(lb)
-            q3, _w = gl.broadcast(gl.expand_dims(qs.load(gl.SliceLayout(0, la)), 0),
-                                 gl.full([WARPS, 1, 1], 0, gl.bfloat16, la))
-            sc = mma_v2(q3, kt, gl.zeros([WARPS, QR, P], gl.float32, mma)) * scale
-            sc = gl.where(blk * SPLIT + ws < pos, sc, float("-inf"))  # cached positions only
+            sc = _scores(ksm.index(i % 2), _q3(qs, la), blk, pos, ws, scale, lb, mma)
             m_new = gl.maximum(m_run, gl.max(sc, axis=2))
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a warp may see no position yet
             keep = gl.exp(m_run - m_safe)
             p = gl.exp(sc - gl.expand_dims(m_safe, 2))
             l_run = l_run * keep + gl.sum(p, axis=2)
-            acc = mma_v2(gl.convert_layout(p.to(gl.bfloat16), la), v, acc * gl.expand_dims(keep, 2))
+            acc = mma_v2(gl.convert_layout(p.to(gl.bfloat16), la), vsm.index(i % 2).load(lb),
+                         acc * gl.expand_dims(keep, 2))
             m_run = m_new
             if blk + 2 < last:  # the block after next into this one's buffer
                 gl.thread_barrier()
@@ -242,5 +270,4 @@ def attend_stage(qkv, kc, vc, q_norm, k_norm, cos, sin, pos_ptr, part_acc, part_
         gl.store(part_m + slot * BG + jm, m_tot, mask=jm < BG)
         gl.store(part_l + slot * BG + jm, l_tot, mask=jm < BG)
     if TIMED:
-        if pid < lap_progs:
-            _stamp(laps, lap_base, t_start, t_wait, t_ready, WARPS)
+        _stamp(laps, lap_base, t_start, t_wait, t_ready, WARPS)

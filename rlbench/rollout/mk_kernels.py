@@ -516,8 +516,7 @@ def decode_stage(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, 
                  BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_O: tl.constexpr, BK_O: tl.constexpr,
                  BR_GU: tl.constexpr, BK_GU: tl.constexpr, BR_DN: tl.constexpr, BK_DN: tl.constexpr,
                  ST_QKV: tl.constexpr, ST_O: tl.constexpr, ST_GU: tl.constexpr, ST_DN: tl.constexpr,
-                 BF16_DOT: tl.constexpr, STAGE: tl.constexpr, PDL: tl.constexpr, TIMED: tl.constexpr,
-                 ATT_PROGS: tl.constexpr):
+                 BF16_DOT: tl.constexpr, STAGE: tl.constexpr, PDL: tl.constexpr, TIMED: tl.constexpr):
     """ONE stage of one layer as its own kernel (`DecodeMegakernel.stage_sync` "pdl" / "launch"): the tasks and
     stage code of `decode_layers`, with the kernel boundary as the barrier. Each program first issues its
     token-independent loads (weights, cached K/V), then, with PDL (programmatic dependent launch, sm_90+), lets
@@ -525,7 +524,7 @@ def decode_stage(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, 
     wherever an SM has room) and waits for the previous stage's kernel to complete with its memory visible
     (`griddepcontrol.wait`). Every global store and every read of an activation comes after that wait.
     STAGE 5 merges the attention partials (between stages 1 and 2; in the grid-barrier kernel the attention
-    stage's last task per KV head does) of the task grid of an attention kernel of ATT_PROGS programs. With TIMED, `laps_out[((layer * 6 + STAGE) * nprog + pid) * 4 :][:4]`
+    stage's last task per KV head does). With TIMED, `laps_out[((layer * 6 + STAGE) * nprog + pid) * 4 :][:4]`
     gets the program's globaltimer (ns) at its start, after the wait and at its end, and its SM."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -549,7 +548,7 @@ def decode_stage(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, 
                       tl.zeros([16], tl.int64), tl.full([], 0, tl.int64), H, NKV, HD, G, BG, SPLIT, HAS_QK_NORM, CS,
                       BF16_DOT, False, False)
     elif STAGE == 5:
-        _, _, n_splits = _attn_grid(tl.load(pos_ptr).to(tl.int32), ATT_PROGS, NKV, SPLIT)  # the attention kernel's
+        _, _, n_splits = _attn_grid(tl.load(pos_ptr).to(tl.int32), nprog, NKV, SPLIT)  # the attention kernel's
         _stage_boundary(PDL)
         t_wait = globaltimer() if TIMED else 0
         _stage_merge(part_acc, part_m, part_l, attn, pid, nprog, n_splits, max_splits, H, HD, G, BG, CS)
