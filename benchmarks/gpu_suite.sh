@@ -7,7 +7,7 @@
 #   mk       GPU0: the batch-1 decode megakernel: GPU tests, kernel alone (PDL vs grid barriers), decode step vs compiled
 #   gstream  GPU0: the Gluon weight-streaming microbenchmark (producer warp + TMA ring): grid barrier cost idle / under the stream
 #   gprog    GPU0: how much HBM bandwidth 16 / 33 / 66 / 132 SMs pull with the Gluon TMA stream
-#   attend   GPU0: the Gluon attention stage: its GPU tests, kernel alone (vs the Triton stage; K/V ahead; merge chunk), decode step
+#   attend   GPU0: the Gluon attention stage: its GPU tests, kernel alone (vs 1-block tasks, serial pairs, 1 block ahead, the Triton stage; merge chunk), decode step
 #   extra    GPU1 after lane1 (add it only when there is time): rollout GPU tests, decode variants, 4B training, packing
 set -u
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -36,9 +36,9 @@ for part in "$@"; do case $part in
         python3 benchmarks/rollout.py --device cuda --preset qwen3-0.6b-shape --batch-sizes 1 --prompt-len 512 \
           --new-tokens 1024 --hf-new-tokens 256 --megakernel --out $OUT/rollout_mk.json" ;;
   attend) ( run attend_tests 0 "$(lim 210)" "python3 -m pytest -q -s -m gpu tests/test_megakernel.py -k 'rounds_like or same_bits or survives or pdl'"
-            run attend_mk 0 "$(lim 150)" "python3 benchmarks/megakernel.py --pos 256 1024 1500 --gluon default default,h2 default,a --stages;
+            run attend_mk 0 "$(lim 150)" "python3 benchmarks/megakernel.py --pos 256 960 1024 1500 --gluon default default,m1 default,s default,h1 default,a --stages;
               python3 benchmarks/megakernel.py --pos 256 1024 1500 --merge-chunk 16 32"
-            run attend_step 0 "$(lim 180)" "python3 benchmarks/decode_profile.py --kv 256 1024 --batch 1 --megakernel 1 \
+            run attend_step 0 "$(lim 180)" "python3 benchmarks/decode_profile.py --kv 256 1024 1536 --batch 1 --megakernel 1 \
               --megakernel-attention 1 0 --modes sample greedy" ) & ;;
   gstream) run gstream 0 "$(lim 300)" "python3 benchmarks/gluon_stream.py --slots 24 --modes barrier_only barrier_load barrier_load_half --timed" ;;
   gprog) run gprog 0 "$(lim 300)" "for p in 16 33 66 132; do python3 benchmarks/gluon_stream.py --programs \$p --slots 48 --modes stream --iters 20; done" ;;

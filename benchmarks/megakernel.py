@@ -154,7 +154,7 @@ def main() -> None:
                          "early launch), then optionally ',gGxF' (TMA boxes per barrier, groups in flight), ',pS=GxF' "
                          "(the same for stage S), ',L[digits]' (those stages, all without digits, let the next "
                          "kernel launch after their wait), ',wN' (warps), ',f' (FFMAs, not the tensor cores), ',a' "
-                         "(the Triton attention stage, not mk_attend's), ',hN' (N K/V blocks copied before its wait), ',s' (a 2-block task's blocks one after the other); 'default,OPTS' applies OPTS to the default "
+                         "(the Triton attention stage, not mk_attend's), ',hN' (N K/V blocks copied before its wait), ',s' (a 2-block task's blocks one after the other), ',mN' (N blocks per attention task at least); 'default,OPTS' applies OPTS to the default "
                          "0234,g2x2,L03")
     ap.add_argument("--barriers", action="store_true",
                     help="also time grid barriers alone and empty kernel boundaries (PDL and plain)")
@@ -226,10 +226,12 @@ def main() -> None:
                     mk.attention_ahead = int(o[1:])
                 elif o == "s":
                     mk.attention_pair = False
+                elif o[0] == "m":
+                    mk.attention_min_blocks = int(o[1:])
         label = (f"tile {tile:5} programs {mk.programs:3} warps {warps:2} carveout {carve:3} merge {chunk:2} {sync:7}"
                  + (f" merge warps {merge_warps}" if merge_warps else "")
                  + (f" gluon {gluon}" if mk.gluon_active() else "")
-                 + (f" gluon-attention ahead {mk.attention_ahead}{' pair' if mk.attention_pair else ''}"
+                 + (f" gluon-attention ahead {mk.attention_ahead}{' pair' if mk.attention_pair else ''} min {mk.attention_min_blocks}"
                     if mk.gluon_attention_active() else ""))
         for pos in args.pos:
             p = torch.tensor([pos], device="cuda")

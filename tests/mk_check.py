@@ -276,7 +276,7 @@ def compile_gluon_attention(preset: str, programs: int = 132) -> dict:
     args = ptrs | dict(lap_base="i32", eps="fp32", scale="fp32", head_stride="i32", max_splits="i32")
     consts = dict(H=mk.h, NKV=mk.n_kv, HD=mk.hd, G=mk.group, BG=_pow2(mk.group),
                   HAS_NORM=mk.has_qk_norm, TIMED=False, AHEAD=mk.attention_ahead,
-                  PAIR=mk.attention_pair)
+                  PAIR=mk.attention_pair, MIN_PER=mk.attention_min_blocks)
     ptx_text, regs, spills, shared = _compile_gluon(mk_attend.attend_stage, args, consts, mk_attend.WARPS.value,
                                                     f"rlbench_gluon_{preset}_attend", aligned=(*ptrs, "head_stride"))
     before, _, after = ptx_text.partition("griddepcontrol.wait")

@@ -94,6 +94,8 @@ def test_megakernel_is_the_default_batch1_path_on_sm90():
     and stays off without a word for fp32 (unsupported) and for the unfused layers of the true on-policy mode."""
     import warnings
 
+    import torch._inductor.compile_fx  # noqa: F401 - torch's own import-time deprecation warnings, before the filter
+
     pdl = torch.cuda.get_device_capability()[0] >= 9
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # auto never warns

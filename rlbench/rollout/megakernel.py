@@ -26,10 +26,10 @@ With "pdl" (and "launch") the GEMV stages whose tile fits shared memory run as G
 and stream their tiles a stage ahead; with them, the attention stage runs in Gluon too (`mk_attend.py`,
 `gluon_attention`: per-warp online softmax on the tensor cores, no CTA barrier per block).
 
-Status (H200, docs/LOG.md 2026-11-30, sessions 8, 10-12): correct (error vs float64 equal to the bf16 layer
+Status (H200, docs/LOG.md 2026-11-30, sessions 8, 10-13): correct (error vs float64 equal to the bf16 layer
 stack's); with "pdl", the tensor-core Gluon GEMV stages and the Gluon attention stage the 0.6B step takes
-0.553-0.589 ms at kv 256-1024 against the compiled path's 1.13-1.36 ms (1.99-2.12x the floor, goal 2x; Triton
-attention 0.564-0.618 ms, FFMA Gluon stages 0.62-0.68 ms, Triton stages 0.70-0.74 ms, "barrier" 0.84-0.86 ms),
+0.541-0.574 ms at kv 256-1536 against the compiled path's 1.13-1.36 ms (1.95-2.07x the floor, goal 2x; Triton
+attention 0.561-0.616 ms, FFMA Gluon stages 0.62-0.68 ms, Triton stages 0.70-0.74 ms, "barrier" 0.84-0.86 ms),
 the 4B step (no stage fits) 3.01 ms (1.61x) against 4.06 ms compiled.
 """
 
@@ -245,10 +245,10 @@ class DecodeMegakernel:
         self.gluon_attention = True
         """Run the attention stage as `mk_attend.attend_stage` (each warp its own online softmax over a quarter of a
         block, the cached K/V copied to shared memory before the PDL wait, no reduction across warps per block)
-        instead of the Triton stage, where `gluon_attention_active` allows it. H200, session 12, same run: 448.5 /
-        496.6 / 522.2 us per call at pos 256 / 1024 / 1500 vs 453.7 / 517.2 / 540.7; decode step 0.553 / 0.589 ms
-        at kv 256 / 1024 vs 0.564 / 0.613-0.618 (benchmarks/megakernel.py --gluon default default,a;
-        decode_profile.py --megakernel-attention 0 1)."""
+        instead of the Triton stage, where `gluon_attention_active` allows it. H200, session 13, same run: 421.5 /
+        438.6 / 454.3 us per call at pos 256 / 1024 / 1500 vs 444.3 / 504.6 / 529.2 (benchmarks/megakernel.py
+        --gluon default default,a); decode step, greedy, 0.541 / 0.551 / 0.570 ms at kv 256 / 1024 / 1536 vs 0.561
+        / 0.611 / 0.608 (decode_profile.py --megakernel-attention 1 0)."""
         self.attention_ahead = 2
         """Cached K/V blocks the Gluon attention copies before its PDL wait (1 or 2; with 1 a task's second block
         is copied after its q/k/v loads went out). H200, session 13, same run, with `attention_pair`: 2 gave 427.3 /
@@ -258,6 +258,11 @@ class DecodeMegakernel:
         """The Gluon attention runs a task of exactly two blocks (positions ~1,024-2,100 on 132 SMs) as one step:
         both blocks' scores, one softmax update, two independent mma chains instead of a serial second block.
         H200, session 13, same run: 455.6 / 468.8 vs 476.4 / 483.1 us per call at pos 1024 / 1500."""
+        self.attention_min_blocks = 2
+        """Blocks per task of the Gluon attention at least: with 2, tasks are pairs of blocks (`attention_pair`)
+        from pos 64 on, half as many tasks as blocks. H200, session 13, same run: 425.6 / 430.4 / 440.5 vs 429.6 /
+        448.4 / 440.8 us per call at pos 512 / 960 / 1024 (1-block tasks below 1,024 on 132 SMs), 420.4 / 422.0 vs
+        418.1 / 420.6 at pos 128 / 256."""
         self.gluon_carveout = 100
         """Carveout (percent) of every kernel of a step that runs Gluon stages: their tiles need shared memory, and
         an SM only hosts programs of different kernels side by side under one shared-memory split."""
@@ -400,6 +405,7 @@ class DecodeMegakernel:
         args, consts = self.launch_args(hidden, cos, sin, positions)
         args = args[:12] + (self.stage_laps, layer) + args[15:]  # no err / laps / num_layers
         consts = {k: v for k, v in consts.items() if k != "MAX_SPINS"}
+        consts["MIN_PER"] = self.attention_min_blocks if self.gluon_attention_active() else 1  # the merge's grid
         return args, consts
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -464,7 +470,8 @@ class DecodeMegakernel:
             cos, sin, positions, self.part_acc, self.part_m, self.part_l, self.stage_laps,
             (layer * 6 + 1) * self.programs * 4, self.eps, self.scale, self.head_stride, self.max_splits,
             H=self.h, NKV=self.n_kv, HD=self.hd, G=self.group, BG=_pow2(self.group), HAS_NORM=self.has_qk_norm,
-            TIMED=self.timed, AHEAD=self.attention_ahead, PAIR=self.attention_pair, num_warps=WARPS.value, launch_pdl=pdl)
+            TIMED=self.timed, AHEAD=self.attention_ahead, PAIR=self.attention_pair,
+            MIN_PER=self.attention_min_blocks, num_warps=WARPS.value, launch_pdl=pdl)
         self._carve(kernel, self.gluon_carveout)
 
     def _carve(self, kernel, percent: int | None) -> None:

@@ -6,25 +6,25 @@ barriers: the q/k norms, the row max and row sum of every block, and the convers
 tensor-core operands, most of them after the wait. Here no reduction of a block crosses warps, and the cached K
 and V are copied to shared memory (cp.async) before the wait, ldmatrix'd into operands after it.
 
-Tasks are those of `mk_kernels._stage_attend` (`_attn_grid`: a task is a KV head and a split of `per`
-consecutive 64-position blocks), and so are the partial slots the merge kernel (`mk_kernels._stage_merge`)
-reads. Within a task, warp w takes positions [16 w, 16 w + 16) of every block: the scores `q @ K^T` and `p @ V`
-are batched mma (the warp is the batch dimension), and each warp keeps its own running max, sum and accumulator.
-The four warps' partials are combined once, at the end of the task, through shared memory. A task of exactly
-two blocks (`PAIR`) takes both in one step: two independent score chains and one softmax update instead of a
-second, serial block (session 13: ~21 us less per call at pos 1024). Longer tasks run block after block, a
-two-buffer ring copying the block after next. The KV group's q
-heads are padded to 16 rows (mma's M). After the wait every load of a task goes out in one round trip (the
-group's q heads and the new token's k and v; the norm weights and the RoPE row were loaded before the wait):
-the first version loaded them a round trip after another and was slower than the Triton stage (docs/LOG.md,
-session 12). q and the new k are normed and rotated in a small layout (the real q rows only); q reaches the mma
-through shared memory. The block loop reads cached positions only (`< pos`); the new token is a rank-1 term, its
-score `scale * q . k_new` computed once per task and joined to the partial where the warps' partials are
-combined (the first version put the new K/V into the mma operands with register selects: 288 of the block
-loop's ~400 instructions; session 13: 423-429 vs 448.5 us per call at pos 256). Rounding as in `mk_kernels`: q and the new K are bf16 values, p is rounded to bf16
-for `p @ V` (the new token's too), sums in fp32; the sums run in another order than the Triton stage's (per
-warp, then across warps, then the new token), so the two agree to rounding, not bit for bit. GPU only (no
-interpreter).
+Tasks are those of `mk_kernels._stage_attend` (`_attn_grid`: a task is a KV head and a split of `per` consecutive
+64-position blocks), and so are the partial slots the merge kernel (`mk_kernels._stage_merge`) reads. Within a
+task, warp w takes positions [16 w, 16 w + 16) of every block: the scores `q @ K^T` and `p @ V` are batched mma
+(the warp is the batch dimension), and each warp keeps its own running max, sum and accumulator. The four warps'
+partials are combined once, at the end of the task, through shared memory. A task of exactly two blocks (`PAIR`)
+takes both in one step: two independent score chains and one softmax update instead of a second, serial block
+(session 13: ~21 us less per call at pos 1024), and tasks hold two blocks at least (`MIN_PER`, the merge kernel's
+grid too: half as many tasks, 18 us less at pos 960). Longer tasks run block after block, a two-buffer ring
+copying the block after next. The KV group's q heads are padded to 16 rows (mma's M). After the wait every load of
+a task goes out in one round trip (the group's q heads and the new token's k and v; the norm weights and the RoPE
+row were loaded before the wait): the first version loaded them a round trip after another and was slower than the
+Triton stage (docs/LOG.md, session 12). q and the new k are normed and rotated in a small layout (the real q rows
+only); q reaches the mma through shared memory. The block loop reads cached positions only (`< pos`); the new
+token is a rank-1 term, its score `scale * q . k_new` computed once per task and joined to the partial where the
+warps' partials are combined (the first version put the new K/V into the mma operands with register selects: 288
+of the block loop's ~400 instructions; 423 us per call at pos 256 in session 13, 448.5 in session 12's run). Rounding as in
+`mk_kernels`: q and the new K are bf16 values, p is rounded to bf16 for `p @ V` (the new token's too), sums in
+fp32; the sums run in another order than the Triton stage's (per warp, then across warps, then the new token), so
+the two agree to rounding, not bit for bit. GPU only (no interpreter).
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def _norm_rope(a, b, norm, cos, sin, eps, HD: gl.constexpr, HAS_NORM: gl.constex
 def attend_stage(qkv, kc, vc, q_norm, k_norm, cos, sin, pos_ptr, part_acc, part_m, part_l, laps, lap_base, eps,
                  scale, head_stride, max_splits, H: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
                  G: gl.constexpr, BG: gl.constexpr, HAS_NORM: gl.constexpr, TIMED: gl.constexpr,
-                 AHEAD: gl.constexpr, PAIR: gl.constexpr):
+                 AHEAD: gl.constexpr, PAIR: gl.constexpr, MIN_PER: gl.constexpr):
     """One layer's attention for the token at `pos`: `qkv` the QKV stage's output (bf16, q heads then K then V),
     `kc`/`vc` this layer's cache `[slots, NKV, positions, HD]` (slot 0; `head_stride` between KV heads; the new
     K/V are written at `pos`), `q_norm`/`k_norm` the head norms (unread without HAS_NORM), `cos`/`sin` the
@@ -158,7 +158,7 @@ def attend_stage(qkv, kc, vc, q_norm, k_norm, cos, sin, pos_ptr, part_acc, part_
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     pos = gl.load(pos_ptr).to(gl.int32)
-    n_blocks, per, n_splits = _attn_grid(pos, nprog, NKV, SPLIT)
+    n_blocks, per, n_splits = _attn_grid(pos, nprog, NKV, SPLIT, MIN_PER)
     n_tasks = NKV * n_splits
     g0, _, first0 = _task(pid, n_splits, per)
     if pid < n_tasks:  # this program's first task's first AHEAD blocks (1 or 2), before the wait

@@ -463,10 +463,11 @@ def _pre_qkv(table, layer, pid, r_qkv, live, D: tl.constexpr, N: tl.constexpr, B
 
 
 @triton.jit
-def _attn_grid(pos, nprog, NKV: tl.constexpr, SPLIT: tl.constexpr):
-    """The attention task grid at `pos` for `nprog` programs: (blocks per KV head, blocks per task, splits)."""
+def _attn_grid(pos, nprog, NKV: tl.constexpr, SPLIT: tl.constexpr, MIN_PER: tl.constexpr = 1):
+    """The attention task grid at `pos` for `nprog` programs: (blocks per KV head, blocks per task, splits); a task
+    holds at least MIN_PER blocks."""
     n_blocks = pos // SPLIT + 1  # 64-position blocks per KV head
-    per = tl.cdiv(NKV * n_blocks, nprog)  # blocks per attention task: no more tasks than programs
+    per = tl.maximum(tl.cdiv(NKV * n_blocks, nprog), MIN_PER)  # blocks per attention task: no more tasks than programs
     return n_blocks, per, tl.cdiv(n_blocks, per)
 
 
@@ -516,7 +517,8 @@ def decode_stage(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, 
                  BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_O: tl.constexpr, BK_O: tl.constexpr,
                  BR_GU: tl.constexpr, BK_GU: tl.constexpr, BR_DN: tl.constexpr, BK_DN: tl.constexpr,
                  ST_QKV: tl.constexpr, ST_O: tl.constexpr, ST_GU: tl.constexpr, ST_DN: tl.constexpr,
-                 BF16_DOT: tl.constexpr, STAGE: tl.constexpr, PDL: tl.constexpr, TIMED: tl.constexpr):
+                 BF16_DOT: tl.constexpr, STAGE: tl.constexpr, PDL: tl.constexpr, TIMED: tl.constexpr,
+                 MIN_PER: tl.constexpr = 1):
     """ONE stage of one layer as its own kernel (`DecodeMegakernel.stage_sync` "pdl" / "launch"): the tasks and
     stage code of `decode_layers`, with the kernel boundary as the barrier. Each program first issues its
     token-independent loads (weights, cached K/V), then, with PDL (programmatic dependent launch, sm_90+), lets
@@ -548,7 +550,7 @@ def decode_stage(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, 
                       tl.zeros([16], tl.int64), tl.full([], 0, tl.int64), H, NKV, HD, G, BG, SPLIT, HAS_QK_NORM, CS,
                       BF16_DOT, False, False)
     elif STAGE == 5:
-        _, _, n_splits = _attn_grid(tl.load(pos_ptr).to(tl.int32), nprog, NKV, SPLIT)  # the attention kernel's
+        _, _, n_splits = _attn_grid(tl.load(pos_ptr).to(tl.int32), nprog, NKV, SPLIT, MIN_PER)  # the attention's
         _stage_boundary(PDL)
         t_wait = globaltimer() if TIMED else 0
         _stage_merge(part_acc, part_m, part_l, attn, pid, nprog, n_splits, max_splits, H, HD, G, BG, CS)
