@@ -99,6 +99,7 @@ def _worker(rank: int, root: str, port: int) -> None:
 
     inputs_kl = [dict(x, ref=r.log_probs) for x, r in zip(inputs_a, ref)]
     b.save(0)
+    res["params0"] = _snapshot(b)
     res["step1"] = b.train(packs_a, inputs_kl, loss_with_kl)
     res["kl_first_microbatch_maxabs"] = kl_first[0]
     res["params1"] = _snapshot(b)
@@ -303,13 +304,24 @@ def test_bf16_mixed_step_matches_single_process_bf16(runs):
 
 
 def test_micro_batch_split_invariance(runs):
-    """Two packs per rank vs one (clipping active in both): other pack shapes round differently, and AdamW's
-    first step g / (|g| + eps) amplifies that on near-zero gradients, so the params agree to 1e-6, not exactly."""
+    """Two packs per rank vs one (clipping active in both): other pack shapes round differently. AdamW's first
+    step is lr * g / (|g| + eps): where |g| is within a few eps (1e-8; sums that nearly cancel), the rounding
+    decides a visible part of the update (2.8e-6 apart on an AVX-512 machine, under 1e-6 on others). So the
+    updates are compared where the step is saturated (|update| > 0.9 lr: |g| > ~9 eps, where d update / dg is at
+    most lr / (100 eps)), which must be most of the model, and agree there to 1e-6 (lr is 1e-3)."""
     r = runs[1][0]
     a, b = r["step1_clipped"], r["step1_split_b"]
     assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-7)
     assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-6)
-    assert _maxdiff(r["params1_clipped"], r["params1_split_b"]) <= 1e-6
+    p0, pa, pb = r["params0"], r["params1_clipped"], r["params1_split_b"]
+    sat = {k: (pa[k] - p0[k]).abs() > 0.9 * LR for k in p0}
+    total = sum(m.numel() for m in sat.values())
+    unsat = total - sum(int(m.sum()) for m in sat.values())
+    diff = max(float((pa[k] - pb[k])[m].abs().max()) if m.any() else 0.0 for k, m in sat.items())
+    print(f"split invariance: {unsat} of {total} params take an unsaturated step; the others' max|diff| "
+          f"{diff:.3g}, all params' {_maxdiff(pa, pb):.3g}")
+    assert unsat < total / 2
+    assert diff <= 1e-6
 
 
 def test_save_load_next_step_identical(runs):
