@@ -400,12 +400,15 @@ class DecodeMegakernel:
                       MAX_SPINS=self.max_spins, TIMED=self.timed, BF16_DOT=self.bf16_dot)
         return args, consts
 
-    def stage_args(self, hidden, cos, sin, positions, layer: int) -> tuple[tuple, dict]:
-        """`decode_stage`'s runtime arguments for one layer, and its constexprs but STAGE and PDL."""
+    def stage_args(self, hidden, cos, sin, positions, layer: int, attend: bool | None = None) -> tuple[tuple, dict]:
+        """`decode_stage`'s runtime arguments for one layer, and its constexprs but STAGE and PDL. `attend`: whether
+        the Gluon attention stage runs (None: `gluon_attention_active()`, ~40 us of host work; a call passes the
+        value it computed once)."""
         args, consts = self.launch_args(hidden, cos, sin, positions)
         args = args[:12] + (self.stage_laps, layer) + args[15:]  # no err / laps / num_layers
         consts = {k: v for k, v in consts.items() if k != "MAX_SPINS"}
-        consts["MIN_PER"] = self.attention_min_blocks if self.gluon_attention_active() else 1  # the merge's grid
+        attend = self.gluon_attention_active() if attend is None else attend
+        consts["MIN_PER"] = self.attention_min_blocks if attend else 1  # the merge's grid is the attention's
         return args, consts
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -427,7 +430,7 @@ class DecodeMegakernel:
         plan = self.gluon_active()
         attend = self.gluon_attention_active()
         for layer in range(self.table.shape[0]):
-            args, consts = self.stage_args(hidden, cos, sin, positions, layer)
+            args, consts = self.stage_args(hidden, cos, sin, positions, layer, attend)
             for stage in STAGE_ORDER:
                 first = layer == 0 and stage == 0  # follows the embedding: a plain launch (its wait is a no-op)
                 if stage in plan:
