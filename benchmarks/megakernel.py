@@ -154,8 +154,9 @@ def main() -> None:
                          "early launch), then optionally ',gGxF' (TMA boxes per barrier, groups in flight), ',pS=GxF' "
                          "(the same for stage S), ',L[digits]' (those stages, all without digits, let the next "
                          "kernel launch after their wait), ',wN' (warps), ',f' (FFMAs, not the tensor cores), ',a' "
-                         "(the Triton attention stage, not mk_attend's), ',hN' (N K/V blocks copied before its wait), ',s' (a 2-block task's blocks one after the other), ',mN' (N blocks per attention task at least); 'default,OPTS' applies OPTS to the default "
-                         "0234,g2x2,L03")
+                         "(the Triton attention stage, not mk_attend's), ',hN' (N K/V blocks copied before its wait), ',s' "
+                         "(a 2-block task's blocks one after the other), ',mN' (N blocks per attention task at "
+                         "least); 'default,OPTS' applies OPTS to the default 0234,g2x2,L03")
     ap.add_argument("--barriers", action="store_true",
                     help="also time grid barriers alone and empty kernel boundaries (PDL and plain)")
     ap.add_argument("--stages", action="store_true",

@@ -336,11 +336,12 @@ def test_asking_for_it_where_unsupported_warns_and_decodes_normally():
 def test_megakernel_06b_rounds_like_the_hf_layers(prompt_len, sync, gluon, attention):
     """qwen3-0.6b-shape with one program per SM, the device's default stage sync (PDL on an H100/H200, with the
     Gluon GEMV and attention stages by default there; attention=False: the Triton attention stage; gluon=False:
-    every stage in Triton) and the grid-barrier kernel (barriers, merge tickets and the cache write live). On 132 SMs, position 1400 gives attention tasks of 2 blocks, 2100 gives
-    136 tasks (4 programs run a second one) and 2500 tasks of 3 blocks (the Gluon stage's block ring refills a
-    buffer); at 1024 the task holding the new token has no cached position (its block starts at 1024)."""
-    r = compare_to_f64("qwen3-0.6b-shape", prompt_len, "cuda", max_seq_len=max(1536, (prompt_len // 64 + 2) * 64), sync=sync,
-                       gluon=gluon, attention=attention)
+    every stage in Triton) and the grid-barrier kernel (barriers, merge tickets and the cache write live). On
+    132 SMs, position 1400 gives attention tasks of 2 blocks, 2100 gives 136 tasks (4 programs run a second one)
+    and 2500 tasks of 3 blocks (the Gluon stage's block ring refills a buffer); at 1024 the task holding the new
+    token has no cached position (its block starts at 1024)."""
+    r = compare_to_f64("qwen3-0.6b-shape", prompt_len, "cuda", max_seq_len=max(1536, (prompt_len // 64 + 2) * 64),
+                       sync=sync, gluon=gluon, attention=attention)
     label = {False: " triton stages"}.get(gluon, "") + {False: " triton attention"}.get(attention, "")
     _check(r, f"0.6b @ {prompt_len} {sync or 'default'}{label}")
 

@@ -21,10 +21,10 @@ Triton stage (docs/LOG.md, session 12). q and the new k are normed and rotated i
 only); q reaches the mma through shared memory. The block loop reads cached positions only (`< pos`); the new
 token is a rank-1 term, its score `scale * q . k_new` computed once per task and joined to the partial where the
 warps' partials are combined (the first version put the new K/V into the mma operands with register selects: 288
-of the block loop's ~400 instructions; 423 us per call at pos 256 in session 13, 448.5 in session 12's run). Rounding as in
-`mk_kernels`: q and the new K are bf16 values, p is rounded to bf16 for `p @ V` (the new token's too), sums in
-fp32; the sums run in another order than the Triton stage's (per warp, then across warps, then the new token), so
-the two agree to rounding, not bit for bit. GPU only (no interpreter).
+of the block loop's ~400 instructions; 423 us per call at pos 256 in session 13, 448.5 in session 12's run).
+Rounding as in `mk_kernels`: q and the new K are bf16 values, p is rounded to bf16 for `p @ V` (the new token's
+too), sums in fp32; the sums run in another order than the Triton stage's (per warp, then across warps, then the
+new token), so the two agree to rounding, not bit for bit. GPU only (no interpreter).
 """
 
 from __future__ import annotations
