@@ -24,8 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from rollout import profile_step, weight_bytes  # noqa: E402
 
+from rlbench.engine.config import MegakernelConfig, TorchEngineConfig  # noqa: E402
+from rlbench.engine.torch_engine import TorchEngine, _bucket  # noqa: E402
 from rlbench.models import build_model  # noqa: E402
-from rlbench.rollout.torch_engine import TorchEngine, TorchEngineConfig, _bucket  # noqa: E402
 
 
 def step_ms(engine: TorchEngine, b: int, kv: int, mode: str, steps: int = 200) -> tuple[float, float]:
@@ -53,8 +54,8 @@ def step_ms(engine: TorchEngine, b: int, kv: int, mode: str, steps: int = 200) -
 def run_variant(model, args, fused: bool, attention: str, gemv: bool, mk: bool, floor: float,
                 sync: str = "auto", gluon: bool | None = None, head: bool = True, attend: bool = True) -> list[dict]:
     cfg = TorchEngineConfig(max_seq_len=args.max_seq_len, num_slots=max(args.batch), fused_weights=fused,
-                            decode_attention=attention, gemv_batch1=gemv, megakernel=mk, megakernel_sync=sync,
-                            megakernel_gluon=gluon, megakernel_head=head)
+                            decode_attention=attention, gemv_batch1=gemv, megakernel=MegakernelConfig(
+                                enabled=mk, sync=sync, gluon=gluon, head=head))
     engine = TorchEngine(model, cfg)
     if mk and engine.runner.megakernel is None:
         print("megakernel requested but unsupported here; this variant runs the compiled path", flush=True)

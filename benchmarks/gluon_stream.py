@@ -85,7 +85,9 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from rlbench.rollout.mk_gluon import box_layout  # unswizzled [8, 256] bf16 boxes, as the megakernel's
+from rlbench.engine.megakernel.gluon_gemv import (
+    box_layout,  # unswizzled [8, 256] bf16 boxes, as the megakernel's
+)
 
 BR = gl.constexpr(8)  # rows per TMA box
 BK = gl.constexpr(256)  # columns per TMA box: a box is 4 KB of bf16

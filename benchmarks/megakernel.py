@@ -17,11 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
+from rlbench.engine.config import TorchEngineConfig
+from rlbench.engine.kv_cache import CacheShape, KVCache
+from rlbench.engine.megakernel import host as megakernel
+from rlbench.engine.megakernel.triton_stages import _grid_sync, _stage_boundary
+from rlbench.engine.runner import ModelRunner
 from rlbench.models import build_model
-from rlbench.rollout import megakernel
-from rlbench.rollout.kv_cache import CacheShape, KVCache
-from rlbench.rollout.mk_kernels import _grid_sync, _stage_boundary
-from rlbench.rollout.runner import ModelRunner, StepOptions
 
 
 @triton.jit
@@ -183,7 +184,7 @@ def main() -> None:
                     torch.bfloat16, "cuda")
     for t in (*cache.k, *cache.v):  # cached K/V that are not all equal, so that the output checks below can fail
         t.normal_(0.0, 1.0)
-    runner = ModelRunner(model, cache, StepOptions(compile=False, cuda_graphs=False, megakernel=True))
+    runner = ModelRunner(model, cache, TorchEngineConfig(compile=False, cuda_graphs=False, megakernel=True))
     assert runner.megakernel is not None, "megakernel unsupported here"
     layer_bytes = sum(t.numel() * 2 for w in runner.layers for t in (w.qkv, w.o, w.gate_up, w.down))
     hidden = torch.randn(1, 1, c.hidden_size, device="cuda", dtype=torch.bfloat16) * 0.1

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from megakernel import timed  # benchmarks/megakernel.py: ms per call, replayed from a CUDA graph
 
-from rlbench.rollout.mk_kernels import _stage_boundary
+from rlbench.engine.megakernel.triton_stages import _stage_boundary
 
 MODES = ("full", "no_act", "no_weight", "empty")
 

@@ -17,9 +17,9 @@ import time
 
 import torch
 
+from rlbench.engine.torch_engine import KV_FLOOR, TorchEngine, TorchEngineConfig, _bucket
 from rlbench.models import build_model
 from rlbench.rollout.base import SamplingParams
-from rlbench.rollout.torch_engine import KV_FLOOR, TorchEngine, TorchEngineConfig, _bucket
 
 
 def _sync(device: str) -> None:
@@ -151,7 +151,7 @@ def main(argv=None) -> dict:
     result = dict(device=torch.cuda.get_device_name() if cuda else "cpu", preset=args.preset, dtype=str(dtype),
                   prompt_len=args.prompt_len, new_tokens=args.new_tokens, hf_new_tokens=hf_new,
                   cuda_graphs=engine.runner.cuda_graphs, compiled=engine.runner.compiled, fused=engine.runner.fused,
-                  decode_attention=cfg.decode_attention, gemv_batch1=cfg.gemv_batch1, megakernel=cfg.megakernel,
+                  decode_attention=cfg.decode_attention, gemv_batch1=cfg.gemv_batch1, megakernel=cfg.megakernel.enabled,
                   buckets_warmed=n_buckets, graphs_captured=n_graphs, warm_up_s=warm_s, threads=torch.get_num_threads(), rows=rows)
     if cuda:
         step = decode_step_ms(engine, args.prompt_len, args.new_tokens)

@@ -64,25 +64,31 @@ FLAG_NAMES: dict[tuple[str, str], str] = {
     ("logging", "wandb_project"): "--wandb-project",
     ("task", "name"): "--task",
     ("cluster", "colocate"): "--colocate",
+    ("engine.megakernel", "enabled"): "--engine-megakernel",
 }
 # Sections whose field names are used bare (`--eps-clip`, `--global-batch-size`, `--lr`).
 BARE_SECTIONS = ("loss", "batch", "backend.optim", "rollout", "backend", "data", "cluster", "")
 SKIP = {("loss", "extra"), ("loss", "mis"), ("backend", "model_overrides"), ("backend", "optim"),
-        ("logging", "console_keys"), ("backend.optim", "betas"), ("", "task")}
+        ("logging", "console_keys"), ("backend.optim", "betas"), ("", "task"), ("engine", "megakernel"),
+        ("engine.megakernel", "sync"), ("engine.megakernel", "gluon"), ("engine.megakernel", "head")}
+# Nested sections: "parent.field" -> the dataclass held in that field.
+NESTED = ("backend.optim", "engine.megakernel")
 
 PRESETS = ("cpu_demo", "cpu_test", "qwen3_0p6b_gpu")
 
 
 def _section_types() -> dict[str, type]:
-    from rlbench.backends.fsdp.config import OptimConfig
     from rlbench.config import RunConfig
 
     hints = typing.get_type_hints(RunConfig)
-    out = {"": RunConfig, "backend.optim": OptimConfig}
+    out = {"": RunConfig}
     for f in dataclasses.fields(RunConfig):
         cls = _dataclass_of(hints[f.name])
         if cls is not None:
             out[f.name] = cls
+    for nested in NESTED:
+        parent, name = nested.split(".")
+        out[nested] = _dataclass_of(typing.get_type_hints(out[parent])[name])
     return out
 
 
@@ -189,15 +195,13 @@ def apply_flags(cfg, args: argparse.Namespace):
     if "adam_beta1" in given or "adam_beta2" in given:
         b1, b2 = cfg.backend.optim.betas
         updates.setdefault("backend.optim", {})["betas"] = (given.get("adam_beta1", b1), given.get("adam_beta2", b2))
-    backend = cfg.backend
-    if "backend.optim" in updates:
-        backend = dataclasses.replace(backend, optim=dataclasses.replace(backend.optim, **updates.pop("backend.optim")))
-    if "backend" in updates:
-        backend = dataclasses.replace(backend, **updates.pop("backend"))
-    sections = {"backend": backend}
-    for section, fields in updates.items():
-        if section:
-            sections[section] = dataclasses.replace(getattr(cfg, section), **fields)
+    for nested in NESTED:  # a nested section's update becomes one field of its parent's update
+        if nested in updates:
+            parent, name = nested.split(".")
+            fields = updates.pop(nested)
+            updates.setdefault(parent, {})[name] = dataclasses.replace(getattr(getattr(cfg, parent), name), **fields)
+    sections = {section: dataclasses.replace(getattr(cfg, section), **fields)
+                for section, fields in updates.items() if section}
     return dataclasses.replace(cfg, **sections, **updates.get("", {}))
 
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from rlbench.algorithms.config import LossConfig
 from rlbench.backends.fsdp.config import FSDPConfig, OptimConfig
 from rlbench.data.datasets import DataConfig
+from rlbench.engine.config import TorchEngineConfig
 from rlbench.metrics import LoggingConfig
 from rlbench.orchestration.ray_config import ClusterConfig, check_batch_layout
-from rlbench.rollout.torch_engine import TorchEngineConfig
 from rlbench.weights import WeightSyncConfig
 
 __all__ = [

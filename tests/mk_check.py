@@ -12,12 +12,12 @@ import sys
 
 import torch
 
+from rlbench.engine import TorchEngine, TorchEngineConfig
+from rlbench.engine.kv_cache import CacheShape, KVCache
+from rlbench.engine.megakernel.host import DecodeMegakernel, _pow2
+from rlbench.engine.runner import ModelRunner
 from rlbench.models import build_model
 from rlbench.rollout import SamplingParams
-from rlbench.rollout.kv_cache import CacheShape, KVCache
-from rlbench.rollout.megakernel import DecodeMegakernel, _pow2
-from rlbench.rollout.runner import ModelRunner, StepOptions
-from rlbench.rollout.torch_engine import TorchEngine, TorchEngineConfig
 
 CPU_CASES = [("tiny", 63, None), ("tiny", 130, None), ("small", 64, None), ("tiny", 100, 12)]
 """(preset, position, tile_programs): split boundaries (63 -> 1 split of 64 positions, 64 -> 2, 130 -> 3); tiny
@@ -35,7 +35,7 @@ def _runner(model, max_seq_len, device, dtype=torch.bfloat16, megakernel=True):
     c = model.config
     cache = KVCache(CacheShape(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 2, max_seq_len), dtype,
                     device)
-    return ModelRunner(model, cache, StepOptions(compile=False, cuda_graphs=False, megakernel=megakernel))
+    return ModelRunner(model, cache, TorchEngineConfig(compile=False, cuda_graphs=False, megakernel=megakernel))
 
 
 @torch.inference_mode()
@@ -147,8 +147,8 @@ def compile_for_hopper(preset: str, num_warps: int = 8, programs: int = 132, sta
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from rlbench.rollout.fused import fuse_layers
-    from rlbench.rollout.mk_kernels import decode_layers, decode_stage
+    from rlbench.engine.fused import fuse_layers
+    from rlbench.engine.megakernel.triton_stages import decode_layers, decode_stage
 
     model = build_model(preset, meta=True, dtype=torch.bfloat16)
     mk = DecodeMegakernel(model, fuse_layers(model), 1536, torch.device("cpu"), programs=programs)
@@ -230,8 +230,8 @@ def compile_gluon_stage(preset: str, stage: int, programs: int = 132, mma: bool 
     copies, PDL waits, and the global loads and stores before the wait in the PTX."""
     import re
 
-    from rlbench.rollout import mk_gluon
-    from rlbench.rollout.fused import fuse_layers
+    from rlbench.engine.fused import fuse_layers
+    from rlbench.engine.megakernel import gluon_gemv as mk_gluon
 
     model = build_model(preset, meta=True, dtype=torch.bfloat16)
     mk = DecodeMegakernel(model, fuse_layers(model), 1536, torch.device("cpu"), programs=programs)
@@ -266,8 +266,8 @@ def compile_gluon_attention(preset: str, programs: int = 132) -> dict:
     before the wait in the PTX."""
     import re
 
-    from rlbench.rollout import mk_attend
-    from rlbench.rollout.fused import fuse_layers
+    from rlbench.engine.fused import fuse_layers
+    from rlbench.engine.megakernel import gluon_attend as mk_attend
 
     model = build_model(preset, meta=True, dtype=torch.bfloat16)
     mk = DecodeMegakernel(model, fuse_layers(model), 1536, torch.device("cpu"), programs=programs)
@@ -351,8 +351,8 @@ def engine_stops_at_first_window() -> tuple[int, str]:
 def finish_step_matches_torch() -> bool:
     """`step_kernel.finish_step` (one Triton kernel, interpreted here) does what `_decode_eager`'s torch ops do:
     3 of 5 slots, one at the position limit."""
-    from rlbench.rollout.runner import SlotState
-    from rlbench.rollout.step_kernel import finish_step
+    from rlbench.engine.megakernel.step import finish_step
+    from rlbench.engine.runner import SlotState
 
     def state():
         s = SlotState(5, 16, torch.device("cpu"))
@@ -382,9 +382,9 @@ def head_matches_sampling() -> dict:
 
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-    from rlbench.rollout.head_kernel import SampleHead
-    from rlbench.rollout.runner import SlotState
-    from rlbench.rollout.sampling import greedy_tokens, sample_tokens
+    from rlbench.engine.megakernel.head import SampleHead
+    from rlbench.engine.runner import SlotState
+    from rlbench.engine.sampling import greedy_tokens, sample_tokens
 
     torch.manual_seed(0)
     d, v = 64, 1000

@@ -27,9 +27,9 @@ from mk_check import (
     sync_outputs,
 )
 
+from rlbench.engine import MegakernelConfig, TorchEngine, TorchEngineConfig
 from rlbench.models import build_model
 from rlbench.rollout import SamplingParams
-from rlbench.rollout.torch_engine import TorchEngine, TorchEngineConfig
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 needs_gluon = pytest.mark.skipif(importlib.util.find_spec("triton") is None
@@ -126,8 +126,8 @@ def test_kernel_compiles_for_hopper_and_fits_one_program_per_sm(preset):
 def test_gluon_plan_takes_the_stages_whose_tile_fits_shared_memory():
     """0.6B: every GEMV stage (rows per program a multiple of 8, tile + fp32 input <= GLUON_TILE_BYTES) and the
     attention stage; 4B: none; off on the CPU and under the grid-barrier sync."""
-    from rlbench.rollout.fused import fuse_layers
-    from rlbench.rollout.megakernel import DecodeMegakernel
+    from rlbench.engine.fused import fuse_layers
+    from rlbench.engine.megakernel.host import DecodeMegakernel
 
     def plan(preset):
         model = build_model(preset, meta=True, dtype=torch.bfloat16)
@@ -159,7 +159,7 @@ def test_gluon_plan_takes_the_stages_whose_tile_fits_shared_memory():
 
 
 def test_mma_tile_split_takes_two_power_of_two_buffers():
-    from rlbench.rollout.megakernel import mma_tile_split
+    from rlbench.engine.megakernel.host import mma_tile_split
 
     assert [mma_tile_split(n) for n in (64, 96, 48, 24, 80, 112, 7)] == [64, 64, 32, 16, 64, None, None]
 
@@ -205,7 +205,7 @@ def test_gluon_attention_compiles_for_hopper_and_shares_an_sm_with_qkv(preset):
 def test_moved_weights_drop_the_batch1_graphs_that_hold_gluon_descriptors():
     """A CUDA graph keeps a Gluon stage's TMA descriptor (old addresses) as a kernel parameter: when `bind` finds
     that weights or cache moved, the batch-1 graphs go; other batches' graphs (no megakernel) stay."""
-    from rlbench.rollout.runner import ModelRunner
+    from rlbench.engine.runner import ModelRunner
 
     class Stub:
         moved, active = True, {0: ()}
@@ -232,10 +232,10 @@ def test_released_weights_are_not_held_by_the_megakernel():
     import gc
     import weakref
 
-    from rlbench.rollout.fused import fuse_layers
-    from rlbench.rollout.kv_cache import CacheShape, KVCache
-    from rlbench.rollout.megakernel import DecodeMegakernel
-    from rlbench.rollout.runner import ModelRunner
+    from rlbench.engine.fused import fuse_layers
+    from rlbench.engine.kv_cache import CacheShape, KVCache
+    from rlbench.engine.megakernel.host import DecodeMegakernel
+    from rlbench.engine.runner import ModelRunner
 
     model = build_model("tiny", dtype=torch.bfloat16)
     layers = fuse_layers(model)
@@ -251,19 +251,20 @@ def test_released_weights_are_not_held_by_the_megakernel():
     assert ref() is None  # the megakernel kept the fused layers (and so their storage) alive before unbind
 
 
-def test_step_options_take_megakernel_gluon_from_a_command_line():
-    from rlbench.rollout.runner import StepOptions
+def test_megakernel_config_takes_gluon_from_a_command_line():
+    from rlbench.engine.config import MegakernelConfig
 
-    assert StepOptions(megakernel_gluon=0).megakernel_gluon is False
-    assert StepOptions(megakernel_gluon=1).megakernel_gluon is True
-    assert StepOptions().megakernel_gluon is None
+    assert MegakernelConfig(gluon=0).gluon is False
+    assert MegakernelConfig(gluon=1).gluon is True
+    assert MegakernelConfig().gluon is None
+    assert TorchEngineConfig(megakernel=False).megakernel == MegakernelConfig(enabled=False)
 
 
 def test_bind_refuses_a_misaligned_weight():
     """The kernel declares table addresses 16-byte aligned; a view at an odd offset is named, not misread."""
-    from rlbench.rollout.fused import fuse_layers
-    from rlbench.rollout.kv_cache import CacheShape, KVCache
-    from rlbench.rollout.megakernel import DecodeMegakernel
+    from rlbench.engine.fused import fuse_layers
+    from rlbench.engine.kv_cache import CacheShape, KVCache
+    from rlbench.engine.megakernel.host import DecodeMegakernel
 
     model = build_model("tiny", dtype=torch.bfloat16)
     layers = fuse_layers(model)
@@ -295,7 +296,7 @@ def test_engine_raises_after_the_first_window_of_a_stalled_megakernel(interprete
 def test_carveout_hint_that_cannot_be_set_warns_instead_of_failing_the_decode(monkeypatch):
     import ctypes
 
-    from rlbench.rollout.megakernel import _set_carveout
+    from rlbench.engine.megakernel.host import _set_carveout
 
     def no_driver(name):
         raise OSError(f"{name}: cannot open shared object file")
@@ -306,8 +307,8 @@ def test_carveout_hint_that_cannot_be_set_warns_instead_of_failing_the_decode(mo
 
 
 def test_unsupported_names_the_reason():
-    from rlbench.rollout.fused import fuse_layers
-    from rlbench.rollout.megakernel import unsupported
+    from rlbench.engine.fused import fuse_layers
+    from rlbench.engine.megakernel.host import unsupported
 
     model = build_model("tiny", dtype=torch.float32)
     if not os.environ.get("TRITON_INTERPRET"):
@@ -350,7 +351,7 @@ def test_megakernel_06b_rounds_like_the_hf_layers(prompt_len, sync, gluon, atten
 @pytest.mark.skipif(not cuda or torch.cuda.get_device_capability()[0] < 9, reason="needs an sm_90+ GPU")
 def test_gluon_gemv_stages_are_the_default_on_sm90():
     """On an H100/H200 the engine's megakernel runs all four GEMV stages of the 0.6B shape in Gluon, and its
-    attention stage, none of the 4B shape's (their tiles exceed GLUON_TILE_BYTES), and megakernel_gluon=False
+    attention stage, none of the 4B shape's (their tiles exceed GLUON_TILE_BYTES), and megakernel gluon=False
     turns them off."""
     for preset, stages in (("qwen3-0.6b-shape", [0, 2, 3, 4]), ("qwen3-4b-shape", [])):
         engine = TorchEngine(build_model(preset, device="cuda", dtype=torch.bfloat16),
@@ -359,7 +360,7 @@ def test_gluon_gemv_stages_are_the_default_on_sm90():
         assert engine.runner.megakernel.gluon_attention_active() == bool(stages), preset  # it needs their carveout
     engine = TorchEngine(build_model("qwen3-0.6b-shape", device="cuda", dtype=torch.bfloat16),
                          TorchEngineConfig(max_seq_len=256, num_slots=1, compile=False, cuda_graphs=False,
-                                           megakernel_gluon=False))
+                                           megakernel=MegakernelConfig(gluon=False)))
     assert engine.runner.megakernel.gluon_active() == {} and not engine.runner.megakernel.gluon_attention_active()
 
 
@@ -397,8 +398,8 @@ def test_stage_kernels_give_the_same_bits_with_and_without_pdl(preset):
 def test_megakernel_engine_greedy_matches_hf_up_to_near_ties(sync):
     """Batch-1 greedy through graphs + megakernel vs HF generate, 96 tokens from 4 prompts one at a time."""
     model = build_model("qwen3-0.6b-shape", device="cuda", dtype=torch.bfloat16)
-    engine = TorchEngine(model, TorchEngineConfig(max_seq_len=512, num_slots=1, megakernel=True,
-                                                  megakernel_sync=sync))
+    engine = TorchEngine(model, TorchEngineConfig(max_seq_len=512, num_slots=1, megakernel=MegakernelConfig(
+                                                      enabled=True, sync=sync)))
     assert engine.runner.megakernel is not None and engine.runner.megakernel.stage_sync == sync
     g = torch.Generator().manual_seed(0)
     worst, exact = 0.0, 0

@@ -7,11 +7,11 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
+from rlbench.engine import TorchEngine, TorchEngineConfig
+from rlbench.engine.attention import DECODE_ATTENTION, decode_mask
+from rlbench.engine.runner import ModelRunner
 from rlbench.models import build_model
 from rlbench.rollout import SamplingParams
-from rlbench.rollout.attention import DECODE_ATTENTION, decode_mask
-from rlbench.rollout.runner import ModelRunner, StepOptions
-from rlbench.rollout.torch_engine import TorchEngine, TorchEngineConfig
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, tie_word_embeddings=False)
@@ -133,9 +133,9 @@ def test_one_layer_graph_serves_every_layer_and_bucket(fused):
     backend = _CountingBackend()
     before = counters["stats"]["unique_graphs"]
     engine, eager = _engine(_arch("qwen3"), fused_weights=fused), _engine(_arch("qwen3"), fused_weights=fused)
-    engine.runner = ModelRunner(engine.model, engine.cache, StepOptions(compile=True, cuda_graphs=False,
-                                                                        fused_weights=fused, gemv_batch1=False,
-                                                                        backend=backend))
+    engine.runner = ModelRunner(engine.model, engine.cache, TorchEngineConfig(compile=True, cuda_graphs=False,
+                                                                              fused_weights=fused, gemv_batch1=False),
+                                compile_backend=backend)
     for b in (2, 4):
         for kv in (32, 64, 96):
             engine.runner.decode(b, kv, "sample")
@@ -158,15 +158,16 @@ def test_one_layer_graph_serves_every_layer_and_bucket(fused):
 def test_auto_attention_compiles_one_layer_graph_per_side():
     """decode_attention="auto": batches on either side of SPLIT_MAX_BLOCKS compile the layer once per side (a
     guard, not a graph per batch); each side equals the eager engine (sdpa) for the same slots."""
-    from rlbench.rollout.attention import SPLIT_MAX_BLOCKS
+    from rlbench.engine.attention import SPLIT_MAX_BLOCKS
 
     backend = _CountingBackend()
     model = _arch("qwen3")
     n_kv = model.config.num_key_value_heads
     engine = TorchEngine(model, TorchEngineConfig(max_seq_len=48, num_slots=64, decode_attention="auto"))
     eager = TorchEngine(_arch("qwen3"), TorchEngineConfig(max_seq_len=48, num_slots=64))
-    engine.runner = ModelRunner(engine.model, engine.cache, StepOptions(compile=True, cuda_graphs=False,
-                                                                        gemv_batch1=False, backend=backend))
+    engine.runner = ModelRunner(engine.model, engine.cache, TorchEngineConfig(compile=True, cuda_graphs=False,
+                                                                              gemv_batch1=False),
+                                compile_backend=backend)
     small, large = 2, 2 * SPLIT_MAX_BLOCKS // n_kv  # b * n_kv below / above the threshold
     for b in (small, large, small * 2, large // 2):
         engine.runner.decode(b, 32, "greedy")
@@ -184,8 +185,9 @@ def test_gemv_batch1_adds_one_batch1_graph_set():
     """`gemv_batch1`: batch 1 is a bucket and specialises once (prologue, layer, head); other batches reuse."""
     backend = _CountingBackend()
     engine = _engine(_arch("qwen3"))
-    engine.runner = ModelRunner(engine.model, engine.cache, StepOptions(compile=True, cuda_graphs=False,
-                                                                        gemv_batch1=True, backend=backend))
+    engine.runner = ModelRunner(engine.model, engine.cache, TorchEngineConfig(compile=True, cuda_graphs=False,
+                                                                              gemv_batch1=True),
+                                compile_backend=backend)
     assert engine.runner.min_batch == 1
     for b in (1, 2, 4, 1):
         engine.runner.decode(b, 32, "greedy")

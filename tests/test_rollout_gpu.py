@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlbench.engine import TorchEngine, TorchEngineConfig
 from rlbench.models import build_model
 from rlbench.rollout import SamplingParams
-from rlbench.rollout.torch_engine import TorchEngine, TorchEngineConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -113,7 +113,7 @@ def test_warm_up_one_layer_graph_for_all_layers_and_buckets():
     (prologue, layer, head); a second mode adds only its head."""
     from torch._dynamo.utils import counters
 
-    from rlbench.rollout.torch_engine import KV_FLOOR, _all_buckets
+    from rlbench.engine.torch_engine import KV_FLOOR, _all_buckets
 
     model = build_model("small", device="cuda", dtype=torch.bfloat16)
     engine = TorchEngine(model, TorchEngineConfig(max_seq_len=1024, num_slots=16, compile=True, cuda_graphs=True,

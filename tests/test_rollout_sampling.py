@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlbench.rollout.sampling import (
+from rlbench.engine.sampling import (
     argmax_rows,
     greedy_tokens,
     logsumexp_rows,

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from rlbench.backends.fsdp.weights import named_weight_buckets
+from rlbench.engine import TorchEngine, TorchEngineConfig
 from rlbench.models import build_model
 from rlbench.rollout.base import SamplingParams
-from rlbench.rollout.torch_engine import TorchEngine, TorchEngineConfig
 from rlbench.weights import WeightSync, WeightSyncConfig, checksum
 
 

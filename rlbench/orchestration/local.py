@@ -72,7 +72,7 @@ def hf_config_for(model: str, overrides: dict) -> PretrainedConfig:
 
 def build_engine(cfg: RunConfig, device: torch.device, tokenizer):
     """The torch engine with a freshly initialised copy of the architecture, in the backend's param dtype."""
-    from rlbench.rollout.torch_engine import TorchEngine
+    from rlbench.engine.torch_engine import TorchEngine
 
     hf_config = hf_config_for(cfg.backend.model, cfg.backend.model_overrides)
     with torch.device(device):

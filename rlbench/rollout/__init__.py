@@ -1,15 +1,14 @@
-"""Rollout engines: the `RolloutEngine` protocol, the embedded torch engine (default) and SGLang.
+"""The RL side of generation: the `RolloutEngine` protocol and its records (base.py), the rollout manager
+(manager.py: rewards, dynamic sampling, pass@k) and the SGLang adapter. The embedded engine is `rlbench.engine`.
 
-Light on import: the engines (and transformers/sglang) load on first attribute access.
+Light on import: the SGLang adapter (and sglang) loads on first attribute access.
 """
 
 from rlbench.rollout.base import Generation, RolloutEngine, SamplingParams
 
-__all__ = ["Generation", "RolloutEngine", "SamplingParams", "SGLangEngine", "TorchEngine", "TorchEngineConfig"]
+__all__ = ["Generation", "RolloutEngine", "SamplingParams", "SGLangEngine", "SGLangEngineConfig"]
 
 _LAZY = {
-    "TorchEngine": "rlbench.rollout.torch_engine",
-    "TorchEngineConfig": "rlbench.rollout.torch_engine",
     "SGLangEngine": "rlbench.rollout.sglang_engine",
     "SGLangEngineConfig": "rlbench.rollout.sglang_engine",
 }

@@ -7,7 +7,6 @@ GPU), copy the new tokens to the host once, apply stop rules, free finished slot
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -15,87 +14,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlbench.rollout.attention import ATTN_NAME
+from rlbench.engine.attention import ATTN_NAME
+from rlbench.engine.config import TorchEngineConfig
+from rlbench.engine.kv_cache import CacheShape, KVCache, slot_bytes, slots_for_memory
+from rlbench.engine.runner import ModelRunner
+from rlbench.engine.sampling import sample_tokens
 from rlbench.rollout.base import Generation, SamplingParams, WeightBucket, expand_seeds
-from rlbench.rollout.kv_cache import CacheShape, KVCache, slot_bytes, slots_for_memory
-from rlbench.rollout.runner import ModelRunner, StepOptions
-from rlbench.rollout.sampling import sample_tokens
-
-
-@dataclass
-class TorchEngineConfig:
-    """Sizes and switches of the torch engine."""
-
-    max_seq_len: int = 2048
-    """Prompt + response tokens per sequence (rounded up to a multiple of 16)."""
-    num_slots: int | None = None
-    """Sequences decoded at once; None = 8 on CPU, or as many as `mem_fraction` allows on GPU."""
-    mem_fraction: float = 0.5
-    """GPU only: fraction of the free memory (after weights) given to the KV cache."""
-    max_slots: int = 512
-    """Upper bound on `num_slots` when sized from memory."""
-    max_prefill_tokens: int = 16384
-    """Padded tokens per prefill batch (at least one prompt is always admitted)."""
-    steps_per_sync: int = 8
-    """Decode steps between host checks of stop conditions (fewer syncs; a few wasted steps at the end)."""
-    cuda_graphs: bool = True
-    """Capture the decode step in CUDA graphs (GPU only; per batch/kv-length bucket)."""
-    compile: bool = True
-    """torch.compile the decode step (GPU only; one layer graph for all layers); falls back to eager if it fails."""
-    fused_weights: bool = True
-    """Run the engine's own layer forward over fused QKV and gate/up weights (Qwen3/Qwen2/Llama; other models
-    use the HF layers). False runs the HF modules' own matmuls, as the trainer does (true on-policy)."""
-    decode_attention: str = "auto"
-    """Decode attention when compiled: "split" (fp32 reductions spread over kv_len), "sdpa" (one SDPA call,
-    parallel over batch x KV heads only) or "auto" (split while batch x KV heads < 64, else sdpa). An eager
-    step always uses "sdpa"."""
-    gemv_batch1: bool = True
-    """Compiled: decode batch 1 in its own graph (one more layer compile, ~10 s) whose matmuls inductor lowers to
-    coordinate-descent-tuned GEMV reductions; otherwise the smallest compiled batch bucket is 2. On an H200 it cut
-    the batch-1 step of the 0.6B shape from 1.94 to 1.25 ms (kv 1024) and of the 4B shape from 3.93 to 3.62 ms."""
-    megakernel: bool | None = None
-    """Batch-1 decode steps run every decoder layer as Triton stage kernels (`rollout/megakernel.py`)
-    where supported: CUDA, bf16, fused Qwen3/Qwen2/Llama layers without o/MLP biases; elsewhere batch 1 takes
-    the compiled path above. None (default): on where supported AND the stages chain by programmatic dependent
-    launch (sm_90+: H100/H200/B200; 1.6-1.7x faster batch-1 steps than the compiled path on the H200,
-    docs/rollout.md), silently off elsewhere; True: on wherever supported (older GPUs get the grid-barrier
-    kernel, which needs the GPU to itself), with a warning where not; False: off."""
-    megakernel_sync: str = "auto"
-    """How the megakernel's stages wait for each other: "pdl" (a kernel per stage with programmatic dependent
-    launch, sm_90+; the "auto" choice there), "barrier" (grid barriers in one persistent kernel; needs every SM to
-    itself; "auto" on older GPUs) or "launch" (a kernel per stage; the same bits as "pdl", while "barrier" sums
-    the attention partials in another order) (`DecodeMegakernel.stage_sync`)."""
-    megakernel_gluon: bool | None = None
-    """The megakernel's GEMV stages as Gluon kernels whose weight tile lands in shared memory, so that the next
-    stage's programs share the SM and load a stage ahead (`DecodeMegakernel.gluon_gemv`). None (default): where
-    available (sm_90+ with a per-stage sync; stages whose tile fits 120 KB: all four of the 0.6B shape, none of the
-    4B shape); True: the same, warning where nothing runs in Gluon; False: the Triton stage kernels."""
-    megakernel_head: bool = True
-    """With the megakernel, batch-1 greedy/sampling steps end in two Triton kernels (`head_kernel.py`: final norm,
-    lm_head, sampling, state update) instead of the compiled head (top-k/top-p steps keep the compiled head)."""
-
-    def __post_init__(self) -> None:
-        if self.max_seq_len < 2:
-            raise ValueError(f"max_seq_len={self.max_seq_len} must be >= 2")
-        self.max_seq_len = 16 * math.ceil(self.max_seq_len / 16)
-        if self.num_slots is not None and self.num_slots < 1:
-            raise ValueError(f"num_slots={self.num_slots} must be >= 1 (or None to size from memory)")
-        if not 0 < self.mem_fraction < 1:
-            raise ValueError(f"mem_fraction={self.mem_fraction} must be in (0, 1)")
-        if self.steps_per_sync < 1:
-            raise ValueError(f"steps_per_sync={self.steps_per_sync} must be >= 1")
-        if self.max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens} must be >= 1")
-        self.step_options(torch.device("cpu"))  # StepOptions validates the decode-step fields
-
-    def step_options(self, device: torch.device) -> StepOptions:
-        """The runner's options on `device` (compile and CUDA graphs only on CUDA)."""
-        cuda = device.type == "cuda"
-        return StepOptions(compile=self.compile and cuda, cuda_graphs=self.cuda_graphs and cuda,
-                           fused_weights=self.fused_weights, decode_attention=self.decode_attention,
-                           gemv_batch1=self.gemv_batch1, megakernel=self.megakernel,
-                           megakernel_sync=self.megakernel_sync, megakernel_gluon=self.megakernel_gluon,
-                           megakernel_head=self.megakernel_head)
 
 
 @dataclass
@@ -148,7 +72,7 @@ class TorchEngine:
         self._released: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self._abort = False
         self.cache = KVCache(self._cache_shape(), self.dtype, self.device)
-        self.runner = ModelRunner(model, self.cache, self.cfg.step_options(self.device))
+        self.runner = ModelRunner(model, self.cache, self.cfg.on_device(self.device.type == "cuda"))
 
     def _cache_shape(self) -> CacheShape:
         c = self.model.config

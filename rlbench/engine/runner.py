@@ -22,63 +22,20 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass
 
 import torch
 import torch._dynamo
 import torch.fx.experimental._config as fx_config
 
-from rlbench.rollout.attention import DECODE_ATTENTION, KVContext, decode_mask, sdpa_decode
-from rlbench.rollout.fused import fuse_layers, fused_layer_forward, hf_layer_forward
-from rlbench.rollout.kv_cache import KVCache
-from rlbench.rollout.megakernel import STAGE_SYNC, DecodeMegakernel, default_stage_sync, unsupported
-from rlbench.rollout.sampling import greedy_tokens, sample_tokens, token_hash
+from rlbench.engine.attention import DECODE_ATTENTION, KVContext, decode_mask, sdpa_decode
+from rlbench.engine.config import TorchEngineConfig
+from rlbench.engine.fused import fuse_layers, fused_layer_forward, hf_layer_forward
+from rlbench.engine.kv_cache import KVCache
+from rlbench.engine.megakernel.host import DecodeMegakernel, default_stage_sync, unsupported
+from rlbench.engine.sampling import greedy_tokens, sample_tokens, token_hash
 
 SAMPLE_MODES = ("greedy", "sample", "truncate")
 """Decode-step variants, chosen once per `SamplingParams`: argmax only; Gumbel noise; noise + top-k/top-p."""
-
-
-@dataclass(frozen=True)
-class StepOptions:
-    """How the decode step is built (the engine's config fields of the same names)."""
-
-    compile: bool = True
-    """torch.compile the prologue, the layer function and the head (falls back to eager with a warning)."""
-    cuda_graphs: bool = True
-    """Capture each decode step in a CUDA graph (CUDA only)."""
-    fused_weights: bool = True
-    """The engine's own layer forward over fused QKV / gate-up weights where the architecture allows it."""
-    decode_attention: str = "auto"
-    """A `DECODE_ATTENTION` name; "split" only runs compiled (eager it would materialise big products)."""
-    gemv_batch1: bool = True
-    """Batch 1 gets its own compiled graph whose matmuls inductor lowers to GEMV reductions."""
-    megakernel: bool | None = None
-    """Batch-1 steps run all decoder layers as Triton stage kernels (`megakernel.py`) where
-    `megakernel.unsupported` allows (CUDA, bf16 fused layers); the prologue stays compiled (the head: see
-    `megakernel_head`). None: only
-    where the stages chain by programmatic dependent launch (sm_90+), silently off elsewhere; True: wherever
-    supported, with a warning where not; False: off."""
-    megakernel_sync: str = "auto"
-    """How the megakernel's stages wait for each other: "auto" (`megakernel.default_stage_sync`) or one of
-    `megakernel.STAGE_SYNC` (`DecodeMegakernel.stage_sync`)."""
-    megakernel_gluon: bool | None = None
-    """The megakernel's GEMV stages as Gluon kernels with their weight tile in shared memory
-    (`DecodeMegakernel.gluon_gemv`): None: where available (sm_90+, per-stage sync); True: the same, with a warning
-    where not available; False: the Triton stage kernels."""
-    megakernel_head: bool = True
-    """With the megakernel, batch-1 "greedy" and "sample" steps end in two Triton kernels (`head_kernel.py`: final
-    norm, lm_head, sampling and the state update) instead of the compiled head; "truncate" keeps the compiled one."""
-    backend: str | object = "inductor"
-    """torch.compile backend (tests pass a counting backend)."""
-
-    def __post_init__(self) -> None:
-        if self.decode_attention not in DECODE_ATTENTION:
-            raise ValueError(f"decode_attention={self.decode_attention!r} must be one of {sorted(DECODE_ATTENTION)}")
-        for name in ("megakernel", "megakernel_gluon"):  # (megakernel_head: a plain bool)
-            if getattr(self, name) is not None:
-                object.__setattr__(self, name, bool(getattr(self, name)))  # 0 / 1 (a command line): off / on
-        if self.megakernel_sync not in ("auto", *STAGE_SYNC):
-            raise ValueError(f"megakernel_sync={self.megakernel_sync!r} must be 'auto' or one of {STAGE_SYNC}")
 
 
 class SlotState:
@@ -109,7 +66,7 @@ def _base_model(model: torch.nn.Module) -> torch.nn.Module:
     return base
 
 
-def _compile(fn, opts: StepOptions):
+def _compile(fn, gemv_batch1: bool, backend):
     """`torch.compile(dynamic=True)` of `fn`, traced without duck sizing and with float specialisation.
 
     Duck sizing gives equal sizes one symbol, so a batch of 8 (= KV heads), 128 (= head_dim) or 256
@@ -120,8 +77,8 @@ def _compile(fn, opts: StepOptions):
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     # gpt-fast's recipe: with coordinate-descent tuning inductor lowers a matmul whose M is statically 1
     # to a fused GEMV reduction (cuBLAS is launch/tile bound at these sizes).
-    options = {"coordinate_descent_tuning": True} if opts.gemv_batch1 and opts.backend == "inductor" else None
-    compiled = torch.compile(fn, dynamic=True, backend=opts.backend, options=options)
+    options = {"coordinate_descent_tuning": True} if gemv_batch1 and backend == "inductor" else None
+    compiled = torch.compile(fn, dynamic=True, backend=backend, options=options)
 
     def call(*args):
         # Floats (norm eps, attention scale) are constants, not graph inputs.
@@ -134,9 +91,11 @@ def _compile(fn, opts: StepOptions):
 class ModelRunner:
     """Prefill and graph-captured decode over one model and one KV cache."""
 
-    def __init__(self, model, cache: KVCache, opts: StepOptions | None = None):
-        opts = opts or StepOptions()
-        self.model, self.cache, self.opts = model, cache, opts
+    def __init__(self, model, cache: KVCache, cfg: TorchEngineConfig | None = None, compile_backend="inductor"):
+        """`cfg` is taken as given (`TorchEngineConfig.on_device` turns compile and CUDA graphs off on the CPU);
+        `compile_backend` is torch.compile's backend (tests pass a counting one)."""
+        opts = cfg or TorchEngineConfig()
+        self.model, self.cache, self.opts, self.compile_backend = model, cache, opts, compile_backend
         self.base = _base_model(model)
         self.device = cache.device
         self.state = SlotState(cache.shape.num_slots, model.config.vocab_size, self.device)
@@ -168,23 +127,23 @@ class ModelRunner:
         fused = fuse_layers(self.model) if self.opts.fused_weights else None
         self._layer_forward = hf_layer_forward if fused is None else fused_layer_forward
         self.layers = list(self.base.layers) if fused is None else fused
-        if self.opts.megakernel is not False and self.megakernel is None:
+        if self.opts.megakernel.enabled is not False and self.megakernel is None:
             reason = unsupported(self.model, fused, self.device)
-            sync = default_stage_sync(self.device) if self.opts.megakernel_sync == "auto" else self.opts.megakernel_sync
-            if reason is None and (self.opts.megakernel or sync == "pdl"):
+            sync = default_stage_sync(self.device) if self.opts.megakernel.sync == "auto" else self.opts.megakernel.sync
+            if reason is None and (self.opts.megakernel.enabled or sync == "pdl"):
                 self.megakernel = DecodeMegakernel(self.model, fused, self.cache.shape.max_seq_len, self.device)
                 self.megakernel.stage_sync = sync
-                if self.opts.megakernel_head and getattr(self.model.lm_head, "bias", None) is None and hasattr(
+                if self.opts.megakernel.head and getattr(self.model.lm_head, "bias", None) is None and hasattr(
                         self.base.norm, "variance_epsilon"):  # an RMSNorm and a plain linear head, as the kernel
-                    from rlbench.rollout.head_kernel import SampleHead
+                    from rlbench.engine.megakernel.head import SampleHead
 
                     self.head = SampleHead(self.model, self.base, self.device)
-                if self.opts.megakernel_gluon is False:
+                if self.opts.megakernel.gluon is False:
                     self.megakernel.gluon_gemv = False
-                elif self.opts.megakernel_gluon and not self.megakernel.gluon_active():
+                elif self.opts.megakernel.gluon and not self.megakernel.gluon_active():
                     warnings.warn("megakernel_gluon=True has no effect here (needs sm_90+, Triton's Gluon, a per-stage "
                                   "sync and a GEMV tile that fits shared memory); the Triton stages run", stacklevel=3)
-            elif self.opts.megakernel and not self._warned_megakernel:
+            elif self.opts.megakernel.enabled and not self._warned_megakernel:
                 warnings.warn(f"megakernel=True has no effect: {reason}; batch 1 decodes on the compiled path",
                               stacklevel=3)
                 self._warned_megakernel = True
@@ -198,7 +157,7 @@ class ModelRunner:
     def _use_compiled(self, compiled: bool) -> None:
         self.compiled = compiled
         self._attend = DECODE_ATTENTION[self.opts.decode_attention] if compiled else sdpa_decode
-        wrap = (lambda fn: _compile(fn, self.opts)) if compiled else (lambda fn: fn)
+        wrap = (lambda fn: _compile(fn, self.opts.gemv_batch1, self.compile_backend)) if compiled else (lambda fn: fn)
         self._prologue_fn, self._layer_fn, self._head_fn = wrap(self._prologue), wrap(self._layer), wrap(self._head)
         self._embed_fn = wrap(self._embed)
 
@@ -271,7 +230,7 @@ class ModelRunner:
         tok, lp = self._logits_and_sample(s.tokens[:b], s.positions[:b], s.temperature[:b], s.top_k[:b],
                                           s.top_p[:b], s.seeds[:b], s.steps[:b], kv_len, mode)
         if self.device.type == "cuda" and self.megakernel is not None:  # triton is there: one kernel, not five
-            from rlbench.rollout.step_kernel import finish_step
+            from rlbench.engine.megakernel.step import finish_step
 
             finish_step(s, b, tok, lp, self.cache.shape.max_seq_len - 1)
             return

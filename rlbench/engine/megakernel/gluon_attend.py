@@ -33,12 +33,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from rlbench.rollout import megakernel
-from rlbench.rollout.mk_gluon import _asm, _stamp, _timer
-from rlbench.rollout.mk_kernels import _attn_grid, _task
+from rlbench.engine.megakernel import layout
+from rlbench.engine.megakernel.gluon_gemv import _asm, _stamp, _timer
+from rlbench.engine.megakernel.triton_stages import _attn_grid, _task
 
 WARPS = gl.constexpr(4)
-SPLIT = gl.constexpr(megakernel.SPLIT)
+SPLIT = gl.constexpr(layout.SPLIT)
 """Positions per block, the merge kernel's (its task grid must be this one's); a warp takes SPLIT // WARPS."""
 QR = gl.constexpr(16)
 """A KV group's q heads, padded to mma's M."""

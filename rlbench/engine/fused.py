@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from rlbench.rollout.attention import KVContext, kv_attention
+from rlbench.engine.attention import KVContext, kv_attention
 
 FUSABLE = ("Qwen3DecoderLayer", "Qwen2DecoderLayer", "LlamaDecoderLayer")
 """HF decoder layers whose forward `fused_layer_forward` reproduces: pre-norm RMSNorm, (q/k-norm), RoPE,

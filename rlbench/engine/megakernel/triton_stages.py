@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globaltimer, smid
 
-from rlbench.rollout.megakernel import TABLE
+from rlbench.engine.megakernel.layout import TABLE
 
 IN_NORM, QKV, QKV_BIAS, Q_NORM, K_NORM, O_PROJ, POST_NORM, GATE_UP, DOWN, K_CACHE, V_CACHE = (
     tl.constexpr(i) for i in range(len(TABLE)))  # the pointer table's columns, in TABLE's order

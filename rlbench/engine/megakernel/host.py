@@ -41,41 +41,18 @@ import warnings
 
 import torch
 
-TABLE = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "post_norm", "gate_up", "down", "k", "v")
-"""Columns of the per-layer pointer table: the `FusedLayer` field of that name, then the layer's K and V cache."""
-SPLIT = 64
-"""Cached positions per attention task (KV head x split is the attention stage's task grid)."""
-MERGE_CHUNK = 32
-"""Splits merged per load when the partial softmaxes are combined (one load for up to 32 splits, ~4,000 positions
-on 132 SMs). H200, session 13, same run, Gluon stages and attention: 32 gave 424.4 / 468.4 / 483.7 us per 0.6B call
-at pos 256 / 1024 / 1500 against 423.9 / 480.3 / 502.7 with 16, although both merge 5 / 9 / 12 splits in one load:
-the merge's last program ended 1.74 vs 2.06 us after the attention at pos 1024 (docs/LOG.md). Session 7, with the
-Triton stages of then, 16 had been 1-3% faster."""
-TILE_ELEMS = 16384
-"""Weight elements a GEMV tile loads per K step when the tile is double buffered; a tile of up to twice that
-is loaded as one chunk (all in flight before the barrier, one round trip after it)."""
-PIPELINE_STAGES = 3
-PIPELINE_MIN_CHUNKS = 8
-"""A GEMV tile of at least PIPELINE_MIN_CHUNKS K chunks loads the chunks after its first through Triton's software
-pipeline (`cp.async` into shared memory, PIPELINE_STAGES - 1 chunks in flight without holding registers) instead
-of register double buffering. Measured on the H200 (docs/LOG.md, 2026-11-30): every 4B stage has 8-40 chunks,
-3,516 -> 3,305 us per call with 3 stages (3,333 with 4); the 0.6B shape's only multi-chunk tile (gate/up, 4
-chunks) was slower with it (4.59 -> 4.73 us per layer)."""
-MAX_SPINS = 1 << 22
-"""Polls of the barrier counter before a program gives up on a barrier (~1.5 s at ~0.35 us per L2 round
-trip; estimated, not measured): a non-resident program then costs a stall and an error, not a hang."""
-
-
-GLUON_TILE_BYTES = 120 * 1024
-"""Largest shared memory (weight tile + fp32 input) of a Gluon GEMV stage program: two neighbouring stages'
-programs must fit one SM's 227 KB (the 0.6B shape: QKV 68 KB, o_proj 40, gate/up 100, down 64)."""
-
-STAGE_SYNC = ("pdl", "barrier", "launch")
-"""How the stages of a layer wait for each other (`DecodeMegakernel.stage_sync`)."""
-
-
-STAGE_ORDER = (0, 1, 5, 2, 3, 4)
-"""The per-stage kernels of a layer in launch order: QKV, attention, merge, o_proj, gate/up, down."""
+from rlbench.engine.config import STAGE_SYNC
+from rlbench.engine.megakernel.layout import (
+    GLUON_TILE_BYTES,
+    MAX_SPINS,
+    MERGE_CHUNK,
+    PIPELINE_MIN_CHUNKS,
+    PIPELINE_STAGES,
+    SPLIT,
+    STAGE_ORDER,
+    TABLE,
+    TILE_ELEMS,
+)
 
 
 def gluon_available(device: torch.device) -> bool:
@@ -124,7 +101,7 @@ def mma_tile_split(chunk_rows: int) -> int | None:
 
 def _mma_tile_rows(stacked: int, rows: int, k: int) -> int:
     """Rows of [8 chunks, 64] in a tensor-core Gluon tile of `stacked * rows` weight rows of K."""
-    from rlbench.rollout.mk_gluon import MMA_CHUNK, MMA_SLICES
+    from rlbench.engine.megakernel.gluon_gemv import MMA_CHUNK, MMA_SLICES
 
     return stacked * rows * k // (MMA_SLICES.value * MMA_CHUNK.value)
 
@@ -307,7 +284,7 @@ class DecodeMegakernel:
         """The GEMV stages `mk_gluon.gemv_stage` can run: stage -> (N, K, rows per program, K boxes rounded up to
         a power of two). A stage needs K a multiple of the box width (1,024 on the tensor cores, `gluon_mma`; 256
         with FFMAs) and its tile (plus the input) within GLUON_TILE_BYTES; the others keep the Triton stage kernel."""
-        from rlbench.rollout.mk_gluon import BOX_K, BOX_ROWS, MMA_CHUNK, MMA_IN
+        from rlbench.engine.megakernel.gluon_gemv import BOX_K, BOX_ROWS, MMA_CHUNK, MMA_IN
 
         dims = {0: ((self.h + 2 * self.n_kv) * self.hd, self.d, 1), 2: (self.d, self.h * self.hd, 1),
                 3: (self.i, self.d, 2), 4: (self.d, self.i, 1)}
@@ -343,7 +320,7 @@ class DecodeMegakernel:
         """Whether the next call runs the Gluon attention stage: `gluon_attention`, Gluon GEMV stages active (their
         kernels' shared-memory carveout is the one the attention program needs, 69 KB), and shapes it handles: a
         KV group of at most 8 q heads, a power-of-two head size (multiple of 8) and 16-byte aligned cache rows."""
-        from rlbench.rollout.mk_attend import QR
+        from rlbench.engine.megakernel.gluon_attend import QR
 
         return (self.gluon_attention and bool(self.gluon_active()) and self.group <= QR.value // 2
                 and self.hd == _pow2(self.hd) and self.hd % 8 == 0 and self.head_stride % 8 == 0)
@@ -353,7 +330,7 @@ class DecodeMegakernel:
         if not self._descs:
             from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-            from rlbench.rollout.mk_gluon import (
+            from rlbench.engine.megakernel.gluon_gemv import (
                 BOX_K,
                 BOX_ROWS,
                 MMA_BOX_ROWS,
@@ -414,7 +391,7 @@ class DecodeMegakernel:
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  positions: torch.Tensor) -> torch.Tensor:
         """hidden `[1, 1, D]` (updated in place and returned), cos/sin `[1, 1, hd]`, positions `[1]` long."""
-        from rlbench.rollout.mk_kernels import decode_layers, decode_stage
+        from rlbench.engine.megakernel.triton_stages import decode_layers, decode_stage
 
         if self.stage_sync not in STAGE_SYNC:
             raise ValueError(f"stage_sync={self.stage_sync!r}: use one of {STAGE_SYNC}")
@@ -446,7 +423,7 @@ class DecodeMegakernel:
         return hidden
 
     def _gluon_stage(self, stage: int, layer: int, plan: tuple, hidden: torch.Tensor, pdl: bool) -> None:
-        from rlbench.rollout.mk_gluon import gemv_stage
+        from rlbench.engine.megakernel.gluon_gemv import gemv_stage
 
         n, k, r, kcp = plan
         w = self._layers[layer]
@@ -465,7 +442,7 @@ class DecodeMegakernel:
 
     def _gluon_attend(self, layer: int, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                       pdl: bool) -> None:
-        from rlbench.rollout.mk_attend import WARPS, attend_stage
+        from rlbench.engine.megakernel.gluon_attend import WARPS, attend_stage
 
         w, (kc, vc) = self._layers[layer], self._caches[layer]
         kernel = attend_stage[(self.programs,)](

@@ -25,8 +25,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from rlbench.rollout.mk_kernels import _bf  # integer round-to-nearest-even (the interpreter truncates casts)
-from rlbench.rollout.step_kernel import store_step
+from rlbench.engine.megakernel.step import store_step
+from rlbench.engine.megakernel.triton_stages import (
+    _bf,  # integer round-to-nearest-even (the interpreter truncates casts)
+)
 
 BLOCK_ROWS = 4
 """lm_head rows per loaded block of a one-warp program (4 x 1,024 bf16 = 8 KB on the 0.6B shape)."""
