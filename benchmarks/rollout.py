@@ -115,7 +115,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--decode-attention", default=TorchEngineConfig.decode_attention, choices=["auto", "split", "sdpa"])
     ap.add_argument("--gemv-batch1", action=argparse.BooleanOptionalAction, default=TorchEngineConfig.gemv_batch1,
                     help="batch 1 in its own GEMV-lowered graph")
-    ap.add_argument("--megakernel", action=argparse.BooleanOptionalAction, default=TorchEngineConfig.megakernel,
+    ap.add_argument("--megakernel", action=argparse.BooleanOptionalAction, default=None,
                     help="batch-1 decode as one persistent Triton kernel (CUDA, bf16)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--mem-fraction", type=float, default=0.5)
