@@ -213,13 +213,13 @@ class TrainGroup:
         self.cfg = cluster.cfg.backend  # `Trainer.save` points `cfg.checkpoint_dir` at the save path
 
     def sleep(self) -> dict:
-        return _max_merge(self.cluster.call_trainers("sleep"))
+        return max_merge(self.cluster.call_trainers("sleep"))
 
     def wake_up(self) -> dict:
-        return _max_merge(self.cluster.call_trainers("wake_up"))
+        return max_merge(self.cluster.call_trainers("wake_up"))
 
     def update_ref(self) -> dict:
-        return _max_merge(self.cluster.call_trainers("update_ref"))
+        return max_merge(self.cluster.call_trainers("update_ref"))
 
     def save(self, step: int | None = None) -> str:
         return self.cluster.call_trainers("save", self.cfg.checkpoint_dir, step)[0]
@@ -239,6 +239,6 @@ def _blocks(n: int, k: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _max_merge(dicts: list[dict]) -> dict:
+def max_merge(dicts: list[dict]) -> dict:
     """Per key, the max over ranks (times and bytes of the slowest / largest rank)."""
     return {k: max(d[k] for d in dicts) for k in dicts[0]}

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from rlbench.orchestration.local import Components, build_data
-from rlbench.orchestration.ray_cluster import RayCluster, _max_merge
+from rlbench.orchestration.ray_cluster import RayCluster, max_merge
 from rlbench.orchestration.ray_config import ClusterConfig, check_batch_layout
 from rlbench.orchestration.ray_dp import split_steps_by_dp
 from rlbench.rollout.manager import RolloutBatch
@@ -128,7 +128,7 @@ class RayTrainer(Trainer):
         if self._log_probs_of is not batch:
             self.compute_log_probs(batch)
         per_rank = self.cluster.call_trainers("train")
-        metrics = dict(per_rank[0]) | {k: v for k, v in _max_merge(per_rank).items() if k.startswith("perf/")}
+        metrics = dict(per_rank[0]) | {k: v for k, v in max_merge(per_rank).items() if k.startswith("perf/")}
         self.policy_version += 1
         return metrics
 
