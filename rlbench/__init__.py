@@ -3,18 +3,19 @@
     import rlbench
     trainer = rlbench.Trainer(rlbench.presets.cpu_demo())
     trainer.step()
+    trainer = rlbench.build_trainer(cfg)     # Trainer or RayTrainer, from cfg.cluster.backend
 
-`import rlbench` stays light: `Trainer`, `RunConfig` and `presets` load on first access.
+`import rlbench` stays light: `Trainer`, `build_trainer`, `RunConfig` and `presets` load on first access.
 """
 
 from __future__ import annotations
 
 import importlib
 
-__all__ = ["RunConfig", "Trainer", "presets"]
+__all__ = ["RunConfig", "Trainer", "build_trainer", "presets"]
 
 _LAZY = {"Trainer": ("rlbench.trainer", "Trainer"), "RunConfig": ("rlbench.config", "RunConfig"),
-         "presets": ("rlbench.presets", None)}
+         "build_trainer": ("rlbench.orchestration", "build_trainer"), "presets": ("rlbench.presets", None)}
 
 
 def __getattr__(name: str):

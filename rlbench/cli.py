@@ -229,10 +229,10 @@ def ensure_sft(args: argparse.Namespace, out: str) -> str:
 
 
 def run_train(cfg) -> dict:
-    """Build the Trainer, train `num_rollout` steps, print a summary; returns the last metrics."""
-    from rlbench.trainer import Trainer
+    """Build the trainer of `cfg.cluster.backend`, train `num_rollout` steps, print a summary; returns the last metrics."""
+    from rlbench.orchestration import build_trainer
 
-    trainer = Trainer(cfg)
+    trainer = build_trainer(cfg)
     trainer.fit()
     summary = summarize_run(trainer)
     print(json.dumps(summary, indent=1), flush=True)

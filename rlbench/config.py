@@ -12,14 +12,16 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from rlbench.algorithms.config import LossConfig
 from rlbench.backends.fsdp.config import FSDPConfig, OptimConfig
-from rlbench.data.datasets import DataConfig
+from rlbench.data.config import DataConfig
 from rlbench.engine.config import TorchEngineConfig
-from rlbench.metrics import LoggingConfig
 from rlbench.orchestration.ray_config import ClusterConfig, check_batch_layout
-from rlbench.weights import WeightSyncConfig
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "BatchConfig", "CheckpointConfig", "ClusterConfig", "DataConfig", "EvalConfig", "FSDPConfig",
@@ -199,6 +201,67 @@ class CheckpointConfig:
             raise ValueError(f"save_interval={self.save_interval} must be >= 1 or None")
         if self.save_interval is not None and self.save_dir is None:
             raise ValueError(f"save_interval={self.save_interval} needs save_dir (--save DIR)")
+
+
+WEIGHT_TRANSPORTS = ("in_process",)
+"""Weight-sync transport names (`rlbench.weights.TRANSPORTS` maps them to classes)."""
+WEIGHT_DTYPES = ("bfloat16", "float16", "float32")
+"""Dtypes weights may be cast to before sending (torch attribute names)."""
+
+
+@dataclass
+class WeightSyncConfig:
+    """How trainer weights reach the rollout engine."""
+
+    transport: str = "in_process"
+    """Transport name in `WEIGHT_TRANSPORTS` (only "in_process" for now)."""
+    bucket_bytes: int = 512 << 20
+    """Maximum bytes per bucket (slime's --update-weight-buffer-size, default 512 MiB)."""
+    dtype: str | None = None
+    """Cast weights to this dtype before sending ("bfloat16", "float16", "float32"; None: the engine's dtype)."""
+    verify: bool = False
+    """After each sync, compare per-tensor checksums of what was sent with the engine's weights."""
+
+    def __post_init__(self) -> None:
+        if self.transport not in WEIGHT_TRANSPORTS:
+            raise ValueError(
+                f"weight-sync transport={self.transport!r} is unknown; choose one of {sorted(WEIGHT_TRANSPORTS)}"
+            )
+        if self.bucket_bytes < 1 << 10:
+            raise ValueError(f"bucket_bytes={self.bucket_bytes} is below 1 KiB; pass e.g. 512 << 20")
+        if self.dtype is not None and self.dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight-sync dtype={self.dtype!r} must be None or one of {sorted(WEIGHT_DTYPES)}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        """The `torch.dtype` of `dtype` (None: keep the storage dtype)."""
+        if self.dtype is None:
+            return None
+        import torch
+
+        return getattr(torch, self.dtype)
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go."""
+
+    console: bool = True
+    """Print one line per step with the main metrics."""
+    jsonl_path: str | None = None
+    """Append one JSON object per step to this file (None: off)."""
+    tensorboard_dir: str | None = None
+    """Write TensorBoard scalars here (needs the `tensorboard` package; None: off)."""
+    wandb_project: str | None = None
+    """Log to this Weights & Biases project (needs `wandb`; None: off)."""
+    wandb_run_name: str | None = None
+    """Run name for wandb (None: wandb picks one)."""
+    console_keys: tuple[str, ...] = field(default_factory=tuple)
+    """Extra metric keys the console line prints besides the defaults."""
+
+    def __post_init__(self) -> None:
+        if self.wandb_run_name is not None and self.wandb_project is None:
+            raise ValueError("wandb_run_name is set but wandb_project is None; set wandb_project to log to wandb")
 
 
 @dataclass

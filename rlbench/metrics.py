@@ -18,8 +18,9 @@ import statistics
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Protocol
+
+from rlbench.config import LoggingConfig
 
 # Keys the console sink prints (when present), in this order, with short labels.
 CONSOLE_KEYS: tuple[tuple[str, str], ...] = (
@@ -39,28 +40,6 @@ CONSOLE_KEYS: tuple[tuple[str, str], ...] = (
     ("perf/update_weights_time", "t_sync"),
     ("perf/step_time", "t_step"),
 )
-
-
-@dataclass
-class LoggingConfig:
-    """Where metrics go."""
-
-    console: bool = True
-    """Print one line per step with the main metrics."""
-    jsonl_path: str | None = None
-    """Append one JSON object per step to this file (None: off)."""
-    tensorboard_dir: str | None = None
-    """Write TensorBoard scalars here (needs the `tensorboard` package; None: off)."""
-    wandb_project: str | None = None
-    """Log to this Weights & Biases project (needs `wandb`; None: off)."""
-    wandb_run_name: str | None = None
-    """Run name for wandb (None: wandb picks one)."""
-    console_keys: tuple[str, ...] = field(default_factory=tuple)
-    """Extra metric keys the console line prints besides the defaults."""
-
-    def __post_init__(self) -> None:
-        if self.wandb_run_name is not None and self.wandb_project is None:
-            raise ValueError("wandb_run_name is set but wandb_project is None; set wandb_project to log to wandb")
 
 
 class Sink(Protocol):

@@ -17,6 +17,7 @@ from rlbench.config import (
     DataConfig,
     EvalConfig,
     FSDPConfig,
+    LoggingConfig,
     LossConfig,
     OptimConfig,
     RolloutConfig,
@@ -24,7 +25,6 @@ from rlbench.config import (
     TaskConfig,
     TorchEngineConfig,
 )
-from rlbench.metrics import LoggingConfig
 from rlbench.sft import SFTConfig
 
 # The SFT warm start `make run` caches and reuses (small preset, arithmetic level 1, 32 held-out prompts).

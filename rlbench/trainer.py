@@ -41,21 +41,18 @@ class Trainer:
     """One colocated RL run (see the module docstring).
 
     Args:
-        cfg: the run config.
+        cfg: the run config (`cfg.cluster.backend == "local"`; `rlbench.build_trainer(cfg)` builds any backend).
         components: pre-built parts (tokenizer, dataset, eval items, backend, engine); None builds them
             with `rlbench.orchestration.local.build_components(cfg)`.
         sinks: metric sinks; None builds them from `cfg.logging`.
     """
 
-    def __new__(cls, cfg: RunConfig, *args, **kwargs):
-        """`Trainer(cfg)` is a `RayTrainer` when `cfg.cluster.backend == "ray"` (same API, actors underneath)."""
-        if cls is Trainer:
-            from rlbench.orchestration.ray_config import trainer_class
-
-            cls = trainer_class(cfg.cluster.backend)
-        return super().__new__(cls)
-
     def __init__(self, cfg: RunConfig, *, components=None, sinks=None) -> None:
+        if type(self) is Trainer and cfg.cluster.backend != "local":
+            raise ValueError(
+                f"Trainer runs cluster.backend='local', got {cfg.cluster.backend!r}; build the trainer with "
+                "rlbench.build_trainer(cfg), which picks the class of cfg.cluster.backend"
+            )
         seed_everything(cfg.seed)
         if components is None:
             from rlbench.orchestration.local import build_components

@@ -22,35 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from rlbench.config import WeightSyncConfig
+
 Bucket = list[tuple[str, torch.Tensor]]
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-@dataclass
-class WeightSyncConfig:
-    """How trainer weights reach the rollout engine."""
-
-    transport: str = "in_process"
-    """Transport name in `rlbench.weights.TRANSPORTS` (only "in_process" for now)."""
-    bucket_bytes: int = 512 << 20
-    """Maximum bytes per bucket (slime's --update-weight-buffer-size, default 512 MiB)."""
-    dtype: str | None = None
-    """Cast weights to this dtype before sending ("bfloat16", "float16", "float32"; None: the engine's dtype)."""
-    verify: bool = False
-    """After each sync, compare per-tensor checksums of what was sent with the engine's weights."""
-
-    def __post_init__(self) -> None:
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"weight-sync transport={self.transport!r} is unknown; choose one of {sorted(TRANSPORTS)}")
-        if self.bucket_bytes < 1 << 10:
-            raise ValueError(f"bucket_bytes={self.bucket_bytes} is below 1 KiB; pass e.g. 512 << 20")
-        if self.dtype is not None and self.dtype not in _DTYPES:
-            raise ValueError(f"weight-sync dtype={self.dtype!r} must be None or one of {sorted(_DTYPES)}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype | None:
-        """The `torch.dtype` of `dtype` (None: keep the storage dtype)."""
-        return _DTYPES[self.dtype] if self.dtype else None
 
 
 class InProcessTransport:
@@ -61,6 +35,7 @@ class InProcessTransport:
 
 
 TRANSPORTS: dict[str, type] = {"in_process": InProcessTransport}
+"""Transport name -> class; the names are `rlbench.config.WEIGHT_TRANSPORTS` (what the config accepts)."""
 
 
 @dataclass

@@ -254,16 +254,19 @@ def test_not_enough_gpus_names_the_fix(ray_cluster):
         create_placement(plan, "cuda", timeout_s=5)
 
 
-def test_trainer_dispatches_on_cluster_backend(tmp_path):
-    from rlbench.config import RunConfig
+def test_build_trainer_picks_the_class_of_the_cluster_backend(tmp_path):
+    import rlbench
+    from rlbench.orchestration import TRAINERS, build_trainer, trainer_class
+    from rlbench.orchestration.ray_config import BACKENDS
     from rlbench.orchestration.ray_trainer import RayTrainer
     from rlbench.trainer import Trainer
 
-    if "cluster" not in RunConfig.__dataclass_fields__:
-        pytest.skip("RunConfig has no `cluster` field yet (the Trainer/config seam of docs/distributed.md is not applied)")
+    assert sorted(TRAINERS) == sorted(BACKENDS) and rlbench.build_trainer is build_trainer
     cfg = tiny_cfg(str(tmp_path))
-    assert type(Trainer.__new__(Trainer, cfg)) is Trainer
+    assert trainer_class(cfg.cluster.backend) is Trainer
     ray_cfg = cfg.replace(cluster=ClusterConfig(backend="ray", actor_num_gpus_per_node=2))
-    assert type(Trainer.__new__(Trainer, ray_cfg)) is RayTrainer  # __init__ would start the actors
+    assert trainer_class(ray_cfg.cluster.backend) is RayTrainer  # building it would start the actors
+    with pytest.raises(ValueError, match=r"rlbench.build_trainer\(cfg\)"):
+        Trainer(ray_cfg)  # refused before anything is built
     with pytest.raises(ValueError, match="global_batch_size=8 must be divisible by dp_size=3"):
         cfg.replace(cluster=ClusterConfig(backend="ray", actor_num_gpus_per_node=3))

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from rlbench.backends.fsdp.weights import named_weight_buckets
+from rlbench.config import WEIGHT_TRANSPORTS
 from rlbench.engine import TorchEngine, TorchEngineConfig
 from rlbench.models import build_model
 from rlbench.rollout.base import SamplingParams
-from rlbench.weights import WeightSync, WeightSyncConfig, checksum
+from rlbench.weights import TRANSPORTS, WeightSync, WeightSyncConfig, checksum
 
 
 class PlainBackend:
@@ -97,6 +98,11 @@ def test_verify_detects_a_missed_tensor(models):
     sync = WeightSync(WeightSyncConfig(verify=True), PlainBackend(trainer_model), _engine(build_model("tiny", seed=2), DroppingEngine))
     with pytest.raises(RuntimeError, match="tensors differ after sync"):
         sync.push(1)
+
+
+def test_every_transport_the_config_accepts_exists():
+    assert sorted(TRANSPORTS) == sorted(WEIGHT_TRANSPORTS)
+    assert WeightSyncConfig(dtype="bfloat16").torch_dtype is torch.bfloat16 and WeightSyncConfig().torch_dtype is None
 
 
 def test_checksum_sees_every_bit():

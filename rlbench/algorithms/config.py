@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .aggregation import AGGREGATIONS
-from .kl import KL_TYPES
-
+AGGREGATIONS = ("sample_mean", "token_mean", "seq_sum_constant")
+"""Loss aggregation modes (`rlbench.algorithms.aggregation` implements them)."""
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+"""KL estimators (`rlbench.algorithms.kl` implements them)."""
 ADVANTAGE_ESTIMATORS = (
     "grpo",
     "gspo",

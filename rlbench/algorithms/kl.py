@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+from .config import KL_TYPES
 
 
 def _k1(d: torch.Tensor) -> torch.Tensor:

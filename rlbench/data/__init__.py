@@ -1,32 +1,38 @@
-"""Prompt data: the char-level Qwen-style tokenizer, slime-layout prompt datasets and synthetic tasks."""
+"""Prompt data: the char-level Qwen-style tokenizer, slime-layout prompt datasets and synthetic tasks.
 
-from rlbench.data.datasets import DataConfig, PromptDataset, PromptItem, read_rows
-from rlbench.data.tasks import (
-    ArithmeticConfig,
-    CountdownConfig,
-    arithmetic_level,
-    make_arithmetic,
-    make_countdown,
-    make_task,
-    verify_arithmetic,
-    verify_countdown,
-    write_jsonl,
-)
-from rlbench.data.tokenizer import build_tokenizer
+Light on import (`rlbench.data.config` is read by `rlbench.config`): each name loads its module on first
+access, so the tokenizer (transformers) is imported only when it is used.
+"""
 
-__all__ = [
-    "ArithmeticConfig",
-    "CountdownConfig",
-    "DataConfig",
-    "PromptDataset",
-    "PromptItem",
-    "arithmetic_level",
-    "build_tokenizer",
-    "make_arithmetic",
-    "make_countdown",
-    "make_task",
-    "read_rows",
-    "verify_arithmetic",
-    "verify_countdown",
-    "write_jsonl",
-]
+from __future__ import annotations
+
+import importlib
+
+_MODULES = {
+    "DataConfig": "rlbench.data.config",
+    "PromptDataset": "rlbench.data.datasets",
+    "PromptItem": "rlbench.data.datasets",
+    "read_rows": "rlbench.data.datasets",
+    "ArithmeticConfig": "rlbench.data.tasks",
+    "CountdownConfig": "rlbench.data.tasks",
+    "arithmetic_level": "rlbench.data.tasks",
+    "make_arithmetic": "rlbench.data.tasks",
+    "make_countdown": "rlbench.data.tasks",
+    "make_task": "rlbench.data.tasks",
+    "verify_arithmetic": "rlbench.data.tasks",
+    "verify_countdown": "rlbench.data.tasks",
+    "write_jsonl": "rlbench.data.tasks",
+    "build_tokenizer": "rlbench.data.tokenizer",
+}
+
+__all__ = sorted(_MODULES)
+
+
+def __getattr__(name: str):
+    if name not in _MODULES:
+        raise AttributeError(f"module 'rlbench.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(_MODULES[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

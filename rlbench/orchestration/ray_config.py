@@ -13,11 +13,10 @@ Flag names mirror slime's (`--actor-num-nodes`, `--actor-num-gpus-per-node`, `--
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 
-BACKENDS = {"local": None, "ray": "rlbench.orchestration.ray_trainer:RayTrainer"}
-"""Cluster backend name -> the Trainer class that runs it ("module:Class"; None = `rlbench.Trainer` itself)."""
+BACKENDS = ("local", "ray")
+"""Cluster backend names (`rlbench.orchestration.TRAINERS` maps each to the Trainer class that runs it)."""
 
 
 @dataclass
@@ -142,15 +141,3 @@ def check_batch_layout(cfg, cluster: ClusterConfig) -> int:
         )
     return dp
 
-
-def trainer_class(backend: str):
-    """The Trainer class for a cluster backend (imported only when asked for)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"cluster backend={backend!r}; choose one of {sorted(BACKENDS)}")
-    target = BACKENDS[backend]
-    if target is None:
-        from rlbench.trainer import Trainer
-
-        return Trainer
-    module, name = target.split(":")
-    return getattr(importlib.import_module(module), name)

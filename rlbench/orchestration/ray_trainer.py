@@ -48,7 +48,8 @@ class RayTrainer(Trainer):
     Args:
         cfg: the run config (`cfg.cluster` is used when present).
         cluster: overrides `cfg.cluster`; must have backend "ray".
-        components: must be None (the actors are built here); the argument exists for `Trainer(cfg, ...)` dispatch.
+        components: must be None (the actors are built here); accepted so `build_trainer(cfg, components=...)`
+            fails with a clear error.
         sinks: metric sinks (default from `cfg.logging`).
     """
 

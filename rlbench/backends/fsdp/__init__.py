@@ -1,6 +1,17 @@
-"""FSDP2 training backend: sharded HF model, packed training step, checkpoints, sleep/wake, weight export."""
+"""FSDP2 training backend: sharded HF model, packed training step, checkpoints, sleep/wake, weight export.
 
-from rlbench.backends.fsdp.actor import FSDPBackend
+Light on import: `FSDPConfig` / `OptimConfig` come from config.py (no torch import); `FSDPBackend` loads the
+actor (transformers, torch.distributed) on first access.
+"""
+
 from rlbench.backends.fsdp.config import FSDPConfig, OptimConfig
 
 __all__ = ["FSDPBackend", "FSDPConfig", "OptimConfig"]
+
+
+def __getattr__(name: str):
+    if name == "FSDPBackend":
+        from rlbench.backends.fsdp.actor import FSDPBackend
+
+        return FSDPBackend
+    raise AttributeError(f"module 'rlbench.backends.fsdp' has no attribute {name!r}")

@@ -18,23 +18,6 @@ from __future__ import annotations
 import torch
 
 BLOCK = 128  # flex_attention's default (and only tuned) block size
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
-
-
-def check_attn_implementation(name: str, device: str) -> None:
-    """Raise `ValueError` unless `name` is a backend whose packed-sequence isolation rlbench tests on `device`."""
-    if "/" in name:
-        raise ValueError(
-            f"attn_implementation={name!r}: Hub kernels (e.g. 'kernels-community/flash-attn') are not supported, "
-            "their packed-sequence isolation is untested here; use 'flash_attention_2' (pip install flash-attn) or 'sdpa'"
-        )
-    if name not in ATTN_IMPLEMENTATIONS:
-        raise ValueError(f"attn_implementation={name!r}; use one of {ATTN_IMPLEMENTATIONS}")
-    if name.startswith("flash_attention") and device != "cuda":
-        raise ValueError(f"attn_implementation={name!r} needs device='cuda'; use 'sdpa' or 'eager' on CPU")
-    if name == "flex_attention" and device == "cpu":
-        # torch 2.13 CPU flex (inductor C++ template) gave wrong packed logits (NaN / 0.17 off); see docs/fsdp.md
-        raise ValueError("attn_implementation='flex_attention' needs device='cuda'; use 'sdpa' or 'eager' on CPU")
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:

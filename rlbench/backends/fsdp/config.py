@@ -1,14 +1,36 @@
-"""Typed configuration of the FSDP2 backend: model/sharding, optimizer and LR schedule."""
+"""Typed configuration of the FSDP2 backend: model/sharding, optimizer and LR schedule.
+
+No torch import at module level: a run config validates without loading torch (`torch_param_dtype` imports it).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from rlbench.backends.fsdp.attention import check_attn_implementation
+PARAM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+"""`FSDPConfig.param_dtype` name -> the torch dtype's name."""
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+"""Attention backends whose packed-sequence isolation is tested (`rlbench.backends.fsdp.attention` builds the masks)."""
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+def check_attn_implementation(name: str, device: str) -> None:
+    """Raise `ValueError` unless `name` is a backend whose packed-sequence isolation rlbench tests on `device`."""
+    if "/" in name:
+        raise ValueError(
+            f"attn_implementation={name!r}: Hub kernels (e.g. 'kernels-community/flash-attn') are not supported, "
+            "their packed-sequence isolation is untested here; use 'flash_attention_2' (pip install flash-attn) or 'sdpa'"
+        )
+    if name not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"attn_implementation={name!r}; use one of {ATTN_IMPLEMENTATIONS}")
+    if name.startswith("flash_attention") and device != "cuda":
+        raise ValueError(f"attn_implementation={name!r} needs device='cuda'; use 'sdpa' or 'eager' on CPU")
+    if name == "flex_attention" and device == "cpu":
+        # torch 2.13 CPU flex (inductor C++ template) gave wrong packed logits (NaN / 0.17 off); see docs/fsdp.md
+        raise ValueError("attn_implementation='flex_attention' needs device='cuda'; use 'sdpa' or 'eager' on CPU")
 
 
 @dataclass
@@ -99,8 +121,8 @@ class FSDPConfig:
     def __post_init__(self) -> None:
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"device={self.device!r}; use 'cuda' or 'cpu'")
-        if self.param_dtype not in _DTYPES:
-            raise ValueError(f"param_dtype={self.param_dtype!r}; use one of {sorted(_DTYPES)}")
+        if self.param_dtype not in PARAM_DTYPES:
+            raise ValueError(f"param_dtype={self.param_dtype!r}; use one of {sorted(PARAM_DTYPES)}")
         check_attn_implementation(self.attn_implementation, self.device)
         if self.ref_update_interval is not None and self.ref_update_interval < 1:
             raise ValueError(f"ref_update_interval={self.ref_update_interval} must be >= 1 (None = never update)")
@@ -119,4 +141,7 @@ class FSDPConfig:
 
     @property
     def torch_param_dtype(self) -> torch.dtype:
-        return _DTYPES[self.param_dtype]
+        """The `torch.dtype` of `param_dtype`."""
+        import torch
+
+        return getattr(torch, PARAM_DTYPES[self.param_dtype])
