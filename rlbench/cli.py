@@ -29,7 +29,6 @@ FLAG_NAMES: dict[tuple[str, str], str] = {
     ("backend", "model"): "--hf-checkpoint",
     ("backend", "ref_model"): "--ref-load",
     ("backend", "seed"): "--model-seed",
-    ("backend", "temperature"): "--logprob-temperature",
     ("backend", "cp_size"): "--context-parallel-size",
     ("backend", "cpu_offload"): "--fsdp-cpu-offload",
     ("backend", "checkpoint_dir"): "--backend-checkpoint-dir",
@@ -183,15 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def apply_flags(cfg, args: argparse.Namespace):
-    """A copy of `cfg` with every given flag applied (sections re-validated), plus slime's couplings."""
+    """A copy of `cfg` with every given flag applied (sections re-validated); the Adam betas are two flags."""
     given = vars(args)
     updates: dict[str, dict] = {}
     for flag, (section, name, _, _) in config_flags().items():
         dest = flag[2:].replace("-", "_")
         if dest in given:
             updates.setdefault(section, {})[name] = given[dest]
-    if "rollout_temperature" in given and "logprob_temperature" not in given:
-        updates.setdefault("backend", {})["temperature"] = given["rollout_temperature"]  # log-probs use it
     if "adam_beta1" in given or "adam_beta2" in given:
         b1, b2 = cfg.backend.optim.betas
         updates.setdefault("backend.optim", {})["betas"] = (given.get("adam_beta1", b1), given.get("adam_beta2", b2))

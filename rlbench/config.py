@@ -2,7 +2,7 @@
 
 Each component receives only its own config (`cfg.rollout`, `cfg.loss`, `cfg.backend`, ...).
 `RunConfig.__post_init__` checks the rules that span components (batch-size arithmetic, the
-reference model the KL needs, the temperature shared by sampling and log-probs, ...) and raises
+reference model the KL needs, ...) and raises
 `ValueError` naming the values and what to change. Presets (`rlbench.presets`) are functions
 returning a `RunConfig`; the CLI (`rlbench.cli`) maps slime-named flags onto these fields.
 """
@@ -331,11 +331,6 @@ class RunConfig:
             raise ValueError(
                 f"use_kl_loss={loss.use_kl_loss}/kl_coef={loss.kl_coef} need a reference model; "
                 "set backend.ref_model (--ref-load) to the starting checkpoint"
-            )
-        if abs(self.backend.temperature - r.temperature) > 0:
-            raise ValueError(
-                f"backend.temperature={self.backend.temperature} differs from rollout.temperature={r.temperature}; "
-                "log-probs must use the sampling temperature, set both to the same value"
             )
         if loss.entropy_coef > 0 and not self.backend.with_entropy:
             raise ValueError(f"entropy_coef={loss.entropy_coef} needs backend.with_entropy=True")

@@ -45,8 +45,7 @@ def _task_run(model: str, task: TaskConfig, *, device: str, param_dtype: str, wo
     """A GRPO run on a synthetic task; `sections` override whole sections."""
     rollout = sections.pop("rollout", RolloutConfig())
     backend = FSDPConfig(
-        model=model, device=device, param_dtype=param_dtype, temperature=rollout.temperature,
-        seed=task.seed, optim=sections.pop("optim", OptimConfig()),
+        model=model, device=device, param_dtype=param_dtype, seed=task.seed, optim=sections.pop("optim", OptimConfig()),
     )
     parts = dict(
         data=DataConfig(path=task.train_path, input_key="prompt", label_key="label", seed=rollout.seed),

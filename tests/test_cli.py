@@ -71,7 +71,7 @@ def test_flags_map_onto_fields():
     assert (cfg.backend.optim.lr, cfg.backend.optim.lr_schedule, cfg.backend.optim.betas) == (3e-5, "cosine", (0.9, 0.98))
     assert (cfg.checkpoint.save_dir, cfg.checkpoint.save_interval, cfg.batch.num_rollout) == ("/tmp/ck", 2, 7)
     assert cfg.rollout.max_response_len == 20
-    assert cfg.rollout.temperature == cfg.backend.temperature == 0.9  # log-probs follow the sampling temperature
+    assert cfg.rollout.temperature == 0.9  # the one temperature: sampling, and the backend's log-probs
     assert (cfg.eval.interval, cfg.eval.pass_k, cfg.eval.n_samples_per_prompt) == (3, (1, 2), 2)
     assert cfg.weights.bucket_bytes == 1 << 20 and cfg.weights.verify
 

@@ -36,7 +36,6 @@ def _cfg(**sections) -> RunConfig:
 def test_presets_validate():
     for cfg in (cpu_demo(), cpu_test(), qwen3_0p6b_gpu(model="qwen3-0.6b-shape")):
         assert cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt % cfg.batch.global_batch_size == 0
-        assert cfg.backend.temperature == cfg.rollout.temperature
     assert cpu_demo().optimizer_steps_per_rollout == 2 and cpu_test().optimizer_steps_per_rollout == 2
     assert _cfg().optimizer_steps_per_rollout == 2
 
@@ -45,7 +44,6 @@ def test_presets_validate():
     "sections, match",
     [
         ({"batch": BatchConfig(global_batch_size=12)}, r"rollout_batch_size=4 x n_samples_per_prompt=4 = 16 .* global_batch_size=12"),
-        ({"backend": FSDPConfig(model="tiny", device="cpu", temperature=0.7)}, r"backend.temperature=0.7 differs from rollout.temperature=1.0"),
         ({"loss": LossConfig(use_kl_loss=True, kl_loss_coef=0.1)}, r"need a reference model; set backend.ref_model"),
         ({"loss": LossConfig(entropy_coef=0.01)}, r"entropy_coef=0.01 needs backend.with_entropy=True"),
         ({"rollout": RolloutConfig(rollout_batch_size=8, n_samples_per_prompt=1)}, r"n_samples_per_prompt=1 gives zero advantages"),

@@ -237,3 +237,32 @@ def test_trainer_copies_actor_into_ref_every_n_rollouts(tmp_path):
         trainer.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_log_probs_use_the_sampling_temperature(tmp_path):
+    """One temperature: `build_backend` hands `rollout.temperature` to the backend, whose log-probs are those of
+    softmax(logits / T)."""
+    import dataclasses as dc
+
+    import torch.distributed as dist
+
+    from rlbench import presets
+    from rlbench.orchestration.local import build_backend
+
+    cfg = presets.cpu_test(model="tiny", workdir=str(tmp_path))
+    cfg = cfg.replace(rollout=dc.replace(cfg.rollout, temperature=0.7))
+    torch.set_num_threads(1)
+    try:
+        backend = build_backend(cfg)
+        pack = pack_samples(SAMPLES, pad_multiple=8)
+        got = backend.compute_log_prob([pack])[0].log_probs  # [R]
+        with torch.no_grad():
+            logits = backend.model(input_ids=pack.tokens[None], position_ids=pack.position_ids[None], use_cache=False).logits[0]
+        want = {t: token_logprobs(logits.double(), torch.roll(pack.tokens, -1), t, with_entropy=False)[0][pack.response_index]
+                for t in (0.7, 1.0)}
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert backend.temperature == 0.7
+    torch.testing.assert_close(got.double(), want[0.7], rtol=1e-5, atol=1e-5)
+    assert (got.double() - want[1.0]).abs().max() > 1e-3

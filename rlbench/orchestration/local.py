@@ -87,7 +87,7 @@ def build_backend(cfg: RunConfig):
     backend_cfg = cfg.backend
     if cfg.checkpoint.save_dir and not backend_cfg.checkpoint_dir:
         backend_cfg = dataclasses.replace(backend_cfg, checkpoint_dir=cfg.checkpoint.save_dir)
-    backend = FSDPBackend(backend_cfg)
+    backend = FSDPBackend(backend_cfg, temperature=cfg.rollout.temperature)  # log-probs at the sampling temperature
     backend.init()
     return backend
 

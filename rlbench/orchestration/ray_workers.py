@@ -85,7 +85,7 @@ class TrainWorker:
                                timeout_minutes=self.cluster.collective_timeout_s / 60)
         if self.cfg.checkpoint.save_dir and not b.checkpoint_dir:
             b = dataclasses.replace(b, checkpoint_dir=self.cfg.checkpoint.save_dir)
-        self.backend = FSDPBackend(b, env=env)
+        self.backend = FSDPBackend(b, env=env, temperature=self.cfg.rollout.temperature)
         self.backend.init()
         self.step = ShardStep(self.cfg, self.backend, pad_token_id)
         return {"num_params": sum(p.numel() for p in self.backend.model.parameters())}

@@ -40,10 +40,23 @@ def to_device(obj: Any, device: torch.device) -> Any:
 
 
 class FSDPBackend:
-    """FSDP2 actor (+ optional CPU-offloaded reference model) implementing `TrainBackend`."""
+    """FSDP2 actor (+ optional CPU-offloaded reference model) implementing `TrainBackend`.
 
-    def __init__(self, cfg: FSDPConfig, *, env: DistEnv | None = None, loss_fn: LossFn | None = None):
+    Args:
+        cfg: the backend's config.
+        env: process groups and mesh (None: `init()` builds them from `cfg`).
+        loss_fn: default `train()` loss.
+        temperature: the sampling temperature (a run's `rollout.temperature`): log-probs and entropy are
+            those of `softmax(logits / temperature)`.
+    """
+
+    def __init__(
+        self, cfg: FSDPConfig, *, env: DistEnv | None = None, loss_fn: LossFn | None = None, temperature: float = 1.0
+    ):
+        if temperature <= 0:
+            raise ValueError(f"temperature={temperature} must be > 0 (log-probs use the sampling temperature)")
         self.cfg = cfg
+        self.temperature = temperature
         self.env = env
         self.loss_fn = loss_fn
         self.step = 0  # optimizer steps taken (skipped steps do not count)
@@ -85,7 +98,7 @@ class FSDPBackend:
         logits = out.logits[0]  # [T, V]
         targets = torch.roll(tokens, -1)  # [T]: logp[t] scores tokens[t+1]; the last position is unused
         logp, ent = token_logprobs(
-            logits, targets, self.cfg.temperature, chunk_size=self.cfg.logprob_chunk_size, with_entropy=with_entropy
+            logits, targets, self.temperature, chunk_size=self.cfg.logprob_chunk_size, with_entropy=with_entropy
         )
         index = pack.response_index.to(dev, non_blocking=True)  # [R]
         return logp[index], (ent[index] if ent is not None else None)

@@ -99,8 +99,6 @@ class FSDPConfig:
     """FSDP CPUOffloadPolicy on the actor: params/grads/optimizer on CPU, AdamW step on CPU"""
     seed: int = 1234
     """seed for random init and torch RNG"""
-    temperature: float = 1.0
-    """sampling temperature used for log-probs and entropy"""
     logprob_chunk_size: int = 512
     """rows of logits processed at once in the log-prob/entropy kernel"""
     with_entropy: bool = False
@@ -130,8 +128,6 @@ class FSDPConfig:
             raise ValueError(f"ref_update_interval={self.ref_update_interval} needs a reference model; set ref_model (--ref-load)")
         if self.checkpoint_format not in ("sharded", "full"):
             raise ValueError(f"checkpoint_format={self.checkpoint_format!r}; use 'sharded' or 'full'")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature={self.temperature} must be > 0")
         if self.cp_size < 1:
             raise ValueError(f"cp_size={self.cp_size} must be >= 1")
         if self.checkpoint_every < 1:
