@@ -67,7 +67,7 @@ FLAG_NAMES: dict[tuple[str, str], str] = {
 }
 # Sections whose field names are used bare (`--eps-clip`, `--global-batch-size`, `--lr`).
 BARE_SECTIONS = ("loss", "batch", "backend.optim", "rollout", "backend", "data", "cluster", "")
-SKIP = {("loss", "extra"), ("loss", "mis"), ("backend", "model_overrides"), ("backend", "optim"),
+SKIP = {("loss", "mis"), ("backend", "model_overrides"), ("backend", "optim"),
         ("logging", "console_keys"), ("backend.optim", "betas"), ("", "task"), ("engine", "megakernel"),
         ("engine.megakernel", "sync"), ("engine.megakernel", "gluon"), ("engine.megakernel", "head")}
 # Nested sections: "parent.field" -> the dataclass held in that field.

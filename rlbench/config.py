@@ -124,25 +124,21 @@ class BatchConfig:
     """Token budget of one packed micro-batch (needed by use_dynamic_batch_size)."""
     balance_data: bool = False
     """Split samples over DP ranks by balanced token counts (Karmarkar-Karp) instead of round-robin."""
-    dp_size: int = 1
-    """Data-parallel ranks (1 for a single-process run)."""
     num_rollout: int = 10
     """Rollouts (= RL steps) in the run."""
 
     def __post_init__(self) -> None:
-        for name in ("global_batch_size", "micro_batch_size", "dp_size", "num_rollout"):
+        for name in ("global_batch_size", "micro_batch_size", "num_rollout"):
             if getattr(self, name) < 1:
                 raise ValueError(f"batch.{name}={getattr(self, name)} must be >= 1")
         if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
             raise ValueError("use_dynamic_batch_size=True needs max_tokens_per_gpu (e.g. --max-tokens-per-gpu 4096)")
         if self.max_tokens_per_gpu is not None and self.max_tokens_per_gpu < 1:
             raise ValueError(f"max_tokens_per_gpu={self.max_tokens_per_gpu} must be >= 1")
-        step = self.dp_size * (1 if self.use_dynamic_batch_size else self.micro_batch_size)
-        if self.global_batch_size % step:
+        if not self.use_dynamic_batch_size and self.global_batch_size % self.micro_batch_size:
             raise ValueError(
-                f"global_batch_size={self.global_batch_size} must be divisible by dp_size={self.dp_size} x "
-                f"micro_batch_size={1 if self.use_dynamic_batch_size else self.micro_batch_size} = {step}; "
-                "change global_batch_size or micro_batch_size"
+                f"global_batch_size={self.global_batch_size} must be divisible by micro_batch_size="
+                f"{self.micro_batch_size}; change global_batch_size or micro_batch_size"
             )
 
 

@@ -82,7 +82,7 @@ def test_flags_map_onto_fields():
         (["--use-kl-loss", "--kl-loss-coef", "0.1"], "need a reference model; set backend.ref_model"),
         (["--global-batch-size", "48"], "is not a multiple of global_batch_size=48"),
         (["--use-rollout-logprobs", "--use-tis"], "exclusive"),
-        (["--no-use-dynamic-batch-size", "--micro-batch-size", "5"], "divisible by dp_size=1 x micro_batch_size=5"),
+        (["--no-use-dynamic-batch-size", "--micro-batch-size", "5"], "global_batch_size=32 must be divisible by micro_batch_size=5"),
         (["--eval-pass-k", "8"], r"k=\[8\] outside"),
     ],
 )
