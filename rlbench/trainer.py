@@ -11,7 +11,8 @@
 
 Every sub-step can be called alone and returns something inspectable. The backend and the engine are
 used only through their protocols (built by `rlbench.orchestration.local`); the Trainer never asks
-what kind they are. Colocated with `offload`, the trainer state and the engine's KV cache take turns
+what kind they are. pack / log-probs / train are `rlbench.rank_step.RankStep` at one rank (the Ray ranks
+run the same class, with all-reduces instead of the identity). Colocated with `offload`, the trainer state and the engine's KV cache take turns
 on the device: `_enter("rollout")` / `_enter("train")` switch between them.
 """
 
@@ -24,11 +25,10 @@ import time
 import numpy as np
 import torch
 
-from rlbench.algorithms import ResponseBatch, build_loss, build_loss_inputs, compute_advantages, global_norm
+from rlbench.algorithms import compute_advantages
 from rlbench.config import RunConfig
 from rlbench.metrics import MetricsLogger, build_sinks, to_floats
-from rlbench.packing import num_micro_batches
-from rlbench.packing.pack import make_step_packs
+from rlbench.rank_step import RankStep
 from rlbench.rewards import score_batch
 from rlbench.rollout.manager import RolloutBatch, RolloutManager
 from rlbench.weights import WeightSync
@@ -63,7 +63,8 @@ class Trainer:
         self.dataset, self.eval_items = components.dataset, components.eval_items
         self.rollouts = RolloutManager(cfg.rollout, self.engine, self.dataset, self.tokenizer)
         self.weight_sync = WeightSync(cfg.weights, self.backend, self.engine)
-        self.loss = build_loss(cfg.loss)
+        self.rank_step = RankStep(cfg.batch, cfg.loss, self.backend, cp_size=cfg.backend.cp_size,
+                                  pad_token_id=self.tokenizer.pad_token_id)
         self.logger = MetricsLogger(build_sinks(cfg.logging, cfg.to_dict()) if sinks is None else sinks)
         self.device, self.num_params = components.device, components.num_params
         self.offload = cfg.offload if cfg.offload is not None else self.device.type == "cuda"
@@ -142,18 +143,10 @@ class Trainer:
         Returns `batch.packs`: `[optimizer step][micro-batch] -> Pack` (`Pack.sample_ids` index the step's
         slice of `batch.samples`).
         """
-        b = self.cfg.batch
-        gbs = b.global_batch_size
-        packs = []
-        for start in range(0, len(batch.samples), gbs):
-            step_samples = batch.samples[start : start + gbs]
-            lengths = [s.total_length for s in step_samples]
-            mode = {"max_tokens": b.max_tokens_per_gpu} if b.use_dynamic_batch_size else {"micro_batch_size": b.micro_batch_size}
-            n_mb = num_micro_batches(lengths, **mode)
-            budget = b.max_tokens_per_gpu if b.use_dynamic_batch_size else None
-            packs.append(make_step_packs(step_samples, n_mb, budget, pad_token_id=self.tokenizer.pad_token_id))
-        batch.packs = packs
-        return packs
+        gbs = self.cfg.batch.global_batch_size
+        steps = [batch.samples[start : start + gbs] for start in range(0, len(batch.samples), gbs)]
+        batch.packs = self.rank_step.pack(steps)
+        return batch.packs
 
     def compute_log_probs(self, batch: RolloutBatch) -> dict[str, float]:
         """Old (actor) log-probs, and ref log-probs when the loss needs them, for every pack.
@@ -164,23 +157,8 @@ class Trainer:
         self._enter("train")
         if batch.packs is None:
             self.pack(batch)
-        out: dict[str, float] = {}
-        batch.old_log_probs = batch.ref_log_probs = None
-        if not self.cfg.loss.use_rollout_logprobs:
-            batch.old_log_probs = self._log_probs(batch.packs, "actor", out, "perf/log_probs_time")
-            out["rollout/log_probs"] = _masked_mean(batch.old_log_probs, batch.packs)
-        if self.cfg.loss.needs_ref:
-            batch.ref_log_probs = self._log_probs(batch.packs, "ref", out, "perf/ref_log_probs_time")
-            out["rollout/ref_log_probs"] = _masked_mean(batch.ref_log_probs, batch.packs)
-        rollout_lp = [[p.rollout_log_probs for p in step] for step in batch.packs]
-        out["rollout/rollout_log_probs"] = _masked_mean(rollout_lp, batch.packs)
-        return out
-
-    def _log_probs(self, packs, model: str, out: dict, key: str) -> list[list[torch.Tensor]]:
-        start = time.perf_counter()
-        result = [[o.log_probs for o in self.backend.compute_log_prob(step, model=model)] for step in packs]
-        out[key] = time.perf_counter() - start
-        return result
+        batch.old_log_probs, batch.ref_log_probs, metrics = self.rank_step.compute_log_probs(batch.packs)
+        return metrics
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         """One optimizer step per packed global batch; returns `train/*` averaged over the steps.
@@ -189,10 +167,9 @@ class Trainer:
         when the old log-probs were recomputed by the same policy and kernels).
         """
         self._enter("train")
-        if batch.old_log_probs is None and batch.ref_log_probs is None and not self.cfg.loss.use_rollout_logprobs:
+        if self.rank_step.needs_log_probs(batch.old_log_probs, batch.ref_log_probs):
             self.compute_log_probs(batch)
-        steps = ((packs, self._step_inputs(batch, s)) for s, packs in enumerate(batch.packs))
-        metrics = train_optimizer_steps(self.backend, self.loss, steps)
+        metrics = self.rank_step.train(batch.packs, batch.old_log_probs, batch.ref_log_probs)
         self.policy_version += 1
         return metrics
 
@@ -202,21 +179,6 @@ class Trainer:
         if not ref_update_due(self.cfg.backend.ref_update_interval, self.rollout_id):
             return {}
         return self.backend.update_ref()
-
-    def _step_inputs(self, batch: RolloutBatch, s: int) -> list:
-        """Loss inputs of optimizer step s; with dp = 1 its micro-batches are the whole global batch (the norm)."""
-        mbs = [self._response_batch(batch, s, i) for i in range(len(batch.packs[s]))]
-        return build_loss_inputs(self.cfg.loss, mbs, norm=global_norm(self.cfg.loss, mbs))
-
-    def _response_batch(self, batch: RolloutBatch, s: int, i: int) -> ResponseBatch:
-        """Micro-batch i of optimizer step s in response space (what the loss inputs are built from)."""
-        pack = batch.packs[s][i]
-        return ResponseBatch(
-            loss_mask=pack.loss_mask, advantages=pack.advantages, response_lengths=list(pack.response_lengths),
-            old_log_probs=batch.old_log_probs[s][i] if batch.old_log_probs is not None else None,
-            rollout_log_probs=pack.rollout_log_probs,
-            ref_log_probs=batch.ref_log_probs[s][i] if batch.ref_log_probs is not None else None,
-        )
 
     def sync_weights(self) -> dict[str, float]:
         """Push the trainer's weights into the engine, stamped with `policy_version` (train steps so far)."""
@@ -316,18 +278,6 @@ class Trainer:
         return to_floats(out)
 
 
-def _masked_mean(values: list[list[torch.Tensor | None]], packs: list[list]) -> float:
-    """Mean of per-sample masked means (slime's rollout/log_probs-style summaries)."""
-    means = []
-    for step_vals, step_packs in zip(values, packs):
-        for v, p in zip(step_vals, step_packs):
-            if v is None:
-                return float("nan")
-            for vs, ms in zip(torch.split(v, p.response_lengths), torch.split(p.loss_mask, p.response_lengths)):
-                means.append(float((vs * ms).sum() / ms.sum().clamp(min=1)))
-    return float(np.mean(means)) if means else float("nan")
-
-
 def _point_backend_at(backend, path: str) -> None:
     """Checkpoints go under `path` (the backend's checkpoint root is a config field)."""
     os.makedirs(path, exist_ok=True)
@@ -361,24 +311,3 @@ def ref_update_due(interval: int | None, rollout_id: int) -> bool:
     N-1, 2N-1, ... (every N completed rollouts); never when `interval` is None."""
     return interval is not None and (rollout_id + 1) % interval == 0
 
-
-def train_optimizer_steps(backend, loss, steps) -> dict[str, float]:
-    """`backend.train` once per `(packs, loss_inputs)` of `steps`; their metrics merged over the optimizer steps.
-
-    `train/ppo_kl_first_mb` is |old − new| on the very first micro-batch: exactly 0.0 while the policy is unchanged.
-    """
-    micro: list[dict[str, float]] = []
-
-    def loss_fn(logp, entropy, inputs):
-        # per-micro-batch values (bare keys; the backend adds `train/`) kept for the first-mb check
-        value, metrics = loss(logp, entropy, inputs)
-        micro.append({k: float(v) for k, v in metrics.items()})
-        return value, metrics
-
-    per_step = [backend.train(packs, inputs, loss_fn=loss_fn) for packs, inputs in steps]
-    metrics = {k: float(np.mean([m[k] for m in per_step])) for k in per_step[0]}
-    metrics["train/step"] = per_step[-1]["train/step"]
-    metrics["perf/train_time"] = float(sum(m["perf/train_time"] for m in per_step))
-    metrics["train/optimizer_steps"] = float(len(per_step))
-    metrics["train/ppo_kl_first_mb"] = micro[0].get("ppo_kl_abs", 0.0) if micro else 0.0
-    return metrics

@@ -114,12 +114,8 @@ class RayTrainer(Trainer):
         self._enter("train")
         if self._packed is not batch:
             self.pack(batch)
-        per_rank = self.cluster.call_trainers("compute_log_probs")
-        out = {k: max(r[k] for r in per_rank) for k in per_rank[0] if k.startswith("perf/")}
-        for key, name in (("old", "rollout/log_probs"), ("ref", "rollout/ref_log_probs"), ("rollout", "rollout/rollout_log_probs")):
-            values = [v for r in per_rank for v in r[key]]
-            if values or key == "rollout":
-                out[name] = float(np.mean(values)) if values else float("nan")
+        per_rank = self.cluster.call_trainers("compute_log_probs")  # rollout/* are global on every rank
+        out = dict(per_rank[0]) | {k: v for k, v in max_merge(per_rank).items() if k.startswith("perf/")}
         self._log_probs_of = batch  # the log-probs themselves stay on the trainer ranks
         return out
 

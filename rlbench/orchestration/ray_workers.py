@@ -2,7 +2,8 @@
 
 Plain classes (Ray wraps them with `ray.remote` in `ray_cluster`), so each method is an ordinary call.
 A TrainWorker owns one FSDP rank (torch.distributed is set up from the rank/world/master the driver hands
-it) and its part of every RL step (`ShardStep`); an EngineWorker owns one `TorchEngine`. Weights go from
+it) and its part of every RL step (`rlbench.rank_step.RankStep`, all-reducing over the DP group, with the
+packs and log-probs of the current batch kept here between the driver's calls); an EngineWorker owns one `TorchEngine`. Weights go from
 trainer ranks to engines directly (CUDA IPC or a broadcast group), never through the driver.
 """
 
@@ -16,7 +17,6 @@ import time
 import torch
 
 from rlbench.orchestration.ray_config import ClusterConfig
-from rlbench.orchestration.ray_dp import ShardStep
 from rlbench.orchestration.ray_placement import gather, local_gpu_index
 from rlbench.orchestration.ray_weights import (
     BroadcastGroup,
@@ -26,6 +26,7 @@ from rlbench.orchestration.ray_weights import (
     receive_broadcast,
     use_shared_memory_files,
 )
+from rlbench.rank_step import DPAllReduce, RankStep
 from rlbench.weights import checksum, engine_named_weights
 
 
@@ -65,6 +66,8 @@ class TrainWorker:
         self.cfg, self.rank, self.world_size, self.cluster = cfg, rank, world_size, cluster
         self.device = _setup_process(cfg, cwd, cluster.env_vars)
         self.backend = self.step = None
+        self.packs: list[list] = []  # [step][micro-batch] -> Pack of the batch being trained
+        self.old = self.ref = None  # its old / ref log-probs, [step][micro-batch] -> [R]
         self.engines: list = []
         self.group: BroadcastGroup | None = None
 
@@ -87,20 +90,27 @@ class TrainWorker:
             b = dataclasses.replace(b, checkpoint_dir=self.cfg.checkpoint.save_dir)
         self.backend = FSDPBackend(b, env=env, temperature=self.cfg.rollout.temperature)
         self.backend.init()
-        self.step = ShardStep(self.cfg, self.backend, pad_token_id)
+        # CP peers hold the same samples: reduce over DP only (gloo reduces CPU tensors)
+        reduce = DPAllReduce(env.mesh["dp"].get_group(), env.device if env.device.type == "cuda" else None)
+        self.step = RankStep(self.cfg.batch, self.cfg.loss, self.backend, cp_size=b.cp_size, pad_token_id=pad_token_id,
+                             reduce=reduce)
         return {"num_params": sum(p.numel() for p in self.backend.model.parameters())}
 
     # ---------------------------------------------------------------- the RL step (collective)
     def pack(self, steps: list) -> dict:
         """Pack this rank's samples (`[step] -> list[Sample]`, fetched from the object store by Ray)."""
-        packs = self.step.pack(steps)
-        return {"micro_batches": [len(p) for p in packs], "tokens": sum(p.num_tokens for s in packs for p in s)}
+        self.packs, self.old, self.ref = self.step.pack(steps), None, None
+        return {"micro_batches": [len(p) for p in self.packs], "tokens": sum(p.num_tokens for s in self.packs for p in s)}
 
     def compute_log_probs(self) -> dict:
-        return self.step.compute_log_probs()
+        """Old (and ref) log-probs of the packs (kept here); returns the global `rollout/*` means and `perf/*`."""
+        self.old, self.ref, metrics = self.step.compute_log_probs(self.packs)
+        return metrics
 
     def train(self) -> dict:
-        metrics = self.step.train()
+        if self.step.needs_log_probs(self.old, self.ref):
+            self.compute_log_probs()
+        metrics = self.step.train(self.packs, self.old, self.ref)
         metrics["perf/peak_memory_gb"] = _peak_memory_gb(self.device)
         return metrics
 

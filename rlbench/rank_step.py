@@ -1,0 +1,201 @@
+"""One rank's part of an RL step, the same code at one process and at N Ray ranks.
+
+    step = RankStep(cfg.batch, cfg.loss, backend, cp_size=cfg.backend.cp_size, pad_token_id=tokenizer.pad_token_id)
+    packs = step.pack(steps)                            # [optimizer step][micro-batch] -> Pack
+    old, ref, metrics = step.compute_log_probs(packs)   # [step][micro-batch] -> [R] (None: not computed)
+    metrics = step.train(packs, old, ref)               # one optimizer step per global batch
+
+The only thing that differs between one process and DP ranks is the reductions, taken from one small object
+(torchtitan's single `train_step`, nanochat's `if ddp:`): `SingleRank()` is the identity (the local Trainer),
+`DPAllReduce(group)` all-reduces over the data-parallel group (the Ray ranks). Through it the micro-batch count
+is the DP-wide MAX, the loss normaliser counts the whole global batch, the MIS batch stats are DP sums, and the
+summaries (`rollout/*log_probs`, `train/ppo_kl_first_mb`) are global on every rank. CP peers hold the same
+samples, so they are not in the DP group; a CP group shares the token budget of one micro-batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rlbench.algorithms import (
+    GlobalNorm,
+    ResponseBatch,
+    build_loss,
+    build_loss_inputs,
+    global_norm,
+    is_batch_stats,
+)
+from rlbench.packing import num_micro_batches
+from rlbench.packing.pack import Pack, make_step_packs
+
+if TYPE_CHECKING:
+    from rlbench.config import BatchConfig, LossConfig
+    from rlbench.types import Sample
+
+StepTensors = list[list[torch.Tensor]]  # [optimizer step][micro-batch] -> [R]
+
+
+class SingleRank:
+    """The reductions of a one-rank run: every value is already global (the identity)."""
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        return list(values)
+
+    def max(self, value: int) -> int:
+        return value
+
+
+class DPAllReduce:
+    """The reductions of a data-parallel rank: all-reduce (SUM / MAX, float64) over the DP process group.
+
+    Args:
+        group: the DP group (not the CP peers: they hold the same samples).
+        device: where the reduced tensor lives: the rank's CUDA device for NCCL, None (CPU) for gloo.
+    """
+
+    def __init__(self, group, device: torch.device | None = None) -> None:
+        self.group, self.device = group, device
+
+    def _reduce(self, values: Sequence[float], op) -> list[float]:
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=op, group=self.group)
+        return t.tolist()
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        return self._reduce(values, dist.ReduceOp.SUM)
+
+    def max(self, value: int) -> int:
+        return int(self._reduce([value], dist.ReduceOp.MAX)[0])
+
+
+class RankStep:
+    """Pack, old/ref log-probs, loss inputs with GLOBAL normalisation, and training, for this rank's samples.
+
+    Every method is collective over the backend's ranks (each rank calls it with its own samples).
+
+    Args:
+        batch: micro-batching (`use_dynamic_batch_size`, `max_tokens_per_gpu`, `micro_batch_size`).
+        loss: the algorithm (log-probs to recompute, the loss and its normalisation).
+        backend: this rank's TrainBackend, `init()`-ed.
+        cp_size: context-parallel size (a micro-batch holds up to `max_tokens_per_gpu * cp_size` tokens).
+        pad_token_id: pad id of the packs.
+        reduce: `SingleRank()` at one rank, `DPAllReduce(group)` on DP ranks.
+    """
+
+    def __init__(self, batch: BatchConfig, loss: LossConfig, backend, *, cp_size: int = 1, pad_token_id: int = 0,
+                 reduce: SingleRank | DPAllReduce | None = None) -> None:
+        self.batch, self.loss_cfg, self.backend = batch, loss, backend
+        self.cp_size, self.pad_token_id = cp_size, pad_token_id
+        self.reduce = reduce or SingleRank()
+        self.loss = build_loss(loss)
+
+    # ------------------------------------------------------------------ pack
+    def pack(self, steps: Sequence[Sequence[Sample]]) -> list[list[Pack]]:
+        """`[step][micro-batch] -> Pack` for this rank's samples of each optimizer step (`Pack.sample_ids` index
+        the step's samples); every DP rank gets the same micro-batch count (the DP-wide MAX)."""
+        b = self.batch
+        if b.use_dynamic_batch_size:
+            mode = {"max_tokens": b.max_tokens_per_gpu, "cp_size": self.cp_size}
+            budget = b.max_tokens_per_gpu * self.cp_size  # a CP group shares the tokens of one micro-batch
+        else:
+            mode, budget = {"micro_batch_size": b.micro_batch_size}, None
+        packs = []
+        for samples in steps:
+            n_mb = num_micro_batches([s.total_length for s in samples], **mode, reduce_max=self.reduce.max)
+            packs.append(make_step_packs(samples, n_mb, budget, pad_token_id=self.pad_token_id))
+        return packs
+
+    # ------------------------------------------------------------------ log-probs
+    def compute_log_probs(self, packs: list[list[Pack]]) -> tuple[StepTensors | None, StepTensors | None, dict]:
+        """Old (actor) log-probs unless the loss uses the rollout's (bypass), and ref log-probs when it needs them.
+
+        Returns `(old, ref, metrics)`: `[step][micro-batch] -> [R]` (None when not computed), and `perf/*_time`
+        plus the global `rollout/log_probs`, `rollout/ref_log_probs`, `rollout/rollout_log_probs` (mean over
+        samples of each sample's masked mean).
+        """
+        out: dict[str, float] = {}
+        old = ref = None
+        if not self.loss_cfg.use_rollout_logprobs:
+            old = self._log_probs(packs, "actor", out, "perf/log_probs_time")
+            out["rollout/log_probs"] = self._sample_mean(old, packs)
+        if self.loss_cfg.needs_ref:
+            ref = self._log_probs(packs, "ref", out, "perf/ref_log_probs_time")
+            out["rollout/ref_log_probs"] = self._sample_mean(ref, packs)
+        rollout = [[p.rollout_log_probs for p in step] for step in packs]
+        out["rollout/rollout_log_probs"] = self._sample_mean(rollout, packs)
+        return old, ref, out
+
+    def needs_log_probs(self, old: StepTensors | None, ref: StepTensors | None) -> bool:
+        """Whether log-probs the loss needs are missing (`compute_log_probs` has not run for these packs)."""
+        return (old is None and not self.loss_cfg.use_rollout_logprobs) or (ref is None and self.loss_cfg.needs_ref)
+
+    def _log_probs(self, packs, model: str, out: dict, key: str) -> StepTensors:
+        start = time.perf_counter()
+        result = [[o.log_probs for o in self.backend.compute_log_prob(step, model=model)] for step in packs]
+        out[key] = time.perf_counter() - start
+        return result
+
+    def _sample_mean(self, values: list[list[torch.Tensor | None]], packs: list[list[Pack]]) -> float:
+        """Mean over the global batch's samples of each sample's masked mean (slime's rollout/log_probs)."""
+        means, missing = [], 0
+        for step_values, step_packs in zip(values, packs):
+            for v, p in zip(step_values, step_packs):
+                if v is None:
+                    missing = 1
+                    continue
+                for vs, ms in zip(torch.split(v, p.response_lengths), torch.split(p.loss_mask, p.response_lengths)):
+                    means.append(float((vs * ms).sum() / ms.sum().clamp(min=1)))
+        total, count, missing = self.reduce.sum([float(np.sum(means)) if means else 0.0, len(means), missing])
+        return float("nan") if missing or not count else total / count
+
+    # ------------------------------------------------------------------ train
+    def loss_inputs(self, packs: list[Pack], old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None) -> list:
+        """Loss inputs of one optimizer step's micro-batches, normalised by the counts of the whole global batch
+        (all ranks) and with DP-summed IS batch stats."""
+        mbs = [
+            ResponseBatch(
+                loss_mask=p.loss_mask, advantages=p.advantages, response_lengths=list(p.response_lengths),
+                old_log_probs=old[i] if old is not None else None, rollout_log_probs=p.rollout_log_probs,
+                ref_log_probs=ref[i] if ref is not None else None,
+            )
+            for i, p in enumerate(packs)
+        ]
+        local = global_norm(self.loss_cfg, mbs)
+        n_samples, n_tokens = self.reduce.sum([local.n_samples, local.n_tokens])
+        norm = GlobalNorm(int(round(n_samples)), n_tokens, local.constant)
+        stats = is_batch_stats(self.loss_cfg, mbs)
+        if stats is not None:
+            stats = torch.tensor(self.reduce.sum(stats.double().tolist()), dtype=stats.dtype)
+        return build_loss_inputs(self.loss_cfg, mbs, norm=norm, batch_stats=stats)
+
+    def train(self, packs: list[list[Pack]], old: StepTensors | None, ref: StepTensors | None) -> dict[str, float]:
+        """`backend.train` once per optimizer step; `train/*` averaged over the steps (the backend's are global).
+
+        `train/ppo_kl_first_mb` is |old − new| summed over every rank's very first micro-batch: exactly 0.0
+        while the policy is unchanged (old log-probs recomputed by the same weights and kernels).
+        """
+        micro: list[dict[str, float]] = []
+
+        def loss_fn(logp, entropy, inputs):
+            # per-micro-batch values (bare keys; the backend adds `train/`) kept for the first-mb check
+            value, metrics = self.loss(logp, entropy, inputs)
+            micro.append({k: float(v) for k, v in metrics.items()})
+            return value, metrics
+
+        per_step = []
+        for s, step_packs in enumerate(packs):
+            inputs = self.loss_inputs(step_packs, old[s] if old is not None else None, ref[s] if ref is not None else None)
+            per_step.append(self.backend.train(step_packs, inputs, loss_fn=loss_fn))
+        metrics = {k: float(np.mean([m[k] for m in per_step])) for k in per_step[0]}
+        metrics["train/step"] = per_step[-1]["train/step"]
+        metrics["perf/train_time"] = float(sum(m["perf/train_time"] for m in per_step))
+        metrics["train/optimizer_steps"] = float(len(per_step))
+        first = micro[0].get("ppo_kl_abs", 0.0) if micro else 0.0
+        metrics["train/ppo_kl_first_mb"] = self.reduce.sum([first])[0]
+        return metrics

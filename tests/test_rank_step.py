@@ -1,0 +1,141 @@
+"""RankStep, the one implementation of a rank's RL step: with identity reductions at one rank, and over gloo with
+2 CPU processes (DPAllReduce) it gives the one-rank loss weights, IS weights and summaries for the same global batch.
+
+The backend is a fake (deterministic log-probs, `train` records its loss inputs), so only the step is tested.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from rlbench.algorithms import LossConfig, MISConfig
+from rlbench.config import BatchConfig
+from rlbench.rank_step import RankStep, SingleRank
+from rlbench.types import Sample
+
+WORLD = 2
+LOSS = LossConfig(use_tis=True, mis=MISConfig(use_tis=True, use_rs=True, tis_batch_normalize=True),
+                  loss_aggregation="token_mean")
+BATCH = BatchConfig(global_batch_size=8, use_dynamic_batch_size=True, max_tokens_per_gpu=40)
+
+
+def make_samples(n: int = 16) -> list[Sample]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(6, 20, (1,), generator=g))
+        resp = int(torch.randint(2, length - 1, (1,), generator=g))
+        mask = (torch.rand(resp, generator=g) > 0.2).int().tolist()
+        out.append(Sample(tokens=torch.randint(1, 128, (length,), generator=g).tolist(), response_length=resp,
+                          loss_mask=mask, token_advantages=torch.randn(resp, generator=g).tolist(),
+                          rollout_log_probs=(-0.01 * torch.rand(resp, generator=g)).tolist(), index=i))
+    return out
+
+
+class FakeBackend:
+    """Log-prob of a response token = -tokens/100; `train` runs the loss on those and records its inputs."""
+
+    def __init__(self) -> None:
+        self.inputs: list = []
+
+    @staticmethod
+    def _logp(pack) -> torch.Tensor:
+        return -pack.tokens[pack.response_index].float() / 100  # [R]
+
+    def compute_log_prob(self, packs, *, model="actor", with_entropy=False):
+        return [SimpleNamespace(log_probs=self._logp(p) * (1.5 if model == "ref" else 1.0)) for p in packs]
+
+    def train(self, packs, loss_inputs, loss_fn=None):
+        for p, inputs in zip(packs, loss_inputs):
+            loss_fn(self._logp(p), None, inputs)
+        self.inputs.append(list(loss_inputs))
+        return {"train/loss": 0.0, "train/step": float(len(self.inputs)), "perf/train_time": 0.0}
+
+
+def run_step(step: RankStep, steps: list[list[Sample]]) -> dict:
+    """Pack, log-probs, train; per sample (by index) its token weights and IS weights, plus the metrics."""
+    packs = step.pack(steps)
+    old, ref, lp_metrics = step.compute_log_probs(packs)
+    metrics = step.train(packs, old, ref)
+    per_sample = {}
+    for s, step_inputs in enumerate(step.backend.inputs):
+        for pack, inputs in zip(packs[s], step_inputs):
+            weights = torch.split(inputs.token_weights, pack.response_lengths)
+            is_weights = torch.split(inputs.is_weights, pack.response_lengths)
+            for i, w, is_w in zip(pack.sample_ids, weights, is_weights):
+                per_sample[steps[s][i].index] = (w, is_w)
+    return {"per_sample": per_sample, "metrics": lp_metrics | metrics, "n_packs": [len(p) for p in packs]}
+
+
+def single_rank() -> dict:
+    samples = make_samples()
+    steps = [samples[s : s + BATCH.global_batch_size] for s in range(0, len(samples), BATCH.global_batch_size)]
+    return run_step(RankStep(BATCH, LOSS, FakeBackend()), steps)
+
+
+def test_single_rank_reductions_are_the_identity():
+    r = SingleRank()
+    assert r.sum([3, 2.5]) == [3, 2.5] and r.max(4) == 4
+
+
+def test_cp_ranks_share_the_token_budget_of_a_micro_batch():
+    samples = make_samples(8)
+    counts = {}
+    for cp in (1, 2):
+        packs = RankStep(BATCH, LOSS, FakeBackend(), cp_size=cp).pack([samples])[0]
+        assert all(p.num_tokens <= BATCH.max_tokens_per_gpu * cp for p in packs)
+        assert sorted(i for p in packs for i in p.sample_ids) == list(range(8))
+        counts[cp] = len(packs)
+    assert counts[1] > counts[2] >= 1  # a CP group packs max_tokens_per_gpu * cp_size tokens per micro-batch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from rlbench.rank_step import DPAllReduce
+
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        samples = make_samples()
+        gbs = BATCH.global_batch_size
+        # rank r holds samples r, r+2, ... of each global batch (the driver's split; any split gives the same)
+        steps = [samples[s : s + gbs][rank::WORLD] for s in range(0, len(samples), gbs)]
+        result = run_step(RankStep(BATCH, LOSS, FakeBackend(), reduce=DPAllReduce(None)), steps)
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    out = str(tmp_path_factory.mktemp("rank_step"))
+    mp.spawn(_worker, args=(_free_port(), out), nprocs=WORLD, join=True)
+    return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+
+
+def test_two_ranks_match_one_rank(two_ranks):
+    ref = single_rank()
+    assert two_ranks[0]["n_packs"] == two_ranks[1]["n_packs"]  # the DP-wide MAX micro-batch count
+    merged = two_ranks[0]["per_sample"] | two_ranks[1]["per_sample"]
+    assert sorted(merged) == sorted(ref["per_sample"]) == list(range(16))
+    for i, (w, is_w) in ref["per_sample"].items():
+        torch.testing.assert_close(merged[i][0], w, rtol=1e-6, atol=1e-9)  # global token_mean normaliser
+        torch.testing.assert_close(merged[i][1], is_w, rtol=1e-6, atol=1e-9)  # DP-summed MIS batch stats
+    for key in ("rollout/log_probs", "rollout/rollout_log_probs", "train/ppo_kl_first_mb"):
+        assert two_ranks[0]["metrics"][key] == two_ranks[1]["metrics"][key]  # global on every rank
+        assert two_ranks[0]["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-9, abs=1e-12), key
+    assert ref["metrics"]["train/ppo_kl_first_mb"] == 0.0  # old == new log-probs
