@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from rollout import profile_step, weight_bytes  # noqa: E402
 
 from rlbench.engine.config import MegakernelConfig, TorchEngineConfig  # noqa: E402
-from rlbench.engine.torch_engine import TorchEngine, _bucket  # noqa: E402
+from rlbench.engine.torch_engine import TorchEngine, bucket  # noqa: E402
 from rlbench.models import build_model  # noqa: E402
 
 
@@ -52,34 +52,31 @@ def step_ms(engine: TorchEngine, b: int, kv: int, mode: str, steps: int = 200) -
 
 
 def run_variant(model, args, fused: bool, attention: str, gemv: bool, mk: bool, floor: float,
-                sync: str = "auto", gluon: bool | None = None, head: bool = True, attend: bool = True) -> list[dict]:
+                sync: str = "auto", gluon: bool | None = None, head: bool = True) -> list[dict]:
     cfg = TorchEngineConfig(max_seq_len=args.max_seq_len, num_slots=max(args.batch), fused_weights=fused,
                             decode_attention=attention, gemv_batch1=gemv, megakernel=MegakernelConfig(
                                 enabled=mk, sync=sync, gluon=gluon, head=head))
     engine = TorchEngine(model, cfg)
-    if mk and engine.runner.megakernel is None:
+    decoder = engine.runner.megakernel
+    if mk and decoder is None:
         print("megakernel requested but unsupported here; this variant runs the compiled path", flush=True)
-    mk_sync = engine.runner.megakernel.stage_sync if engine.runner.megakernel is not None else ""
-    if engine.runner.megakernel is not None:
-        mkl = engine.runner.megakernel  # both read at each call (graphs are captured at first use)
-        mkl.gluon_attention = bool(attend)
-        mkl.merge_chunk = args.merge_chunk or mkl.merge_chunk
-    if engine.runner.megakernel is not None and engine.runner.megakernel.gluon_active():
-        mk_sync += " gluon " + "".join(map(str, sorted(engine.runner.megakernel.gluon_active())))
-        mk_sync += "1" if engine.runner.megakernel.gluon_attention_active() else ""
-    if engine.runner.head is not None:
+    mk_sync = decoder.layers.stage_sync if decoder is not None else ""
+    if decoder is not None and decoder.layers.gluon_active():
+        mk_sync += " gluon " + "".join(map(str, sorted(decoder.layers.gluon_active())))
+        mk_sync += "1" if decoder.layers.gluon_attention_active() else ""
+    if decoder is not None and decoder.head is not None:
         mk_sync += " head"
     name = f"fused={int(engine.runner.fused)} attn={attention} gemv1={int(gemv)} mk={int(mk)} {mk_sync}"
     rows = []
     for b, kv, mode in itertools.product(args.batch, args.kv, args.modes):
-        bucket = _bucket(b, engine.cache.shape.num_slots, engine.runner.min_batch)
-        ms, first = step_ms(engine, bucket, kv, mode, args.steps)
-        rows.append(dict(variant=name, batch=b, bucket=bucket, kv=kv, mode=mode, ms=ms, x_floor=ms / floor,
+        bb = bucket(b, engine.cache.shape.num_slots, engine.runner.min_batch)
+        ms, first = step_ms(engine, bb, kv, mode, args.steps)
+        rows.append(dict(variant=name, batch=b, bucket=bb, kv=kv, mode=mode, ms=ms, x_floor=ms / floor,
                          first_s=first))
-        print(f"{name:45} batch {b} (bucket {bucket}) kv {kv:5} {mode:7}: {ms:7.3f} ms/step "
+        print(f"{name:45} batch {b} (bucket {bb}) kv {kv:5} {mode:7}: {ms:7.3f} ms/step "
               f"({ms / floor:5.2f}x floor); first use {first:6.1f} s", flush=True)
         if args.profile:
-            print(profile_step(engine, bucket, kv), flush=True)
+            print(profile_step(engine, bb, kv), flush=True)
     if not (engine.runner.compiled and engine.runner.cuda_graphs):
         print(f"{name}: compile or capture FELL BACK (see warnings); its times are not the variant's", flush=True)
     del engine
@@ -100,14 +97,10 @@ def main() -> None:
     ap.add_argument("--megakernel", type=int, nargs="+", default=[0], choices=[0, 1])
     ap.add_argument("--megakernel-sync", nargs="+", default=["auto"], choices=["auto", "pdl", "barrier", "launch"])
     ap.add_argument("--megakernel-gluon", type=int, nargs="+", default=[-1], choices=[-1, 0, 1],
-                    help="the megakernel's GEMV stages as Gluon kernels (TorchEngineConfig.megakernel_gluon; -1: "
+                    help="the megakernel's GEMV and attention stages as Gluon kernels (MegakernelConfig.gluon; -1: "
                          "the default)")
     ap.add_argument("--megakernel-head", type=int, nargs="+", default=[1], choices=[0, 1],
-                    help="the megakernel step's head as two Triton kernels (TorchEngineConfig.megakernel_head)")
-    ap.add_argument("--megakernel-attention", type=int, nargs="+", default=[1], choices=[0, 1],
-                    help="the megakernel's attention stage in Gluon (DecodeMegakernel.gluon_attention) or Triton")
-    ap.add_argument("--merge-chunk", type=int, default=0,
-                    help="the megakernel's attention splits merged per load (DecodeMegakernel.merge_chunk; 0: default)")
+                    help="the megakernel step's head as two Triton kernels (MegakernelConfig.head)")
     ap.add_argument("--max-seq-len", type=int, default=1536)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--bandwidth-tbs", type=float, default=4.3, help="HBM bandwidth for the floor (H200: 4.3)")
@@ -122,13 +115,12 @@ def main() -> None:
           f"({torch.__version__}, {torch.cuda.get_device_name()})", flush=True)
     rows = []
     variants = itertools.product(args.fused, args.decode_attention, args.gemv_batch1, args.megakernel)
-    variants = [(*v, sync, g, h, a) for v in variants for sync in (args.megakernel_sync if v[-1] else ["auto"])
-                for g in (args.megakernel_gluon if v[-1] else [-1]) for h in (args.megakernel_head if v[-1] else [1])
-                for a in (args.megakernel_attention if v[-1] else [1])]
-    for fused, attention, gemv, mk, sync, gluon, head, attend in variants:
+    variants = [(*v, sync, g, h) for v in variants for sync in (args.megakernel_sync if v[-1] else ["auto"])
+                for g in (args.megakernel_gluon if v[-1] else [-1]) for h in (args.megakernel_head if v[-1] else [1])]
+    for fused, attention, gemv, mk, sync, gluon, head in variants:
         t0 = time.perf_counter()
         rows += run_variant(model, args, bool(fused), attention, bool(gemv), bool(mk), floor, sync,
-                            None if gluon < 0 else bool(gluon), bool(head), bool(attend))
+                            None if gluon < 0 else bool(gluon), bool(head))
         print(f"  variant total {time.perf_counter() - t0:.1f} s", flush=True)
     print(f"\n{'variant':45} {'batch':>5} {'kv':>5} {'mode':>7} {'ms/step':>8} {'x floor':>8} {'first use s':>11}")
     for r in rows:

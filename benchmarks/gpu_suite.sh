@@ -4,10 +4,8 @@
 #   fsdp2    4B-shape FSDP step on both GPUs (torchrun), runs alone first
 #   lane0    GPU0: rollout benchmark (engine vs HF generate), then the colocated GRPO loop (tests/test_e2e_gpu.py)
 #   lane1    GPU1: FSDP + packed-attention GPU tests, then the 0.6B training benchmark
-#   mk       GPU0: the batch-1 decode megakernel: GPU tests, kernel alone (PDL vs grid barriers), decode step vs compiled
-#   gstream  GPU0: the Gluon weight-streaming microbenchmark (producer warp + TMA ring): grid barrier cost idle / under the stream
-#   gprog    GPU0: how much HBM bandwidth 16 / 33 / 66 / 132 SMs pull with the Gluon TMA stream
-#   attend   GPU0: the Gluon attention stage: its GPU tests, kernel alone (vs 1-block tasks, serial pairs, 1 block ahead, the Triton stage; merge chunk), decode step
+#   mk       GPU0: the batch-1 decode megakernel: GPU tests, kernel alone (PDL vs grid barriers, Gluon vs Triton stages), decode step vs compiled
+#   attend   GPU0: the megakernel's attention: its GPU tests, kernel alone at attention-grid boundaries, decode step
 #   extra    GPU1 after lane1 (add it only when there is time): rollout GPU tests, decode variants, 4B training, packing
 set -u
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -26,22 +24,17 @@ for part in "$@"; do case $part in
   lane1) ( run fsdp1 1 "$(lim 300)" "python3 -m pytest -m gpu tests/test_fsdp_gpu.py tests/test_packing_attention.py -q -s;
              python3 benchmarks/train.py --preset qwen3-0.6b-shape --attn flex_attention --compile --steps 3 --warmup 2 --json $OUT/train.jsonl" ) & ;;
   mk) run mk 0 "$(lim 480)" "python3 -m pytest -q -s -m gpu tests/test_megakernel.py;
-        python3 benchmarks/megakernel.py --pos 256 1024 1500 --stages --barriers --stage-sync pdl barrier \
-          --gluon - default default,a 0234,g2x2,L03,f;
-        python3 benchmarks/megakernel.py --preset qwen3-4b-shape --pos 1024 --iters 50 --stage-sync pdl barrier;
+        python3 benchmarks/megakernel.py --pos 256 1024 1500 --sync pdl barrier --gluon 1 0;
+        python3 benchmarks/megakernel.py --preset qwen3-4b-shape --pos 1024 --iters 50 --sync pdl barrier;
         python3 benchmarks/decode_profile.py --kv 256 1024 --batch 1 --megakernel 0 1 --megakernel-sync pdl barrier --megakernel-gluon 0 1;
         python3 benchmarks/decode_profile.py --kv 256 1024 --batch 1 --megakernel 1 --megakernel-head 0 1 --modes sample greedy;
-        python3 benchmarks/decode_profile.py --kv 256 1024 --batch 1 --megakernel 1 --megakernel-attention 1 0 --modes sample greedy;
         python3 benchmarks/decode_profile.py --preset qwen3-4b-shape --kv 1024 --batch 1 --megakernel 0 1 --steps 30;
         python3 benchmarks/rollout.py --device cuda --preset qwen3-0.6b-shape --batch-sizes 1 --prompt-len 512 \
           --new-tokens 1024 --hf-new-tokens 256 --megakernel --out $OUT/rollout_mk.json" ;;
   attend) ( run attend_tests 0 "$(lim 210)" "python3 -m pytest -q -s -m gpu tests/test_megakernel.py -k 'rounds_like or same_bits or survives or pdl'"
-            run attend_mk 0 "$(lim 150)" "python3 benchmarks/megakernel.py --pos 256 960 1024 1500 --gluon default default,m1 default,s default,h1 default,a --stages;
-              python3 benchmarks/megakernel.py --pos 256 1024 1500 --merge-chunk 16 32"
+            run attend_mk 0 "$(lim 150)" "python3 benchmarks/megakernel.py --pos 256 960 1024 1500 2100 2500"
             run attend_step 0 "$(lim 180)" "python3 benchmarks/decode_profile.py --kv 256 1024 1536 --batch 1 --megakernel 1 \
-              --megakernel-attention 1 0 --modes sample greedy" ) & ;;
-  gstream) run gstream 0 "$(lim 300)" "python3 benchmarks/gluon_stream.py --slots 24 --modes barrier_only barrier_load barrier_load_half --timed" ;;
-  gprog) run gprog 0 "$(lim 300)" "for p in 16 33 66 132; do python3 benchmarks/gluon_stream.py --programs \$p --slots 48 --modes stream --iters 20; done" ;;
+              --modes sample greedy" ) & ;;
   extra) run extra 1 "$(lim 400)" "python3 -m pytest -m gpu tests/test_rollout_gpu.py -q -s;
            python3 benchmarks/decode_profile.py --preset qwen3-0.6b-shape --kv 256 1024 --batch 1 --fused 1 --decode-attention sdpa split --gemv-batch1 0 1;
            python3 benchmarks/train.py --preset qwen3-4b-shape --attn flex_attention --compile --steps 3 --warmup 2 --json $OUT/train.jsonl;

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from rlbench.engine.torch_engine import KV_FLOOR, TorchEngine, TorchEngineConfig, _bucket
+from rlbench.engine.torch_engine import KV_FLOOR, TorchEngine, TorchEngineConfig, bucket
 from rlbench.models import build_model
 from rlbench.rollout.base import SamplingParams
 
@@ -63,9 +63,9 @@ def decode_step_ms(engine: TorchEngine, prompt_len: int, new_tokens: int, steps:
     the whole bucket either way, but the megakernel reads up to the position (left at the end of the last
     generate, it would time the longest context instead)."""
     runner = engine.runner
-    b = _bucket(1, engine.cache.shape.num_slots, runner.min_batch)
+    b = bucket(1, engine.cache.shape.num_slots, runner.min_batch)
     mid = prompt_len + new_tokens // 2
-    kv = _bucket(mid, engine.cache.shape.max_seq_len, KV_FLOOR)
+    kv = bucket(mid, engine.cache.shape.max_seq_len, KV_FLOOR)
     for _ in range(3):
         runner.decode(b, kv, "sample")
     runner.state.positions[:b].fill_(max(0, mid - steps))
@@ -162,9 +162,9 @@ def main(argv=None) -> dict:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
     if cuda and args.profile is not None:
-        kv = _bucket(args.prompt_len + args.new_tokens // 2, engine.cache.shape.max_seq_len, KV_FLOOR)
+        kv = bucket(args.prompt_len + args.new_tokens // 2, engine.cache.shape.max_seq_len, KV_FLOOR)
         for b in args.profile or [1]:
-            print(profile_step(engine, _bucket(b, engine.cache.shape.num_slots, engine.runner.min_batch), kv))
+            print(profile_step(engine, bucket(b, engine.cache.shape.num_slots, engine.runner.min_batch), kv))
     return result
 
 

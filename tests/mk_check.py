@@ -6,6 +6,7 @@ tests run it in a subprocess) prints the CPU cases as one JSON line.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import sys
@@ -14,7 +15,8 @@ import torch
 
 from rlbench.engine import TorchEngine, TorchEngineConfig
 from rlbench.engine.kv_cache import CacheShape, KVCache
-from rlbench.engine.megakernel.host import DecodeMegakernel, _pow2
+from rlbench.engine.megakernel import layout
+from rlbench.engine.megakernel.host import DecodeMegakernel
 from rlbench.engine.runner import ModelRunner
 from rlbench.models import build_model
 from rlbench.rollout import SamplingParams
@@ -31,6 +33,21 @@ def case_name(preset, prompt_len, tile_programs):
     return f"{preset}@{prompt_len}" + (f"/tiles{tile_programs}" if tile_programs else "")
 
 
+@contextlib.contextmanager
+def constants(**values):
+    """`layout`'s constants set to `values` (None: left as they are) inside the block (`DecodeMegakernel` reads
+    them at each call): to force a path the product's plan would not take, e.g. GLUON_MMA=False."""
+    values = {k: v for k, v in values.items() if v is not None}
+    saved = {k: getattr(layout, k) for k in values}
+    try:
+        for k, v in values.items():
+            setattr(layout, k, v)
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(layout, k, v)
+
+
 def _runner(model, max_seq_len, device, dtype=torch.bfloat16, megakernel=True):
     c = model.config
     cache = KVCache(CacheShape(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 2, max_seq_len), dtype,
@@ -43,8 +60,8 @@ def compare_to_f64(preset, prompt_len, device, max_seq_len=256, tile_programs=No
                    attention=None):
     """One batch-1 decode step at position `prompt_len` three ways: the megakernel (its `stage_sync`, default
     the device's), the engine's bf16 layer stack (HF's ops) and float64 (same weights, same cached K/V). Returns
-    errors vs float64 and cache checks. `gluon` / `attention`: set `gluon_gemv` / `gluon_attention` (None: the
-    default)."""
+    errors vs float64 and cache checks. `gluon` / `attention`: set `gluon_gemv` / `layout.GLUON_ATTENTION` (None:
+    the default)."""
     model = build_model(preset, device=device, dtype=torch.bfloat16, seed=0).eval()
     runner = _runner(model, max_seq_len, device)
     assert runner.megakernel is not None
@@ -57,14 +74,14 @@ def compare_to_f64(preset, prompt_len, device, max_seq_len=256, tile_programs=No
     k_stack = [k[0, :, prompt_len].clone() for k in runner.cache.k]
     for dst, src in zip((*runner.cache.k, *runner.cache.v), (*k0, *v0)):
         dst.copy_(src)
-    mk = runner.megakernel
+    mk = runner.megakernel.layers
     if tile_programs is not None:  # the tiling of a GPU with that many SMs, run by this device's grid
         mk = DecodeMegakernel(model, runner.layers, max_seq_len, torch.device(device), tile_programs=tile_programs)
     mk.stage_sync = sync or mk.stage_sync
     mk.gluon_gemv = mk.gluon_gemv if gluon is None else gluon
-    mk.gluon_attention = mk.gluon_attention if attention is None else attention
     mk.bind(runner.layers, runner.cache.k, runner.cache.v)
-    h_mk = mk(hidden.clone(), cos, sin, pos)
+    with constants(GLUON_ATTENTION=attention):
+        h_mk = mk(hidden.clone(), cos, sin, pos)
 
     m64 = copy.deepcopy(model).double()
     r64 = _runner(m64, max_seq_len, device, torch.float64, megakernel=False)
@@ -225,7 +242,7 @@ def _compile_gluon(fn, args: dict, consts: dict, num_warps: int, name: str, alig
 
 
 def compile_gluon_stage(preset: str, stage: int, programs: int = 132, mma: bool | None = None) -> dict:
-    """Compile `mk_gluon.gemv_stage` for one GEMV stage of a preset for sm_90 without a GPU, with the options
+    """Compile `gluon_gemv.gemv_stage` for one GEMV stage of a preset for sm_90 without a GPU, with the options
     `DecodeMegakernel` launches it with; returns registers per thread, spills, shared memory, threads, the TMA
     copies, PDL waits, and the global loads and stores before the wait in the PTX."""
     import re
@@ -235,24 +252,21 @@ def compile_gluon_stage(preset: str, stage: int, programs: int = 132, mma: bool 
 
     model = build_model(preset, meta=True, dtype=torch.bfloat16)
     mk = DecodeMegakernel(model, fuse_layers(model), 1536, torch.device("cpu"), programs=programs)
-    mk.gluon_mma = mk.gluon_mma if mma is None else mma
-    mma = mk.gluon_mma
-    n, k, r, kcp = mk.gluon_plan()[stage]
+    with constants(GLUON_MMA=mma):
+        mma = layout.GLUON_MMA
+        n, k, r, kcp = mk.gluon_plan()[stage]
+        consts = mk.gluon_stage_consts(stage)
     if mma:
         desc = (f"tensordesc<bf16[1, {mk_gluon.MMA_BOX_ROWS.value}, {mk_gluon.MMA_SLICES.value}, "
                 f"{mk_gluon.MMA_CHUNK.value}],{mk_gluon.mma_box_layout()!r}>")
     else:
         desc = f"tensordesc<bf16[{mk_gluon.BOX_ROWS.value}, {mk_gluon.BOX_K.value}],{mk_gluon.box_layout()!r}>"
-    args = dict(desc=desc, inp="*bf16", norm="*bf16", bias="*bf16", out="*bf16", laps="*i64", lap_base="i32",
-                eps="fp32")
-    consts = dict(N=n, K=k, R=r, KCP=kcp, STAGE=stage, HAS_BIAS=False, LATE_LAUNCH=stage in mk.gluon_late_launch,
-                  GROUP=mk.gluon_pacing[stage][0], IN_FLIGHT=mk.gluon_pacing[stage][1], WARPS=mk.gluon_warps,
-                  TIMED=False, MMA=mma, LO=mk.gluon_lo(stage) if mma else 1)
+    args = dict(desc=desc, inp="*bf16", norm="*bf16", bias="*bf16", out="*bf16", eps="fp32")
     ptx_text, regs, spills, shared = _compile_gluon(
-        mk_gluon.gemv_stage, args, consts, mk.gluon_warps,
+        mk_gluon.gemv_stage, args, consts, consts["WARPS"],
         f"rlbench_gluon_{preset}_stage{stage}{'_mma' if mma else ''}")
     before = ptx_text.partition("griddepcontrol.wait")[0]
-    return dict(regs=regs, spill_bytes=spills, shared=shared, threads=32 * mk.gluon_warps,
+    return dict(regs=regs, spill_bytes=spills, shared=shared, threads=32 * consts["WARPS"],
                 boxes=(r // mk_gluon.BOX_ROWS.value) * (k // mk_gluon.BOX_K.value) * (2 if stage == 3 else 1),
                 tma_copies=ptx_text.count("cp.async.bulk.tensor"), waits=ptx_text.count("griddepcontrol.wait"),
                 loads_before_wait=len(re.findall(r"ld\.global", before)),
@@ -260,7 +274,7 @@ def compile_gluon_stage(preset: str, stage: int, programs: int = 132, mma: bool 
 
 
 def compile_gluon_attention(preset: str, programs: int = 132) -> dict:
-    """Compile `mk_attend.attend_stage` for a preset for sm_90 without a GPU, as `DecodeMegakernel` launches it
+    """Compile `gluon_attend.attend_stage` for a preset for sm_90 without a GPU, as `DecodeMegakernel` launches it
     (pointers and 16-aligned ints specialized as the launcher does); returns registers, spills, shared memory, the
     CTA barriers before/after the PDL wait, the cp.async copies, mma instructions, and the global loads and stores
     before the wait in the PTX."""
@@ -272,11 +286,9 @@ def compile_gluon_attention(preset: str, programs: int = 132) -> dict:
     model = build_model(preset, meta=True, dtype=torch.bfloat16)
     mk = DecodeMegakernel(model, fuse_layers(model), 1536, torch.device("cpu"), programs=programs)
     ptrs = dict(qkv="*bf16", kc="*bf16", vc="*bf16", q_norm="*bf16", k_norm="*bf16", cos="*bf16", sin="*bf16",
-                pos_ptr="*i64", part_acc="*fp32", part_m="*fp32", part_l="*fp32", laps="*i64")
-    args = ptrs | dict(lap_base="i32", eps="fp32", scale="fp32", head_stride="i32", max_splits="i32")
-    consts = dict(H=mk.h, NKV=mk.n_kv, HD=mk.hd, G=mk.group, BG=_pow2(mk.group),
-                  HAS_NORM=mk.has_qk_norm, TIMED=False, AHEAD=mk.attention_ahead,
-                  PAIR=mk.attention_pair, MIN_PER=mk.attention_min_blocks)
+                pos_ptr="*i64", part_acc="*fp32", part_m="*fp32", part_l="*fp32")
+    args = ptrs | dict(eps="fp32", scale="fp32", head_stride="i32", max_splits="i32")
+    consts = mk.gluon_attend_consts()
     ptx_text, regs, spills, shared = _compile_gluon(mk_attend.attend_stage, args, consts, mk_attend.WARPS.value,
                                                     f"rlbench_gluon_{preset}_attend", aligned=(*ptrs, "head_stride"))
     before, _, after = ptx_text.partition("griddepcontrol.wait")
@@ -294,11 +306,11 @@ def barrier_timeout() -> str:
     model = build_model("tiny", dtype=torch.bfloat16, seed=0).eval()
     runner = _runner(model, 128, "cpu")
     mk = DecodeMegakernel(model, runner.layers, 128, torch.device("cpu"), programs=2)
-    mk.max_spins = 64
     mk.bind(runner.layers, runner.cache.k, runner.cache.v)
     pos = torch.tensor([5])
     hidden, cos, sin, _ = runner._prologue(torch.tensor([3]), pos, 128)
-    mk(hidden, cos, sin, pos)
+    with constants(MAX_SPINS=64):
+        mk(hidden, cos, sin, pos)
     try:
         mk.check()
     except RuntimeError as err:
@@ -328,7 +340,6 @@ def engine_stops_at_first_window() -> tuple[int, str]:
     engine = TorchEngine(model, TorchEngineConfig(max_seq_len=128, num_slots=1, megakernel=True, steps_per_sync=4))
     runner = engine.runner
     mk = DecodeMegakernel(model, runner.layers, 128, torch.device("cpu"), programs=2)
-    mk.max_spins = 64
 
     class Counted:  # the megakernel, counting its launches
         launches = 0
@@ -340,16 +351,17 @@ def engine_stops_at_first_window() -> tuple[int, str]:
         def __getattr__(self, name):
             return getattr(mk, name)
 
-    runner.megakernel = counted = Counted()
+    runner.megakernel.layers = counted = Counted()
     try:
-        engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True))
+        with constants(MAX_SPINS=64):
+            engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True))
     except RuntimeError as err:
         return counted.launches, str(err)
     return counted.launches, "no error"
 
 
 def finish_step_matches_torch() -> bool:
-    """`step_kernel.finish_step` (one Triton kernel, interpreted here) does what `_decode_eager`'s torch ops do:
+    """`step.finish_step` (one Triton kernel, interpreted here) does what `_decode_eager`'s torch ops do:
     3 of 5 slots, one at the position limit."""
     from rlbench.engine.megakernel.step import finish_step
     from rlbench.engine.runner import SlotState
@@ -374,7 +386,7 @@ def finish_step_matches_torch() -> bool:
 
 
 def head_matches_sampling() -> dict:
-    """`head_kernel.SampleHead` (interpreted, 4 programs) against the compiled head's math on the CPU
+    """`head.SampleHead` (interpreted, 4 programs) against the compiled head's math on the CPU
     (`greedy_tokens` / `sample_tokens` of `lm_head(norm(hidden))` in bf16): a 1,000-token vocabulary (a partial
     last block), greedy and sampled rows, 24 (seed, step) pairs. Returns the mismatches and the largest log-prob
     difference."""

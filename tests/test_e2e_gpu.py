@@ -37,7 +37,7 @@ def test_qwen3_0p6b_colocated_loop(tmp_path):
     batch1 = sorted(k for k in runner._graphs if k[0] == 1)
     print(f"megakernel: {runner.megakernel is not None}; batch-1 graphs captured: {batch1}")
     if torch.cuda.get_device_capability()[0] >= 9:  # the default batch-1 path there (megakernel=None)
-        assert runner.megakernel is not None and runner.megakernel.stage_sync == "pdl"
+        assert runner.megakernel is not None and runner.megakernel.layers.stage_sync == "pdl"
     last = history[-1]
     assert last["weights/verified"] == 1.0 and last["weights/bytes"] < 1.3e9  # bf16 on the wire
     assert all(h["train/ppo_kl_first_mb"] < 1e-3 for h in history)

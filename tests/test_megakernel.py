@@ -1,4 +1,4 @@
-"""The batch-1 decode megakernel (`rollout/megakernel.py`) against the engine's layer stack and float64.
+"""The batch-1 decode megakernel (`rlbench/engine/megakernel/`) against the engine's layer stack and float64.
 
 On the CPU the kernel runs under Triton's interpreter (one program, so the grid barriers pass at once and
 every task runs in order) in a subprocess, because the interpreter must be chosen before Triton is imported;
@@ -123,10 +123,11 @@ def test_kernel_compiles_for_hopper_and_fits_one_program_per_sm(preset):
     assert r["acquire_loads"] >= 10, r
 
 
-def test_gluon_plan_takes_the_stages_whose_tile_fits_shared_memory():
+def test_gluon_plan_takes_the_stages_whose_tile_fits_shared_memory(monkeypatch):
     """0.6B: every GEMV stage (rows per program a multiple of 8, tile + fp32 input <= GLUON_TILE_BYTES) and the
     attention stage; 4B: none; off on the CPU and under the grid-barrier sync."""
     from rlbench.engine.fused import fuse_layers
+    from rlbench.engine.megakernel import layout
     from rlbench.engine.megakernel.host import DecodeMegakernel
 
     def plan(preset):
@@ -142,9 +143,9 @@ def test_gluon_plan_takes_the_stages_whose_tile_fits_shared_memory():
     mk.gluon_gemv = True
     assert sorted(mk.gluon_active()) == [0, 2, 3, 4]
     assert mk.gluon_attention_active()  # with them, the Gluon attention stage (its carveout is theirs)
-    mk.gluon_attention = False
-    assert not mk.gluon_attention_active()
-    mk.gluon_attention = True
+    with monkeypatch.context() as m:
+        m.setattr(layout, "GLUON_ATTENTION", False)
+        assert not mk.gluon_attention_active()
     four = plan("qwen3-4b-shape")
     four.stage_sync, four.gluon_gemv = "pdl", True
     assert not four.gluon_attention_active()  # no Gluon GEMV stage there: the Triton attention stage
@@ -152,7 +153,7 @@ def test_gluon_plan_takes_the_stages_whose_tile_fits_shared_memory():
     assert mk.gluon_active() == {} and not mk.gluon_attention_active()
     # tensor-core tiles in rows of 8 chunks of 64, held in two power-of-two buffers
     assert [mk.gluon_lo(st) for st in (0, 2, 3, 4)] == [64, 32, 64, 32]  # of 64, 32, 96 (64 + 32), 48 (32 + 16)
-    mk.gluon_mma = False
+    monkeypatch.setattr(layout, "GLUON_MMA", False)
     assert mk.gluon_plan() == {0: (4096, 1024, 32, 4), 2: (1024, 2048, 8, 8), 3: (3072, 1024, 24, 4),
                                4: (1024, 3072, 8, 16)}
     assert mk.gluon_lo(3) == 1
@@ -205,6 +206,7 @@ def test_gluon_attention_compiles_for_hopper_and_shares_an_sm_with_qkv(preset):
 def test_moved_weights_drop_the_batch1_graphs_that_hold_gluon_descriptors():
     """A CUDA graph keeps a Gluon stage's TMA descriptor (old addresses) as a kernel parameter: when `bind` finds
     that weights or cache moved, the batch-1 graphs go; other batches' graphs (no megakernel) stay."""
+    from rlbench.engine.megakernel import BatchOneDecoder
     from rlbench.engine.runner import ModelRunner
 
     class Stub:
@@ -219,8 +221,8 @@ def test_moved_weights_drop_the_batch1_graphs_that_hold_gluon_descriptors():
     runner = ModelRunner.__new__(ModelRunner)
     runner.layers, runner.cache = [], type("C", (), {"k": [], "v": []})()
     for moved, active, left in ((False, {0: ()}, 3), (True, {}, 3), (True, {0: ()}, 1)):
-        runner.megakernel = Stub()
-        runner.megakernel.moved, runner.megakernel.active = moved, active
+        runner.megakernel = BatchOneDecoder(Stub())
+        runner.megakernel.layers.moved, runner.megakernel.layers.active = moved, active
         runner._graphs = {(1, 256, "sample"): 0, (1, 512, "greedy"): 0, (4, 256, "sample"): 0}
         runner.bind_megakernel()
         assert len(runner._graphs) == left and (4, 256, "sample") in runner._graphs
@@ -234,6 +236,7 @@ def test_released_weights_are_not_held_by_the_megakernel():
 
     from rlbench.engine.fused import fuse_layers
     from rlbench.engine.kv_cache import CacheShape, KVCache
+    from rlbench.engine.megakernel import BatchOneDecoder
     from rlbench.engine.megakernel.host import DecodeMegakernel
     from rlbench.engine.runner import ModelRunner
 
@@ -242,8 +245,10 @@ def test_released_weights_are_not_held_by_the_megakernel():
     c = model.config
     cache = KVCache(CacheShape(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 1, 64), torch.bfloat16, "cpu")
     runner = ModelRunner.__new__(ModelRunner)
-    runner.layers, runner.megakernel = layers, DecodeMegakernel(model, layers, 64, torch.device("cpu"))
-    assert runner.megakernel.bind(layers, cache.k, cache.v) and not runner.megakernel.bind(layers, cache.k, cache.v)
+    runner.layers = layers
+    runner.megakernel = BatchOneDecoder(DecodeMegakernel(model, layers, 64, torch.device("cpu")))
+    mk = runner.megakernel.layers
+    assert mk.bind(layers, cache.k, cache.v) and not mk.bind(layers, cache.k, cache.v)
     ref = weakref.ref(layers[0].qkv)
     del layers
     runner.release_weights()
@@ -281,7 +286,7 @@ def test_bind_refuses_a_misaligned_weight():
 @needs_triton
 def test_interpreted_barrier_that_cannot_complete_times_out_into_an_error(interpreted):
     """Program 0 waits at a barrier program 1 never reaches (the interpreter runs them one after the other):
-    the wait gives up after max_spins, later barriers pass, and check() raises instead of the step hanging."""
+    the wait gives up after MAX_SPINS polls, later barriers pass, and check() raises instead of the step hanging."""
     assert "timed out at a grid barrier: not all 2 programs were resident" in interpreted["timeout"]
 
 
@@ -296,14 +301,14 @@ def test_engine_raises_after_the_first_window_of_a_stalled_megakernel(interprete
 def test_carveout_hint_that_cannot_be_set_warns_instead_of_failing_the_decode(monkeypatch):
     import ctypes
 
-    from rlbench.engine.megakernel.host import _set_carveout
+    from rlbench.engine.megakernel.host import set_carveout
 
     def no_driver(name):
         raise OSError(f"{name}: cannot open shared object file")
 
     monkeypatch.setattr(ctypes, "CDLL", no_driver)
     with pytest.warns(UserWarning, match="could not set the shared-memory carveout"):
-        _set_carveout(1234, 0)
+        set_carveout(1234, 0)
 
 
 def test_unsupported_names_the_reason():
@@ -356,12 +361,14 @@ def test_gluon_gemv_stages_are_the_default_on_sm90():
     for preset, stages in (("qwen3-0.6b-shape", [0, 2, 3, 4]), ("qwen3-4b-shape", [])):
         engine = TorchEngine(build_model(preset, device="cuda", dtype=torch.bfloat16),
                              TorchEngineConfig(max_seq_len=256, num_slots=1, compile=False, cuda_graphs=False))
-        assert sorted(engine.runner.megakernel.gluon_active()) == stages, preset
-        assert engine.runner.megakernel.gluon_attention_active() == bool(stages), preset  # it needs their carveout
+        mk = engine.runner.megakernel.layers
+        assert sorted(mk.gluon_active()) == stages, preset
+        assert mk.gluon_attention_active() == bool(stages), preset  # it needs their carveout
     engine = TorchEngine(build_model("qwen3-0.6b-shape", device="cuda", dtype=torch.bfloat16),
                          TorchEngineConfig(max_seq_len=256, num_slots=1, compile=False, cuda_graphs=False,
                                            megakernel=MegakernelConfig(gluon=False)))
-    assert engine.runner.megakernel.gluon_active() == {} and not engine.runner.megakernel.gluon_attention_active()
+    mk = engine.runner.megakernel.layers
+    assert mk.gluon_active() == {} and not mk.gluon_attention_active()
 
 
 @pytest.mark.gpu
@@ -400,7 +407,7 @@ def test_megakernel_engine_greedy_matches_hf_up_to_near_ties(sync):
     model = build_model("qwen3-0.6b-shape", device="cuda", dtype=torch.bfloat16)
     engine = TorchEngine(model, TorchEngineConfig(max_seq_len=512, num_slots=1, megakernel=MegakernelConfig(
                                                       enabled=True, sync=sync)))
-    assert engine.runner.megakernel is not None and engine.runner.megakernel.stage_sync == sync
+    assert engine.runner.megakernel is not None and engine.runner.megakernel.layers.stage_sync == sync
     g = torch.Generator().manual_seed(0)
     worst, exact = 0.0, 0
     for n in (16, 40, 100, 200):
@@ -439,5 +446,6 @@ def test_megakernel_engine_survives_sleep_wake_and_a_weight_update():
         engine.wake_up()
     engine.update_weights([state], version=1)
     after = engine.generate([[11, 22, 33, 44, 55]], params)[0].token_ids
-    print(f"\ngluon stages {sorted(engine.runner.megakernel.gluon_active())}: {before[:8]} ... == {after[:8]} ...")
+    print(f"\ngluon stages {sorted(engine.runner.megakernel.layers.gluon_active())}: {before[:8]} ... == "
+          f"{after[:8]} ...")
     assert after == before

@@ -104,7 +104,7 @@ def test_megakernel_is_the_default_batch1_path_on_sm90():
         unfused = TorchEngine(build_model("small", device="cuda", dtype=torch.bfloat16),
                               TorchEngineConfig(max_seq_len=64, fused_weights=False))
     assert (bf16.runner.megakernel is not None) == pdl
-    assert not pdl or bf16.runner.megakernel.stage_sync == "pdl"
+    assert not pdl or bf16.runner.megakernel.layers.stage_sync == "pdl"
     assert fp32.runner.megakernel is None and unfused.runner.megakernel is None
 
 
@@ -113,7 +113,7 @@ def test_warm_up_one_layer_graph_for_all_layers_and_buckets():
     (prologue, layer, head); a second mode adds only its head."""
     from torch._dynamo.utils import counters
 
-    from rlbench.engine.torch_engine import KV_FLOOR, _all_buckets
+    from rlbench.engine.torch_engine import KV_FLOOR, all_buckets
 
     model = build_model("small", device="cuda", dtype=torch.bfloat16)
     engine = TorchEngine(model, TorchEngineConfig(max_seq_len=1024, num_slots=16, compile=True, cuda_graphs=True,
@@ -121,7 +121,7 @@ def test_warm_up_one_layer_graph_for_all_layers_and_buckets():
     before = counters["stats"]["unique_graphs"]
     n = engine.warm_up()
     assert engine.runner.cuda_graphs and engine.runner.compiled, "compile/graph capture fell back (see warnings)"
-    assert n == len(engine.runner._graphs) == len(_all_buckets(16, 2)) * len(_all_buckets(1024, KV_FLOOR))
+    assert n == len(engine.runner._graphs) == len(all_buckets(16, 2)) * len(all_buckets(1024, KV_FLOOR))
     assert counters["stats"]["unique_graphs"] - before == 3, "a layer or bucket recompiled the decode step"
     greedy = engine.generate(_prompts([5, 300], model.config.vocab_size), SamplingParams(temperature=0.0,
                                                                                        max_new_tokens=8))

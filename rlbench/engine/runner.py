@@ -7,10 +7,10 @@ arguments, and a head (final norm, lm_head, sampling). Dynamo reuses a graph whe
 match, so one dynamic-shape layer graph serves every layer and every (batch, kv_len) bucket: warm-up compiles
 one layer instead of the unrolled model. The CUDA graph still captures the whole step, Python glue included.
 
-With `megakernel` on (and supported), a batch-1 step replaces the per-layer loop by Triton stage kernels chained
-with programmatic dependent launch, or one persistent kernel with grid barriers (`megakernel.py`); the prologue
-stays compiled, and the head (final norm, lm_head, sampling, state update) runs as two Triton kernels
-(`head_kernel.py`) except for top-k/top-p steps.
+With the megakernel on (and supported: `megakernel.build`), a batch-1 step replaces the per-layer loop by stage
+kernels chained with programmatic dependent launch, or one persistent kernel with grid barriers; the prologue
+stays compiled, and the head (final norm, lm_head, sampling, state update) runs as two Triton kernels except for
+top-k/top-p steps.
 
 The layer forward is the engine's own over fused QKV / gate-up weights (`fused.py`), or the HF module's
 forward (other architectures, `fused_weights=False`); only the attention (`attention.py`) and the KV cache
@@ -27,11 +27,11 @@ import torch
 import torch._dynamo
 import torch.fx.experimental._config as fx_config
 
+from rlbench.engine import megakernel
 from rlbench.engine.attention import DECODE_ATTENTION, KVContext, decode_mask, sdpa_decode
 from rlbench.engine.config import TorchEngineConfig
 from rlbench.engine.fused import fuse_layers, fused_layer_forward, hf_layer_forward
 from rlbench.engine.kv_cache import KVCache
-from rlbench.engine.megakernel.host import DecodeMegakernel, default_stage_sync, unsupported
 from rlbench.engine.sampling import greedy_tokens, sample_tokens, token_hash
 
 SAMPLE_MODES = ("greedy", "sample", "truncate")
@@ -102,10 +102,10 @@ class ModelRunner:
         torch._dynamo.mark_static(self.state.vocab_hash)
         self.cuda_graphs = opts.cuda_graphs and self.device.type == "cuda"
         self.layers: list = []
-        self.megakernel: DecodeMegakernel | None = None
-        self.head = None  # head_kernel.SampleHead, with the megakernel
-        self._warned_megakernel = False
         self.bind_weights()
+        self.megakernel = megakernel.build(model, self.base, self.layers if self.fused else None,
+                                           cache.shape.max_seq_len, self.device, opts.megakernel)
+        """The batch-1 decoder (None: batch 1 takes the compiled path)."""
         self._graphs: dict[tuple[int, int, str], torch.cuda.CUDAGraph] = {}
         self._pool = None
         self._warmed: set[tuple[int, int, str]] = set()
@@ -127,26 +127,6 @@ class ModelRunner:
         fused = fuse_layers(self.model) if self.opts.fused_weights else None
         self._layer_forward = hf_layer_forward if fused is None else fused_layer_forward
         self.layers = list(self.base.layers) if fused is None else fused
-        if self.opts.megakernel.enabled is not False and self.megakernel is None:
-            reason = unsupported(self.model, fused, self.device)
-            sync = default_stage_sync(self.device) if self.opts.megakernel.sync == "auto" else self.opts.megakernel.sync
-            if reason is None and (self.opts.megakernel.enabled or sync == "pdl"):
-                self.megakernel = DecodeMegakernel(self.model, fused, self.cache.shape.max_seq_len, self.device)
-                self.megakernel.stage_sync = sync
-                if self.opts.megakernel.head and getattr(self.model.lm_head, "bias", None) is None and hasattr(
-                        self.base.norm, "variance_epsilon"):  # an RMSNorm and a plain linear head, as the kernel
-                    from rlbench.engine.megakernel.head import SampleHead
-
-                    self.head = SampleHead(self.model, self.base, self.device)
-                if self.opts.megakernel.gluon is False:
-                    self.megakernel.gluon_gemv = False
-                elif self.opts.megakernel.gluon and not self.megakernel.gluon_active():
-                    warnings.warn("megakernel_gluon=True has no effect here (needs sm_90+, Triton's Gluon, a per-stage "
-                                  "sync and a GEMV tile that fits shared memory); the Triton stages run", stacklevel=3)
-            elif self.opts.megakernel.enabled and not self._warned_megakernel:
-                warnings.warn(f"megakernel=True has no effect: {reason}; batch 1 decodes on the compiled path",
-                              stacklevel=3)
-                self._warned_megakernel = True
 
     def release_weights(self) -> None:
         """Drop the fused weight tensors (`sleep(release_weights=True)`); `bind_weights` rebuilds them."""
@@ -215,29 +195,24 @@ class ModelRunner:
                            mode: str):
         """One decode step for slots `[0, B)`: `[B]` inputs -> (tokens `[B]`, log_probs `[B]`); see SAMPLE_MODES."""
         if self.megakernel is not None and tokens.shape[0] == 1:
-            hidden = self.megakernel(*self._embed_fn(tokens, positions), positions)  # every layer, slot 0
+            hidden = self.megakernel.layers(*self._embed_fn(tokens, positions), positions)  # every layer, slot 0
         else:
             hidden, cos, sin, mask = self._prologue_fn(tokens, positions, kv_len)
             hidden = self._layer_stack(hidden, cos, sin, positions, mask, kv_len)
         return self._head_fn(hidden, temperature, top_k, top_p, seeds, steps, self.state.vocab_hash, mode)
 
     def _decode_eager(self, b: int, kv_len: int, mode: str) -> None:
-        s = self.state
-        if b == 1 and self.head is not None and mode != "truncate":  # megakernel + the two head kernels
-            hidden = self.megakernel(*self._embed_fn(s.tokens[:1], s.positions[:1]), s.positions[:1])
-            self.head(hidden, s, mode, self.cache.shape.max_seq_len - 1)
+        s, max_pos = self.state, self.cache.shape.max_seq_len - 1
+        if b == 1 and self.megakernel is not None and self.megakernel.step(self._embed_fn, s, mode, max_pos):
             return
         tok, lp = self._logits_and_sample(s.tokens[:b], s.positions[:b], s.temperature[:b], s.top_k[:b],
                                           s.top_p[:b], s.seeds[:b], s.steps[:b], kv_len, mode)
-        if self.device.type == "cuda" and self.megakernel is not None:  # triton is there: one kernel, not five
-            from rlbench.engine.megakernel.step import finish_step
-
-            finish_step(s, b, tok, lp, self.cache.shape.max_seq_len - 1)
+        if self.megakernel is not None and self.megakernel.finish_step(s, b, tok, lp, max_pos):
             return
         s.out_tokens[:b].copy_(tok)
         s.out_log_probs[:b].copy_(lp)
         s.tokens[:b].copy_(tok)
-        s.positions[:b].add_(1).clamp_(max=self.cache.shape.max_seq_len - 1)
+        s.positions[:b].add_(1).clamp_(max=max_pos)
         s.steps[:b].add_(1)
 
     @torch.inference_mode()
@@ -311,9 +286,14 @@ class ModelRunner:
     def bind_megakernel(self) -> None:
         """Point the megakernel at the current weights and cache; if they moved, drop the batch-1 graphs captured
         before, whose Gluon stages hold TMA descriptors of the old addresses as kernel parameters."""
-        if self.megakernel.bind(self.layers, self.cache.k, self.cache.v) and self.megakernel.gluon_active():
+        if self.megakernel.bind(self.layers, self.cache.k, self.cache.v):
             for old in [k for k in self._graphs if k[0] == 1]:
                 del self._graphs[old]
+
+    def check_errors(self) -> None:
+        """Raise if a batch-1 megakernel launch since the last check timed out at a grid barrier."""
+        if self.megakernel is not None:
+            self.megakernel.check()
 
     def clear_graphs(self) -> None:
         """Drop captured graphs (the cache or weights moved: `sleep`)."""

@@ -41,14 +41,14 @@ KV_FLOOR = 256
 higher floor means fewer (batch, kv_len) graphs to capture (4 kv buckets for L_max = 1536, not 6)."""
 
 
-def _bucket(x: int, cap: int, floor: int) -> int:
+def bucket(x: int, cap: int, floor: int) -> int:
     """Smallest power of two >= x (at least `floor`), capped at `cap`."""
     return min(cap, max(floor, 1 << max(0, x - 1).bit_length()))
 
 
-def _all_buckets(cap: int, floor: int) -> list[int]:
-    """Every value `_bucket` can return for this cap and floor."""
-    return sorted({_bucket(x, cap, floor) for x in [1 << i for i in range(cap.bit_length() + 1)] + [cap]})
+def all_buckets(cap: int, floor: int) -> list[int]:
+    """Every value `bucket` can return for this cap and floor."""
+    return sorted({bucket(x, cap, floor) for x in [1 << i for i in range(cap.bit_length() + 1)] + [cap]})
 
 
 class TorchEngine:
@@ -102,8 +102,7 @@ class TorchEngine:
                 pass  # prefill first: fill every free slot before decoding
             if running:
                 self._decode_window(sampling, running, done)
-        if self.runner.megakernel is not None:
-            self.runner.megakernel.check()
+        self.runner.check_errors()
         for seq in running:
             seq.finish_reason = "abort"
         done += running
@@ -122,8 +121,8 @@ class TorchEngine:
         shape = self.cache.shape
         floor = self.runner.min_batch
         mode = "greedy" if greedy else "truncate" if truncate else "sample"
-        keys = [(b, kv) for b in _all_buckets(shape.num_slots, floor)
-                for kv in _all_buckets(shape.max_seq_len, KV_FLOOR)]
+        keys = [(b, kv) for b in all_buckets(shape.num_slots, floor)
+                for kv in all_buckets(shape.max_seq_len, KV_FLOOR)]
         for b, kv in keys:
             self.runner.decode(b, kv, mode)
         if self.device.type == "cuda":
@@ -202,9 +201,9 @@ class TorchEngine:
         """`steps_per_sync` decode steps, one host copy, then stop checks."""
         k = self.cfg.steps_per_sync
         top = max(s.slot for s in running) + 1
-        b = _bucket(top, self.cache.shape.num_slots, self.runner.min_batch)
+        b = bucket(top, self.cache.shape.num_slots, self.runner.min_batch)
         longest = max(s.prompt_len + len(s.tokens) for s in running) + k
-        kv_len = _bucket(longest, self.cache.shape.max_seq_len, KV_FLOOR)
+        kv_len = bucket(longest, self.cache.shape.max_seq_len, KV_FLOOR)
         st = self.runner.state
         out_tok = torch.empty(k, b, dtype=torch.long, device=self.device)
         out_lp = torch.empty(k, b, dtype=torch.float32, device=self.device)
@@ -214,8 +213,8 @@ class TorchEngine:
             out_tok[step].copy_(st.out_tokens[:b])
             out_lp[step].copy_(st.out_log_probs[:b])
         toks, lps = out_tok.T.tolist(), out_lp.T.tolist()  # the one host sync of the window
-        if b == 1 and self.runner.megakernel is not None:
-            self.runner.megakernel.check()  # a timed-out barrier stalls every launch: stop at the first window
+        if b == 1:
+            self.runner.check_errors()  # a timed-out barrier stalls every launch: stop at the first window
         for seq in list(running):
             for tok, lp in zip(toks[seq.slot], lps[seq.slot]):
                 if self._append(seq, tok, lp, sampling):
@@ -254,8 +253,8 @@ class TorchEngine:
         if self._released:
             raise RuntimeError("weights were released by sleep(release_weights=True); call wake_up() first")
         named = self._named_tensors()
-        for bucket in buckets:
-            for name, tensor in bucket:
+        for weights in buckets:
+            for name, tensor in weights:
                 if name not in named:
                     raise ValueError(f"unknown weight {name!r}: expected HF parameter names like "
                                      f"{next(iter(named))!r}")

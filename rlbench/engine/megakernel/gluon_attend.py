@@ -1,30 +1,26 @@
 """The megakernel's attention stage in Gluon: each warp runs its own online softmax over a quarter of a block.
 
-Why (docs/LOG.md, session 11): the Triton attention stage (`mk_kernels._stage_attend`) was the longest stage of
-a layer, ~3.3 us from its PDL wait to its end for one 64-position block at pos 256. Its sm_90 SASS has 19 CTA
-barriers: the q/k norms, the row max and row sum of every block, and the conversions of q, K, V and p into
-tensor-core operands, most of them after the wait. Here no reduction of a block crosses warps, and the cached K
-and V are copied to shared memory (cp.async) before the wait, ldmatrix'd into operands after it.
+Why: the Triton attention stage (`triton_stages._stage_attend`) was the longest stage of a layer; its sm_90 SASS
+has 19 CTA barriers (the q/k norms, the row max and row sum of every block, the conversions of q, K, V and p into
+tensor-core operands), most of them after the PDL wait. Here no reduction of a block crosses warps, and the cached
+K and V are copied to shared memory (cp.async) before the wait, ldmatrix'd into operands after it.
 
-Tasks are those of `mk_kernels._stage_attend` (`_attn_grid`: a task is a KV head and a split of `per` consecutive
-64-position blocks), and so are the partial slots the merge kernel (`mk_kernels._stage_merge`) reads. Within a
-task, warp w takes positions [16 w, 16 w + 16) of every block: the scores `q @ K^T` and `p @ V` are batched mma
-(the warp is the batch dimension), and each warp keeps its own running max, sum and accumulator. The four warps'
-partials are combined once, at the end of the task, through shared memory. A task of exactly two blocks (`PAIR`)
-takes both in one step: two independent score chains and one softmax update instead of a second, serial block
-(session 13: ~21 us less per call at pos 1024), and tasks hold two blocks at least (`MIN_PER`, the merge kernel's
-grid too: half as many tasks, 18 us less at pos 960). Longer tasks run block after block, a two-buffer ring
-copying the block after next. The KV group's q heads are padded to 16 rows (mma's M). After the wait every load of
-a task goes out in one round trip (the group's q heads and the new token's k and v; the norm weights and the RoPE
-row were loaded before the wait): the first version loaded them a round trip after another and was slower than the
-Triton stage (docs/LOG.md, session 12). q and the new k are normed and rotated in a small layout (the real q rows
-only); q reaches the mma through shared memory. The block loop reads cached positions only (`< pos`); the new
-token is a rank-1 term, its score `scale * q . k_new` computed once per task and joined to the partial where the
-warps' partials are combined (the first version put the new K/V into the mma operands with register selects: 288
-of the block loop's ~400 instructions; 423 us per call at pos 256 in session 13, 448.5 in session 12's run).
-Rounding as in `mk_kernels`: q and the new K are bf16 values, p is rounded to bf16 for `p @ V` (the new token's
-too), sums in fp32; the sums run in another order than the Triton stage's (per warp, then across warps, then the
-new token), so the two agree to rounding, not bit for bit. GPU only (no interpreter).
+Tasks are those of `triton_stages._stage_attend` (`attn_grid`: a task is a KV head and a split of `per`
+consecutive 64-position blocks), and so are the partial slots the merge kernel (`triton_stages._stage_merge`)
+reads. Within a task, warp w takes positions [16 w, 16 w + 16) of every block: the scores `q @ K^T` and `p @ V`
+are batched mma (the warp is the batch dimension), and each warp keeps its own running max, sum and accumulator.
+The four warps' partials are combined once, at the end of the task, through shared memory. A task of exactly two
+blocks (`PAIR`) takes both in one step: two independent score chains and one softmax update instead of a second,
+serial block; tasks hold MIN_PER blocks at least (the merge kernel's grid too). Longer tasks run block after block,
+a two-buffer ring copying the block after next. The KV group's q heads are padded to 16 rows (mma's M). After the
+wait every load of a task goes out in one round trip (the group's q heads and the new token's k and v; the norm
+weights and the RoPE row were loaded before the wait). q and the new k are normed and rotated in a small layout
+(the real q rows only); q reaches the mma through shared memory. The block loop reads cached positions only
+(`< pos`); the new token is a rank-1 term, its score `scale * q . k_new` computed once per task and joined to the
+partial where the warps' partials are combined (not selected into the mma operands, which cost most of the block
+loop's instructions). Rounding as in `triton_stages`: q and the new K are bf16 values, p is rounded to bf16 for
+`p @ V` (the new token's too), sums in fp32; the sums run in another order than the Triton stage's (per warp, then
+across warps, then the new token), so the two agree to rounding, not bit for bit. GPU only (no interpreter).
 """
 
 from __future__ import annotations
@@ -34,14 +30,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from rlbench.engine.megakernel import layout
-from rlbench.engine.megakernel.gluon_gemv import _asm, _stamp, _timer
-from rlbench.engine.megakernel.triton_stages import _attn_grid, _task
+from rlbench.engine.megakernel.gluon_gemv import inline_ptx
+from rlbench.engine.megakernel.triton_stages import attn_grid, task
 
-WARPS = gl.constexpr(4)
+WARPS = gl.constexpr(layout.ATTENTION_WARPS)
 SPLIT = gl.constexpr(layout.SPLIT)
 """Positions per block, the merge kernel's (its task grid must be this one's); a warp takes SPLIT // WARPS."""
-QR = gl.constexpr(16)
-"""A KV group's q heads, padded to mma's M."""
+QR = gl.constexpr(layout.ATTENTION_ROWS)
 
 
 @gluon.jit
@@ -90,7 +85,7 @@ def _scores(kbuf, q3, blk, pos, ws, scale, lb: gl.constexpr, mma: gl.constexpr):
 @gluon.jit
 def _rn(x):
     """fp32 rounded to the nearest bf16 (ties to even), kept as fp32: the GPU's cvt.rn (Gluon has no CPU
-    interpreter, so no integer emulation is needed; two instructions instead of `mk_gluon._bf`'s five)."""
+    interpreter, so no integer emulation is needed; two instructions instead of `gluon_gemv._bf`'s five)."""
     return x.to(gl.bfloat16).to(gl.float32)
 
 
@@ -111,7 +106,7 @@ def _rot_pair(src, rows, rmask, HD: gl.constexpr, layout: gl.constexpr, CG: gl.c
 def _norm_rope(a, b, norm, cos, sin, eps, HD: gl.constexpr, HAS_NORM: gl.constexpr, layout: gl.constexpr):
     """Head rows `a` and their rotate_half permutation `b` (`_rot_pair`) -> RMSNorm (Qwen3's q/k norm; `norm`
     the weight pair from `_rot_pair`) then HF RoPE (`cos`, `sin` `[1, HD]`): fp32 `[R, HD]` holding bf16 values,
-    as `mk_kernels._norm_rope`."""
+    as `triton_stages._norm_rope`."""
     d = gl.arange(0, HD, layout=gl.SliceLayout(0, layout))[None, :]
     if HAS_NORM:
         r = gl.expand_dims(1.0 / gl.sqrt(gl.sum(a * a, axis=1) / HD + eps), 1)
@@ -122,17 +117,17 @@ def _norm_rope(a, b, norm, cos, sin, eps, HD: gl.constexpr, HAS_NORM: gl.constex
 
 
 @gluon.jit
-def attend_stage(qkv, kc, vc, q_norm, k_norm, cos, sin, pos_ptr, part_acc, part_m, part_l, laps, lap_base, eps,
+def attend_stage(qkv, kc, vc, q_norm, k_norm, cos, sin, pos_ptr, part_acc, part_m, part_l, eps,
                  scale, head_stride, max_splits, H: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
-                 G: gl.constexpr, BG: gl.constexpr, HAS_NORM: gl.constexpr, TIMED: gl.constexpr,
+                 G: gl.constexpr, BG: gl.constexpr, HAS_NORM: gl.constexpr,
                  AHEAD: gl.constexpr, PAIR: gl.constexpr, MIN_PER: gl.constexpr):
     """One layer's attention for the token at `pos`: `qkv` the QKV stage's output (bf16, q heads then K then V),
     `kc`/`vc` this layer's cache `[slots, NKV, positions, HD]` (slot 0; `head_stride` between KV heads; the new
     K/V are written at `pos`), `q_norm`/`k_norm` the head norms (unread without HAS_NORM), `cos`/`sin` the
     token's RoPE row. Task (g, s)'s partial (unnormalised sums, running max, sum of exponentials of its BG q
     rows) goes to slot `g * max_splits + s` of `part_acc`/`part_m`/`part_l`. The next kernel launches at once
-    (it is the merge: few registers). With TIMED, `laps[lap_base + pid * 4:][:4]` gets the program's globaltimer
-    at its start, after its wait, at its end, and when q and the new K were normed (its first task)."""
+    (it is the merge: few registers). AHEAD: K/V blocks (1 or 2) copied before the wait; PAIR: a two-block task
+    in one step; MIN_PER: blocks per task at least."""
     P: gl.constexpr = SPLIT // WARPS
     gl.static_assert(WARPS * QR == SPLIT)  # the exchanged accumulators [W, QR / 2, HD] fp32 fit one K buffer
     gl.static_assert(BG <= QR // 2)
@@ -154,13 +149,12 @@ def attend_stage(qkv, kc, vc, q_norm, k_norm, cos, sin, pos_ptr, part_acc, part_
     # exchanged in the K buffers' bytes, once the task's blocks are done
     accs = ksm._reinterpret(gl.float32, [WARPS, QR // 2, HD], gl.SwizzledSharedLayout(2, 1, 8, order=[2, 1, 0]))
     red_l: gl.constexpr = gl.BlockedLayout([WARPS, 1, 1], [1, 1, 32], [1, 1, WARPS], [2, 1, 0])  # sums in-thread
-    t_start = _timer() if TIMED else 0
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     pos = gl.load(pos_ptr).to(gl.int32)
-    n_blocks, per, n_splits = _attn_grid(pos, nprog, NKV, SPLIT, MIN_PER)
+    n_blocks, per, n_splits = attn_grid(pos, nprog, NKV, SPLIT, MIN_PER)
     n_tasks = NKV * n_splits
-    g0, _, first0 = _task(pid, n_splits, per)
+    g0, _, first0 = task(pid, n_splits, per)
     if pid < n_tasks:  # this program's first task's first AHEAD blocks (1 or 2), before the wait
         _fetch(kc, vc, ksm.index(0), vsm.index(0), g0, first0, pos, head_stride, HD, kv_l)
         if AHEAD == 2 and first0 + 1 < gl.minimum(first0 + per, n_blocks):
@@ -175,14 +169,12 @@ def attend_stage(qkv, kc, vc, q_norm, k_norm, cos, sin, pos_ptr, part_acc, part_
     sn = gl.load(sin + d1).to(gl.float32)
     qs.store(gl.zeros([QR, HD], gl.bfloat16, rows_l))  # the padding rows (q rows >= BG) stay zero
     gl.thread_barrier()
-    _asm("griddepcontrol.launch_dependents; // $0")
-    _asm("griddepcontrol.wait; // $0")
-    t_wait = _timer() if TIMED else 0
-    t_ready = t_wait
+    inline_ptx("griddepcontrol.launch_dependents; // $0")
+    inline_ptx("griddepcontrol.wait; // $0")
     jq = gl.arange(0, BG, layout=gl.SliceLayout(1, rows_l))[:, None]
     ws = _iota(WARPS, 0, mma) * P + _iota(P, 2, mma)  # [W, 1, P]: where a block's positions sit in the scores
     for t in range(pid, n_tasks, nprog):  # one per program (a second only where `per` rounds up short)
-        g, s, first = _task(t, n_splits, per)
+        g, s, first = task(t, n_splits, per)
         last = gl.minimum(first + per, n_blocks)
         # every load of the task in one round trip: the group's q heads, the new token's k and v
         qa, qb = _rot_pair(qkv, g * G + jq, jq < G, HD, rows_l, True)
@@ -202,9 +194,6 @@ def attend_stage(qkv, kc, vc, q_norm, k_norm, cos, sin, pos_ptr, part_acc, part_
         qs.slice(0, BG).store(q.to(gl.bfloat16))
         ns.slice(0, BG).store(gl.sum(q * k_new, axis=1) * scale)
         vs.store(v_new)
-        if TIMED:
-            if t == pid:
-                t_ready = _timer()
         m_run = gl.full([WARPS, QR], float("-inf"), gl.float32, gl.SliceLayout(2, mma))
         l_run = gl.zeros([WARPS, QR], gl.float32, gl.SliceLayout(2, mma))
         acc = gl.zeros([WARPS, QR, HD], gl.float32, mma)
@@ -269,5 +258,3 @@ def attend_stage(qkv, kc, vc, q_norm, k_norm, cos, sin, pos_ptr, part_acc, part_
         jm = gl.arange(0, QR // 2, layout=m_tot.type.layout)
         gl.store(part_m + slot * BG + jm, m_tot, mask=jm < BG)
         gl.store(part_l + slot * BG + jm, l_tot, mask=jm < BG)
-    if TIMED:
-        _stamp(laps, lap_base, t_start, t_wait, t_ready, WARPS)

@@ -1,24 +1,24 @@
 """The megakernel's GEMV stages in Gluon: the weight tile lands in SHARED memory by TMA, not in registers.
 
-Why (docs/LOG.md, sessions 8-10): with PDL a stage's programs can start, and issue their weight loads, only where
-an SM has room. The Triton stage kernels hold their in-flight weights in registers (125-250 per thread x 256
-threads), so the next stage's program gets an SM only when this stage's program leaves it, and QKV, gate/up and
-down load their weights on the critical path while HBM idles. Here a program asks for few registers (4 warps)
-and keeps its whole tile (QKV 64 KB, o_proj 32 KB, gate/up 96 KB, down 48 KB on the 0.6B shape) in shared
-memory, so the next GEMV stage's programs fit beside the current ones and stream their tiles a stage ahead.
+Why: with PDL a stage's programs can start, and issue their weight loads, only where an SM has room. The Triton
+stage kernels hold their in-flight weights in registers (125-250 per thread x 256 threads), so the next stage's
+program gets an SM only when this stage's program leaves it, and QKV, gate/up and down load their weights on the
+critical path while HBM idles. Here a program asks for few registers (4 warps) and keeps its whole tile (QKV 64 KB,
+o_proj 32 KB, gate/up 96 KB, down 48 KB on the 0.6B shape) in shared memory, so the next GEMV stage's programs fit
+beside the current ones and stream their tiles a stage ahead.
 
-One kernel, `gemv_stage`, for the four GEMV stages (STAGE as in `mk_kernels.decode_stage`: 0 QKV, 2 o_proj, 3
+One kernel, `gemv_stage`, for the four GEMV stages (STAGE as in `triton_stages.decode_stage`: 0 QKV, 2 o_proj, 3
 gate/up, 4 down). Program pid owns rows `[pid * R, pid * R + R)` (R a multiple of BOX_ROWS): before its PDL wait it
-issues the TMA copies of its tile in [BOX_ROWS, BOX_K] boxes, paced (`_producer`: a few groups of boxes in flight,
-so that 132 programs do not queue a whole stage's megabytes in front of the latency-bound work of the stages on
-the critical path); after the wait it reads the stage input (RMSNorm'd for QKV and gate/up) into shared memory,
-waits for the rest of the tile, and multiplies it: on the tensor cores by default (`_mma_rows`, MMA: the tile in
-128-byte swizzled [4 rows, 8 chunks, 64] boxes, one m16n8k16 mma per 8 K chunks of 8 rows; session 11), else
-with FFMAs box by box (`_consumer`). Each warp owns rows: the row sums stay inside a warp. When the next kernel may
-launch (before or after the wait) is a per-stage choice (`DecodeMegakernel.gluon_late_launch`): it decides how
-far ahead the next stage's tiles stream. Rounding as in `mk_kernels`: every value HF holds in bf16 is rounded to
-bf16 at the same point (integer round-to-nearest-even). The sums run in another order than the Triton stages', so
-the two paths agree to bf16 rounding, not bit for bit. GPU only (no interpreter).
+issues the TMA copies of its tile, paced (`_producer`: a few groups of boxes in flight, so that 132 programs do not
+queue a whole stage's megabytes in front of the latency-bound work of the stages on the critical path); after the
+wait it reads the stage input (RMSNorm'd for QKV and gate/up) into shared memory, waits for the rest of the tile,
+and multiplies it: on the tensor cores (`_consumer_mma`, MMA: the tile in 128-byte swizzled [4 rows, 8 chunks, 64]
+boxes, one m16n8k16 mma per 8 K chunks of 8 rows), or with FFMAs on [BOX_ROWS, BOX_K] boxes (`_consumer`). Each
+warp owns rows: the row sums stay inside a warp. When the next kernel may launch (before or after the wait) is a
+per-stage choice (`layout.GLUON_LATE_LAUNCH`): it decides how far ahead the next stage's tiles stream. Rounding as
+in `triton_stages`: every value HF holds in bf16 is rounded to bf16 at the same point (integer round-to-nearest-
+even). The sums run in another order than the Triton stages', so the two paths agree to bf16 rounding, not bit for
+bit. GPU only (no interpreter).
 """
 
 from __future__ import annotations
@@ -28,18 +28,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-BOX_ROWS = gl.constexpr(8)
-BOX_K = gl.constexpr(256)
-MMA_CHUNK = gl.constexpr(64)
-"""K elements of one 128-byte swizzled row of a tensor-core tile (`_consumer_mma`)."""
-MMA_SLICES = gl.constexpr(8)
-"""K chunks of a weight row multiplied side by side by one mma: the m16n8k16 instruction's 8 B columns
-(`_mma_rows`); 8 chunks of 64 make a 512-wide K block."""
-MMA_BOX_ROWS = gl.constexpr(4)
-"""Weight rows of one 512-wide K block per TMA box of a tensor-core tile: 4 KB, as the FFMA path's [8, 256]
-boxes."""
-MMA_IN = gl.constexpr(16)
-"""64-wide chunks of the input per load: [16, 64] (1,024 elements)."""
+from rlbench.engine.megakernel import layout
+
+BOX_ROWS = gl.constexpr(layout.BOX_ROWS)
+BOX_K = gl.constexpr(layout.BOX_K)
+MMA_CHUNK = gl.constexpr(layout.MMA_CHUNK)
+MMA_SLICES = gl.constexpr(layout.MMA_SLICES)
+MMA_BOX_ROWS = gl.constexpr(layout.MMA_BOX_ROWS)
+MMA_IN = gl.constexpr(layout.MMA_IN)
 
 
 def box_layout() -> gl.NVMMASharedLayout:
@@ -57,29 +53,16 @@ def mma_box_layout() -> gl.NVMMASharedLayout:
 
 @gluon.jit
 def _bf(x):
-    """fp32 rounded to the nearest bf16 (ties to even), kept as fp32 (as `mk_kernels._bf`)."""
+    """fp32 rounded to the nearest bf16 (ties to even), kept as fp32 (as `triton_stages.round_bf16`)."""
     b = x.to(gl.uint32, bitcast=True)
     b = b + 0x7FFF + ((b >> 16) & 1)
     return ((b >> 16) << 16).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
-def _asm(text: gl.constexpr):
+def inline_ptx(text: gl.constexpr):
+    """One PTX instruction with side effects (e.g. `griddepcontrol.wait; // $0`: the dummy output keeps it)."""
     return gl.inline_asm_elementwise(text, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _timer():
-    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _stamp(laps, lap_base, t_start, t_wait, t_ready, WARPS: gl.constexpr):
-    """TIMED: the program's start, wait, end and tile-landed globaltimer stamps into `laps`."""
-    t_end = _timer()
-    i = gl.arange(0, 4, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
-    stamps = gl.where(i == 0, t_start, gl.where(i == 1, t_wait, gl.where(i == 2, t_end, t_ready)))
-    gl.store(laps + lap_base + gl.program_id(0) * 4 + i, stamps)
 
 
 @gluon.jit
@@ -154,10 +137,10 @@ def _producer(desc, tile, tile_hi, LO: gl.constexpr, bars, row0, live, N: gl.con
 
 
 @gluon.jit
-def _consumer(tile, bars, xs, inp, norm, bias, out, laps, lap_base, eps, row0, live, t_start,
+def _consumer(tile, bars, xs, inp, norm, bias, out, eps, row0, live,
               N: gl.constexpr, K: gl.constexpr, R: gl.constexpr, KCP: gl.constexpr, STAGE: gl.constexpr,
               HAS_BIAS: gl.constexpr, LATE_LAUNCH: gl.constexpr, NG: gl.constexpr, IN_FLIGHT: gl.constexpr,
-              WARPS: gl.constexpr, TIMED: gl.constexpr):
+              WARPS: gl.constexpr):
     NC: gl.constexpr = K // BOX_K
     NRG: gl.constexpr = R // BOX_ROWS
     GATED: gl.constexpr = STAGE == 3
@@ -172,10 +155,9 @@ def _consumer(tile, bars, xs, inp, norm, bias, out, laps, lap_base, eps, row0, l
     rs = gl.arange(0, BOX_ROWS, layout=gl.SliceLayout(1, layout))
     if NORMED:  # token-independent: before the wait
         s = gl.load(norm + koff, mask=kmask, other=0.0).to(gl.float32)
-    _asm("griddepcontrol.wait; // $0")
+    inline_ptx("griddepcontrol.wait; // $0")
     if LATE_LAUNCH:
-        _asm("griddepcontrol.launch_dependents; // $0")
-    t_wait = _timer() if TIMED else 0
+        inline_ptx("griddepcontrol.launch_dependents; // $0")
     # the stage input (RMSNorm'd for QKV and gate/up) and the first row group's residual in one round trip
     v = gl.load(inp + koff, mask=kmask, other=0.0, cache_modifier=".cg").to(gl.float32)
     if RESIDUAL:
@@ -185,11 +167,10 @@ def _consumer(tile, bars, xs, inp, norm, bias, out, laps, lap_base, eps, row0, l
         v = _bf(s * _bf(v * rstd))
     xs.store(v)
     gl.thread_barrier()
-    # the same bytes, viewed so that .index(c) is the 1-D chunk c (as benchmarks/gluon_stream.py)
+    # the same bytes, viewed so that .index(c) is the 1-D chunk c
     xrow = xs._reinterpret(gl.float32, [KCP, BOX_K], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     for g in gl.static_range(max(0, NG - IN_FLIGHT), NG):  # the groups the producer did not wait for
         mbarrier.wait(bars.index(g), 0, pred=live)
-    t_ready = _timer() if TIMED else 0
     for r in gl.static_range(NRG):
         acc = gl.zeros([BOX_ROWS, BOX_K], gl.float32, layout=layout)
         acc_up = gl.zeros([BOX_ROWS, BOX_K], gl.float32, layout=layout)
@@ -210,8 +191,6 @@ def _consumer(tile, bars, xs, inp, norm, bias, out, laps, lap_base, eps, row0, l
             gl.store(out + rows, _bf(res + _bf(o)).to(gl.bfloat16), mask=rmask)
         else:
             _store_rows(out, bias, rows, rmask, o, gl.sum(acc_up, axis=1), GATED, HAS_BIAS)
-    if TIMED:
-        _stamp(laps, lap_base, t_start, t_wait, t_ready, WARPS)
 
 
 @gluon.jit
@@ -249,10 +228,9 @@ def _mma_rows(tile, tile_hi, LO: gl.constexpr, xs, b0, b1, rg: gl.constexpr, H: 
 
 
 @gluon.jit
-def _consumer_mma(tile, tile_hi, LO: gl.constexpr, bars, xs, inp, norm, bias, out, laps, lap_base, eps, row0, live, t_start,
+def _consumer_mma(tile, tile_hi, LO: gl.constexpr, bars, xs, inp, norm, bias, out, eps, row0, live,
                   N: gl.constexpr, K: gl.constexpr, R: gl.constexpr, STAGE: gl.constexpr, HAS_BIAS: gl.constexpr,
-                  LATE_LAUNCH: gl.constexpr, NG: gl.constexpr, IN_FLIGHT: gl.constexpr, WARPS: gl.constexpr,
-                  TIMED: gl.constexpr):
+                  LATE_LAUNCH: gl.constexpr, NG: gl.constexpr, IN_FLIGHT: gl.constexpr, WARPS: gl.constexpr):
     """`_consumer` on the tensor cores (`_mma_rows`): the input goes to shared memory as bf16 (every stage input
     is bf16-exact: HF rounds it there) as [K / 64, 64]."""
     NCH: gl.constexpr = K // MMA_CHUNK
@@ -272,10 +250,9 @@ def _consumer_mma(tile, tile_hi, LO: gl.constexpr, bars, xs, inp, norm, bias, ou
     rs = gl.arange(0, BOX_ROWS, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
     if NORMED and KC == 1:  # token-independent: before the wait
         s0 = gl.load(norm + xoff).to(gl.float32)
-    _asm("griddepcontrol.wait; // $0")
+    inline_ptx("griddepcontrol.wait; // $0")
     if LATE_LAUNCH:
-        _asm("griddepcontrol.launch_dependents; // $0")
-    t_wait = _timer() if TIMED else 0
+        inline_ptx("griddepcontrol.launch_dependents; // $0")
     if RESIDUAL:
         res0 = gl.load(out + row0 + rs, mask=row0 + rs < N, other=0.0,
                        cache_modifier=".cg").to(gl.float32)
@@ -300,7 +277,6 @@ def _consumer_mma(tile, tile_hi, LO: gl.constexpr, bars, xs, inp, norm, bias, ou
     gl.thread_barrier()
     for g in gl.static_range(max(0, NG - IN_FLIGHT), NG):  # the groups the producer did not wait for
         mbarrier.wait(bars.index(g), 0, pred=live)
-    t_ready = _timer() if TIMED else 0
     b0 = xs.slice(0, MMA_SLICES).permute([1, 0]).load(gl.DotOperandLayout(1, mma, 2))
     b1 = xs.slice(MMA_SLICES, MMA_SLICES).permute([1, 0]).load(gl.DotOperandLayout(1, mma, 2))
     for r in gl.static_range(NRG):
@@ -319,26 +295,23 @@ def _consumer_mma(tile, tile_hi, LO: gl.constexpr, bars, xs, inp, norm, bias, ou
             rmask = rows < N
             up = _mma_rows(tile, tile_hi, LO, xs, b0, b1, r * S + 1, H, WARPS) if GATED else o
             _store_rows(out, bias, rows, rmask, o, up, GATED, HAS_BIAS)
-    if TIMED:
-        _stamp(laps, lap_base, t_start, t_wait, t_ready, WARPS)
 
 
 @gluon.jit
-def gemv_stage(desc, inp, norm, bias, out, laps, lap_base, eps,
+def gemv_stage(desc, inp, norm, bias, out, eps,
                N: gl.constexpr, K: gl.constexpr, R: gl.constexpr, KCP: gl.constexpr, STAGE: gl.constexpr,
                HAS_BIAS: gl.constexpr, LATE_LAUNCH: gl.constexpr, GROUP: gl.constexpr, IN_FLIGHT: gl.constexpr,
-               WARPS: gl.constexpr, TIMED: gl.constexpr, MMA: gl.constexpr, LO: gl.constexpr):
+               WARPS: gl.constexpr, MMA: gl.constexpr, LO: gl.constexpr):
     """`desc`: TMA descriptor of this layer's `[rows, K]` weight (gate/up stacked `[2 N, K]`), boxes
     [BOX_ROWS, BOX_K]. `inp`: the stage input `[K]` (bf16); `norm`: its RMSNorm weight (QKV, gate/up);
     `bias`: QKV bias (HAS_BIAS); `out`: qkv (QKV), act (gate/up), or the residual x, read and written (o_proj,
     down). KCP: K // BOX_K rounded up to a power of two. LATE_LAUNCH: let the next kernel launch only after this
     one's wait (its programs then arrive one stage ahead, not as many as fit). GROUP, IN_FLIGHT: TMA boxes per
-    mbarrier and such groups in flight per program (`_producer`). With TIMED, `laps[lap_base + pid * 4:][:4]`
-    gets the program's globaltimer at its start, after the wait, at its end, and when its whole tile had landed."""
+    mbarrier and such groups in flight per program (`_producer`). MMA: on the tensor cores, the tile in two
+    buffers of which the first holds LO rows of [8 chunks, 64] (`host.mma_tile_split`)."""
     NC: gl.constexpr = K // MMA_CHUNK if MMA else K // BOX_K
     S: gl.constexpr = 2 if STAGE == 3 else 1
     NBOX: gl.constexpr = R * S * NC // MMA_SLICES // MMA_BOX_ROWS if MMA else (R // BOX_ROWS) * NC * S
-    t_start = _timer() if TIMED else 0
     if MMA:
         blocks: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
         tile = gl.allocate_shared_memory(gl.bfloat16, [LO, MMA_SLICES, MMA_CHUNK], blocks)
@@ -361,13 +334,13 @@ def gemv_stage(desc, inp, norm, bias, out, laps, lap_base, eps,
     row0 = gl.program_id(0) * R
     live = row0 < N
     if not LATE_LAUNCH:
-        _asm("griddepcontrol.launch_dependents; // $0")
+        inline_ptx("griddepcontrol.launch_dependents; // $0")
     _producer(desc, tile, tile_hi, LO, bars, row0, live, N, NC, S, NBOX, GROUP, IN_FLIGHT, MMA)
     if MMA:
-        _consumer_mma(tile, tile_hi, LO, bars, xs, inp, norm, bias, out, laps, lap_base, eps, row0, live, t_start, N, K, R,
-                      STAGE, HAS_BIAS, LATE_LAUNCH, NG, IN_FLIGHT, WARPS, TIMED)
+        _consumer_mma(tile, tile_hi, LO, bars, xs, inp, norm, bias, out, eps, row0, live, N, K, R,
+                      STAGE, HAS_BIAS, LATE_LAUNCH, NG, IN_FLIGHT, WARPS)
     else:
-        _consumer(tile, bars, xs, inp, norm, bias, out, laps, lap_base, eps, row0, live, t_start, N, K, R, KCP,
-                  STAGE, HAS_BIAS, LATE_LAUNCH, NG, IN_FLIGHT, WARPS, TIMED)
+        _consumer(tile, bars, xs, inp, norm, bias, out, eps, row0, live, N, K, R, KCP,
+                  STAGE, HAS_BIAS, LATE_LAUNCH, NG, IN_FLIGHT, WARPS)
     # (no mbarrier.inval: the barriers' shared memory is not reused before the program exits, and each
     # invalidation is a CTA barrier on the way to the grid's completion, which the next stage waits for)

@@ -1,21 +1,17 @@
 """The batch-1 head (final RMSNorm, lm_head, sampling, state update) in two Triton kernels, after the megakernel.
 
 Why: as compiled torch the head is ~7 kernels (norm, lm_head + noise, three vocab reductions, the state update)
-with a launch gap before each inside the step's CUDA graph; at batch 1 the 0.6B step is ~0.58 ms, of which the
-lm_head's 311 MB take 74 us and the rest of the head ~25 us. Measured on the H200 (docs/LOG.md, session 11, one
-run): sampling steps 0.569 / 0.618 ms at kv 256 / 1024 against 0.578 / 0.628 with the compiled head; greedy
-0.567 / 0.615 against 0.568 / 0.618. (Blocks of 16 rows reduced across 4 warps each took 0.738 ms: a CTA barrier
-per block; here every program is one warp.) The partials kernel is launched with PDL after the megakernel's last
-stage on sm_90+.
+with a launch gap before each inside the step's CUDA graph. Here every program is one warp, so that no reduction
+needs a CTA barrier, and the partials kernel is launched with PDL after the megakernel's last stage on sm_90+.
 
-`_head_partials`: one-warp program p streams its share of the lm_head rows (blocks of BR rows, the next block's
-loads in flight while one is reduced),
-computes the logits as HF does (fp32 sums rounded to bf16, over the bf16 RMSNorm of the hidden state), and keeps
-per-program partials of everything `sampling.sample_tokens` / `greedy_tokens` reduce over the vocabulary: the
-first argmax of the tempered logits plus Gumbel noise (the same counter-based noise, `sampling.uniform_noise`),
-the first argmax of the tempered logits, and their online logsumexp, per row slot, reduced once at its end. `_head_finish` (one program) combines the
-partials (ties to the lowest token id, as `argmax_rows`), forms the log-prob `scaled[token] - logsumexp`, and
-writes the slot state as `step_kernel.finish_step`. Top-k/top-p ("truncate") keeps the compiled head.
+`_head_partials`: one-warp program p streams its share of the lm_head rows (blocks of BLOCK_ROWS rows, the next
+block's loads in flight while one is reduced), computes the logits as HF does (fp32 sums rounded to bf16, over the
+bf16 RMSNorm of the hidden state), and keeps per-program partials of everything `sampling.sample_tokens` /
+`greedy_tokens` reduce over the vocabulary: the first argmax of the tempered logits plus Gumbel noise (the same
+counter-based noise, `sampling.uniform_noise`), the first argmax of the tempered logits, and their online
+logsumexp, per row slot, reduced once at its end. `_head_finish` (one program) combines the partials (ties to the
+lowest token id, as `argmax_rows`), forms the log-prob `scaled[token] - logsumexp`, and writes the slot state as
+`step.finish_step`. Top-k/top-p ("truncate") keeps the compiled head.
 """
 
 from __future__ import annotations
@@ -26,9 +22,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from rlbench.engine.megakernel.step import store_step
-from rlbench.engine.megakernel.triton_stages import (
-    _bf,  # integer round-to-nearest-even (the interpreter truncates casts)
-)
+from rlbench.engine.megakernel.triton_stages import round_bf16
 
 BLOCK_ROWS = 4
 """lm_head rows per loaded block of a one-warp program (4 x 1,024 bf16 = 8 KB on the 0.6B shape)."""
@@ -74,7 +68,7 @@ def _head_partials(hidden, norm_w, lm_w, temperature, seeds, steps, part_f, part
     # the final RMSNorm as HF: fp32, rounded to bf16, times the bf16 weight, rounded again
     h = tl.load(hidden + k, mask=km, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / K + eps)
-    x = _bf(tl.load(norm_w + k, mask=km, other=0.0).to(tl.float32) * _bf(h * rstd))
+    x = round_bf16(tl.load(norm_w + k, mask=km, other=0.0).to(tl.float32) * round_bf16(h * rstd))
     temp = tl.load(temperature)
     temp = tl.where(temp <= 0, 1.0, temp)  # greedy rows of "sample" report T = 1
     if not NOISE:  # "greedy": every row, whatever its temperature
@@ -101,7 +95,7 @@ def _head_partials(hidden, norm_w, lm_w, temperature, seeds, steps, part_f, part
         nxt = rows + BR
         w_next = tl.load(lm_w + nxt[:, None].to(tl.int64) * K + k[None, :],
                          mask=((nxt < V) & (blk + 1 < last))[:, None] & km[None, :], other=0.0)
-        logits = _bf(tl.sum(w.to(tl.float32) * x[None, :], axis=1))
+        logits = round_bf16(tl.sum(w.to(tl.float32) * x[None, :], axis=1))
         scaled = logits / temp
         # online logsumexp and first argmax of the tempered logits (a slot sees its rows in ascending order)
         m_new = tl.where(rm, tl.maximum(s_max, scaled), s_max)

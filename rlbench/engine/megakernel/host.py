@@ -1,36 +1,25 @@
-"""Batch-1 decode of every decoder layer by Triton kernels that stream the weights (the "megakernel").
+"""Host side of the batch-1 decode megakernel: every decoder layer of one token by kernels that stream the weights.
 
-Why: at batch 1 the 0.6B shape reads 30 MB of weights per layer, 7 us at HBM speed, but the compiled
-step spends ~9 kernels per layer at >= 2 us of launch and ramp each (docs/LOG.md, 2026-11-30), so it sat
-at 4.5x the bandwidth floor. Here a layer is five stages (`mk_kernels.py`), each cut into tasks of about
-equal bytes, one per SM for the GEMVs, and each program issues its next weights (or K/V) BEFORE it waits for
-the previous stage. How the stages wait for each other is `DecodeMegakernel.stage_sync`:
+Why: at batch 1 the 0.6B shape reads 30 MB of weights per layer, 7 us at HBM speed, but the compiled step spends
+~9 kernels per layer at >= 2 us of launch and ramp each. Here a layer is five stages (`triton_stages.py`), each
+cut into tasks of about equal bytes, one per SM for the GEMVs, and each program issues its next weights (or K/V)
+BEFORE it waits for the previous stage. How the stages wait for each other is `DecodeMegakernel.stage_sync`:
   "pdl"      a kernel per stage with programmatic dependent launch (sm_90+, the default there): a stage's
-             programs start, and issue their weight loads, as soon as an SM frees; `griddepcontrol.wait`
-             returns ~0.5 us after the previous stage's last program ends (a grid barrier took ~2.4 us while
-             the weights stream). The attention partials are merged by a sixth, small kernel (one 1-warp
-             program per q head). 168 launches per step, captured in the step's CUDA graph.
+             programs start, and issue their weight loads, as soon as an SM frees; the wait returns soon after
+             the previous stage's last program ends. The attention partials are merged by a sixth, small kernel
+             (one 1-warp program per q head). 168 launches per step, captured in the step's CUDA graph.
   "barrier"  one persistent kernel over all layers, grid barriers between stages; every program must be
              resident at once (the GPU to itself). The default where PDL is missing.
   "launch"   a kernel per stage in plain stream order (what the interpreter runs for the per-stage kernels).
 "pdl" and "launch" run the same kernels and give the same bits; "barrier" merges the attention partials with
-a ticket in its attention stage (another summation order). The embedding, RoPE tables and the head
-(final norm, lm_head, sampling) stay in the compiled graphs around it; the CUDA graph captures all of it.
+a ticket in its attention stage (another summation order).
 
-Used for batch-1 decode steps on CUDA when `StepOptions.megakernel` is on and `unsupported()` finds nothing
-against it (bf16 fused Qwen3/Qwen2/Llama layers without o/MLP biases); other batches, models and devices
-keep the compiled path. On the CPU it runs under Triton's interpreter with one program (tests).
-
-With "pdl" (and "launch") the GEMV stages whose tile fits shared memory run as Gluon kernels (`mk_gluon.py`,
+With a per-stage sync the GEMV stages whose tile fits shared memory run as Gluon kernels (`gluon_gemv.py`,
 `gluon_gemv`): their tile lands in shared memory, not registers, so that the next stage's programs share the SM
-and stream their tiles a stage ahead; with them, the attention stage runs in Gluon too (`mk_attend.py`,
-`gluon_attention`: per-warp online softmax on the tensor cores, no CTA barrier per block).
-
-Status (H200, docs/LOG.md 2026-11-30, sessions 8, 10-13): correct (error vs float64 equal to the bf16 layer
-stack's); with "pdl", the tensor-core Gluon GEMV stages and the Gluon attention stage the 0.6B step takes
-0.541-0.574 ms at kv 256-1536 against the compiled path's 1.13-1.36 ms (1.95-2.07x the floor, goal 2x; Triton
-attention 0.561-0.616 ms, FFMA Gluon stages 0.62-0.68 ms, Triton stages 0.70-0.74 ms, "barrier" 0.84-0.86 ms),
-the 4B step (no stage fits) 3.01 ms (1.61x) against 4.06 ms compiled.
+and stream their tiles a stage ahead; with them, the attention stage runs in Gluon too (`gluon_attend.py`:
+per-warp online softmax on the tensor cores, no CTA barrier per block). The settings the product never changes
+are constants in `layout.py`, read at each call. On the CPU it runs under Triton's interpreter with one program
+(tests); `rlbench.engine.megakernel.build` decides where it runs.
 """
 
 from __future__ import annotations
@@ -42,17 +31,7 @@ import warnings
 import torch
 
 from rlbench.engine.config import STAGE_SYNC
-from rlbench.engine.megakernel.layout import (
-    GLUON_TILE_BYTES,
-    MAX_SPINS,
-    MERGE_CHUNK,
-    PIPELINE_MIN_CHUNKS,
-    PIPELINE_STAGES,
-    SPLIT,
-    STAGE_ORDER,
-    TABLE,
-    TILE_ELEMS,
-)
+from rlbench.engine.megakernel import layout
 
 
 def gluon_available(device: torch.device) -> bool:
@@ -76,19 +55,20 @@ def default_stage_sync(device: torch.device) -> str:
     return "barrier"
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, math.ceil(math.log2(max(1, n))))
 
 
-def _tiling(n_rows: int, k: int, programs: int, tile_elems: int, stacked: int = 1) -> tuple[int, int, int, int]:
+def _tiling(n_rows: int, k: int, programs: int, stacked: int = 1) -> tuple[int, int, int, int]:
     """(rows per task, row block, K block, pipeline stages) so that `n_rows` split over `programs` tasks of ~equal
     bytes; tiles of PIPELINE_MIN_CHUNKS or more K chunks go through the cp.async pipeline (PIPELINE_STAGES)."""
     rows = math.ceil(n_rows / programs)
-    block = _pow2(rows)
-    if block * stacked * _pow2(k) <= 2 * tile_elems:  # one chunk in the registers of a double buffer
-        return rows, block, _pow2(k), 1
-    bk = max(16, tile_elems // (block * stacked))
-    return rows, block, bk, PIPELINE_STAGES if math.ceil(k / bk) >= PIPELINE_MIN_CHUNKS else 1
+    block = pow2(rows)
+    if block * stacked * pow2(k) <= 2 * layout.TILE_ELEMS:  # one chunk in the registers of a double buffer
+        return rows, block, pow2(k), 1
+    bk = max(16, layout.TILE_ELEMS // (block * stacked))
+    return rows, block, bk, layout.PIPELINE_STAGES if math.ceil(k / bk) >= layout.PIPELINE_MIN_CHUNKS else 1
 
 
 def mma_tile_split(chunk_rows: int) -> int | None:
@@ -96,14 +76,12 @@ def mma_tile_split(chunk_rows: int) -> int | None:
     sizes (Gluon's layouts need them): the first one's size, or None when the rest is not a power of two either."""
     lo = 1 << (chunk_rows.bit_length() - 1)
     rest = chunk_rows - lo
-    return lo if rest == 0 or rest == _pow2(rest) else None
+    return lo if rest == 0 or rest == pow2(rest) else None
 
 
 def _mma_tile_rows(stacked: int, rows: int, k: int) -> int:
     """Rows of [8 chunks, 64] in a tensor-core Gluon tile of `stacked * rows` weight rows of K."""
-    from rlbench.engine.megakernel.gluon_gemv import MMA_CHUNK, MMA_SLICES
-
-    return stacked * rows * k // (MMA_SLICES.value * MMA_CHUNK.value)
+    return stacked * rows * k // (layout.MMA_SLICES * layout.MMA_CHUNK)
 
 
 def unsupported(model: torch.nn.Module, layers: list | None, device: torch.device) -> str | None:
@@ -122,7 +100,7 @@ def unsupported(model: torch.nn.Module, layers: list | None, device: torch.devic
     if any(x is not None for x in (w.o_bias, w.gate_up_bias, w.down_bias)):
         return "o_proj/MLP biases are not implemented"
     hd = w.o.shape[1] // model.config.num_attention_heads
-    if hd != _pow2(hd):
+    if hd != pow2(hd):
         return f"head_dim={hd} is not a power of two"
     if model.config.num_attention_heads // model.config.num_key_value_heads > 16:
         return "more than 16 q heads per KV head (an attention task holds one group in 16 rows)"
@@ -130,13 +108,13 @@ def unsupported(model: torch.nn.Module, layers: list | None, device: torch.devic
 
 
 class DecodeMegakernel:
-    """Scratch buffers, tiling and the per-layer pointer table for one model and one KV cache."""
+    """Scratch buffers, tiling and the per-layer pointer table for one model and one KV cache; a call runs every
+    decoder layer for one token."""
 
     def __init__(self, model: torch.nn.Module, layers: list, max_seq_len: int, device: torch.device,
-                 programs: int | None = None, tile_programs: int | None = None, tile_elems: int = TILE_ELEMS):
+                 programs: int | None = None, tile_programs: int | None = None):
         """`programs`: the grid (default: the SM count; 1 on the CPU). `tile_programs`: the grid the GEMV tiles
-        are cut for (default `programs`; tests run a GPU's tiling with one interpreted program). `tile_elems`:
-        see TILE_ELEMS (benchmarks/megakernel.py --tile-elems)."""
+        are cut for (default `programs`; tests run a GPU's tiling with one interpreted program)."""
         c = model.config
         self.h, self.n_kv = c.num_attention_heads, c.num_key_value_heads
         self.d, self.i = c.hidden_size, c.intermediate_size
@@ -149,12 +127,12 @@ class DecodeMegakernel:
         self.programs = programs
         tiles = tile_programs or programs
         qkv_rows = (self.h + 2 * self.n_kv) * self.hd
-        self.t_qkv = _tiling(qkv_rows, self.d, tiles, tile_elems)
-        self.t_o = _tiling(self.d, self.h * self.hd, tiles, tile_elems)
-        self.t_gu = _tiling(self.i, self.d, tiles, tile_elems, stacked=2)
-        self.t_dn = _tiling(self.d, self.i, tiles, tile_elems)
-        self.max_splits = math.ceil(max_seq_len / SPLIT)
-        bg = _pow2(self.group)
+        self.t_qkv = _tiling(qkv_rows, self.d, tiles)
+        self.t_o = _tiling(self.d, self.h * self.hd, tiles)
+        self.t_gu = _tiling(self.i, self.d, tiles, stacked=2)
+        self.t_dn = _tiling(self.d, self.i, tiles)
+        self.max_splits = math.ceil(max_seq_len / layout.SPLIT)
+        bg = pow2(self.group)
         f32, bf16 = dict(dtype=torch.float32, device=device), dict(dtype=torch.bfloat16, device=device)
         self.qkv = torch.empty(qkv_rows, **bf16)
         self.attn = torch.empty(self.h * self.hd, **bf16)
@@ -164,94 +142,21 @@ class DecodeMegakernel:
         self.part_l = torch.empty(self.n_kv * self.max_splits * bg, **f32)
         self.sync = torch.zeros(1 + c.num_hidden_layers * self.n_kv, dtype=torch.int32, device=device)
         self.err = torch.zeros(1, dtype=torch.int32, device=device)
-        self.table = torch.zeros(c.num_hidden_layers, len(TABLE), dtype=torch.int64, device=device)
+        self.table = torch.zeros(c.num_hidden_layers, len(layout.TABLE), dtype=torch.int64, device=device)
         self.head_stride = 0
         self._bound: tuple = ()
-        self.num_warps = 8
-        self.max_spins = MAX_SPINS
-        self.merge_chunk = MERGE_CHUNK
-        """See MERGE_CHUNK (benchmarks/megakernel.py --merge-chunk)."""
-        self.bf16_dot = device.type == "cuda"  # the interpreter multiplies bf16 dot operands as raw integers
-        self.carveout: int | None = 0
-        """Preferred shared-memory carveout (percent) set on the compiled kernel; 0: the least shared memory the
-        kernel needs, the most L1. The driver's own choice (None) measured 4% slower per call with 72 KB of shared
-        memory (0.6B, pos 256) and the same within noise at 36 KB (4B: 3,519 vs 3,514 us); docs/LOG.md."""
-        self._carved: set = set()
-        self.stage_sync = default_stage_sync(device)
-        """How a stage waits for the previous one (STAGE_SYNC): "pdl" (a kernel per stage, programmatic dependent
-        launch, sm_90+: the next stage's programs issue their weight loads as soon as an SM frees, and its wait
-        returns ~0.5 us after this stage's last program ends), "barrier" (one persistent kernel, grid barriers:
-        every program must be resident at once) or "launch" (a kernel per stage in plain stream order; the same
-        bits as "pdl"). Default: "pdl" where the GPU has it (14-16% faster than "barrier" on the H200, and no
-        residency requirement), else "barrier"."""
-        self.merge_warps = 1
-        """Warps of the per-stage kernels' attention merge (one q head per program; 2 and 4 measured mixed)."""
-        self.gluon_gemv = gluon_available(device)
-        """Run the GEMV stages whose tile fits shared memory (`gluon_plan`) as `mk_gluon.gemv_stage` kernels (the
-        tile lands in shared memory by TMA, 4 warps, few registers) instead of the Triton stage kernels, so that
-        the next stage's programs fit beside the current ones and load their tiles a stage ahead. Per-stage sync
-        ("pdl" / "launch") only; default: where Gluon's Hopper TMA is available (sm_90+). Measured on the H200
-        (docs/LOG.md sessions 10-11): 0.6B 505-508 / 571-575 / 611-616 us per call at pos 256 / 1024 / 1500 against
-        620 / 642-644 / 663-665 with the Triton stages; on the tensor cores (`gluon_mma`) 455.6 / 520.2 at pos 256
-        / 1024."""
-        self.gluon_stages = (0, 2, 3, 4)
-        """The GEMV stages that may run in Gluon (QKV, o_proj, gate/up, down; benchmarks/megakernel.py --gluon)."""
-        self.gluon_late_launch = (0, 3)
-        """Gluon stages that let the next kernel launch only after their wait (it then arrives one stage ahead);
-        the others let it launch at once (it arrives as early as an SM has room). o_proj launches gate/up early,
-        so that gate/up's 12 MB stream during the attention merge and o_proj, and down launches QKV early, so
-        that QKV's tile has landed when down ends (with the tensor-core GEMVs down ends ~1 us sooner); QKV and
-        gate/up launch late, so that the next stage's stream does not run during the latency-bound attention
-        (measured, FFMA GEMVs: all early 596 / 632 / 695 us, all late 544 / 631 / 634, QKV + gate/up + down late
-        518 / 584 / 621 at pos 256 / 1024 / 1500; tensor cores, session 11: QKV + gate/up + down late 470.9 /
-        538.2, QKV + gate/up late 459.3 / 524.2 at pos 256 / 1024)."""
-        self.gluon_pacing = {0: (2, 2), 2: (2, 2), 3: (2, 2), 4: (4, 2)}
-        """Per Gluon stage: (TMA boxes of 4 KB per mbarrier, such groups in flight per program). A burst of a
-        whole stage's tiles (12 MB for gate/up) queues the latency-bound accesses of the stage on the critical path
-        behind it; two groups of two boxes (16 KB per SM, ~2 MB in flight on the GPU) pace the stream. (QKV's
-        64 KB at once was better while QKV launched late: 505 vs 518 us; launched early by down, paced is better:
-        459.3 vs 485.2 us at pos 256, session 11. Down, whose tile is half landed when gate/up ends, takes four
-        boxes per group: 420.8 / 444.3 / 457.0 vs 427.3 / 447.1 / 460.6 us at pos 256 / 1024 / 1500, session 13.)"""
-        self.gluon_warps = 4
-        """Warps of a Gluon stage program (8 measured 12-16% slower per call)."""
-        self.gluon_mma = True
-        """Gluon stages multiply on the tensor cores (`mk_gluon._mma_rows`: tiles in 128-byte swizzled boxes of
-        [4 rows, 8 chunks, 64], one mma per 8 chunks of 8 rows) where `gluon_plan` allows it (K a multiple of
-        1,024), else with FFMAs on [8, 256] boxes (`mk_gluon._consumer`). H200, session 11, same run: 455.6 / 520.2
-        vs 493.0 / 560.7 us per call at pos 256 / 1024 (benchmarks/megakernel.py --gluon default ...,f)."""
-        self.gluon_attention = True
-        """Run the attention stage as `mk_attend.attend_stage` (each warp its own online softmax over a quarter of a
-        block, the cached K/V copied to shared memory before the PDL wait, no reduction across warps per block)
-        instead of the Triton stage, where `gluon_attention_active` allows it. H200, session 13, same run: 421.5 /
-        438.6 / 454.3 us per call at pos 256 / 1024 / 1500 vs 444.3 / 504.6 / 529.2 (benchmarks/megakernel.py
-        --gluon default default,a); decode step, greedy, 0.541 / 0.551 / 0.570 ms at kv 256 / 1024 / 1536 vs 0.561
-        / 0.611 / 0.608 (decode_profile.py --megakernel-attention 1 0)."""
-        self.attention_ahead = 2
-        """Cached K/V blocks the Gluon attention copies before its PDL wait (1 or 2; with 1 a task's second block
-        is copied after its q/k/v loads went out). H200, session 13, same run, with `attention_pair`: 2 gave 427.3 /
-        447.1 / 460.6 us per call at pos 256 / 1024 / 1500 against 427.8 / 455.6 / 468.8 with 1 (without pairs 1
-        and 2 were even)."""
-        self.attention_pair = True
-        """The Gluon attention runs a task of exactly two blocks (positions ~1,024-2,100 on 132 SMs) as one step:
-        both blocks' scores, one softmax update, two independent mma chains instead of a serial second block.
-        H200, session 13, same run: 455.6 / 468.8 vs 476.4 / 483.1 us per call at pos 1024 / 1500."""
-        self.attention_min_blocks = 2
-        """Blocks per task of the Gluon attention at least: with 2, tasks are pairs of blocks (`attention_pair`)
-        from pos 64 on, half as many tasks as blocks. H200, session 13, same run: 425.6 / 430.4 / 440.5 vs 429.6 /
-        448.4 / 440.8 us per call at pos 512 / 960 / 1024 (1-block tasks below 1,024 on 132 SMs), 420.4 / 422.0 vs
-        418.1 / 420.6 at pos 128 / 256."""
-        self.gluon_carveout = 100
-        """Carveout (percent) of every kernel of a step that runs Gluon stages: their tiles need shared memory, and
-        an SM only hosts programs of different kernels side by side under one shared-memory split."""
-        self._descs: list = []
         self._layers: list = []
         self._caches: list = []
-        self.timed = False
-        """Profiling: per-program cycles working/waiting per stage into `laps` (benchmarks/megakernel.py --stages)."""
-        self.laps = torch.zeros(programs, 16, dtype=torch.int64, device=device)
-        self.stage_laps = torch.zeros(c.num_hidden_layers * 6 * programs * 4, dtype=torch.int64, device=device)
-        """Profiling of the per-stage kernels: per (layer, stage, program) its start, end of wait, end (globaltimer
-        ns) and SM."""
+        self._descs: list = []
+        self._carved: set = set()
+        self.bf16_dot = device.type == "cuda"  # the interpreter multiplies bf16 dot operands as raw integers
+        self.stage_sync = default_stage_sync(device)
+        """How a stage waits for the previous one (STAGE_SYNC, `MegakernelConfig.sync`): "pdl", "barrier" or
+        "launch" (see the module docstring). Default: "pdl" where the GPU has it, else "barrier"."""
+        self.gluon_gemv = gluon_available(device)
+        """Run the GEMV stages whose tile fits shared memory (`gluon_plan`) as `gluon_gemv.gemv_stage` kernels
+        instead of the Triton stage kernels, with a per-stage sync ("pdl" / "launch") only (`MegakernelConfig.gluon`;
+        default: where Gluon's Hopper TMA is available, sm_90+)."""
 
     def bind(self, layers: list, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> bool:
         """Point the table at these weights and caches (cheap when nothing moved; not inside a graph capture).
@@ -259,12 +164,12 @@ class DecodeMegakernel:
         old addresses as kernel parameters (the Triton stages read the table, which is updated in place)."""
         rows = []
         for w, kc, vc in zip(layers, k_cache, v_cache):
-            tensors = [getattr(w, c) for c in TABLE[:-2]] + [kc, vc]  # absent (None) columns are never read
+            tensors = [getattr(w, c) for c in layout.TABLE[:-2]] + [kc, vc]  # absent (None) columns are never read
             rows.append([(w.qkv if t is None else t).data_ptr() for t in tensors])
         key = (tuple(map(tuple, rows)), k_cache[0].stride(1))  # every address: any tensor may have moved
         if key == self._bound:
             return False
-        odd = [(i, TABLE[j]) for i, row in enumerate(rows) for j, p in enumerate(row) if p % 16]
+        odd = [(i, layout.TABLE[j]) for i, row in enumerate(rows) for j, p in enumerate(row) if p % 16]
         if odd:  # the kernel declares every table address 16-byte aligned (vector loads)
             raise ValueError(f"megakernel: layer {odd[0][0]}'s {odd[0][1]} tensor is not 16-byte aligned (a view "
                              "at an odd offset?); use contiguous, separately allocated weights or megakernel=False")
@@ -281,74 +186,63 @@ class DecodeMegakernel:
         self._layers, self._descs, self._bound, self._caches = [], [], (), []
 
     def gluon_plan(self) -> dict[int, tuple[int, int, int, int]]:
-        """The GEMV stages `mk_gluon.gemv_stage` can run: stage -> (N, K, rows per program, K boxes rounded up to
-        a power of two). A stage needs K a multiple of the box width (1,024 on the tensor cores, `gluon_mma`; 256
+        """The GEMV stages `gluon_gemv.gemv_stage` can run: stage -> (N, K, rows per program, K boxes rounded up to
+        a power of two). A stage needs K a multiple of the box width (1,024 on the tensor cores, GLUON_MMA; 256
         with FFMAs) and its tile (plus the input) within GLUON_TILE_BYTES; the others keep the Triton stage kernel."""
-        from rlbench.engine.megakernel.gluon_gemv import BOX_K, BOX_ROWS, MMA_CHUNK, MMA_IN
-
         dims = {0: ((self.h + 2 * self.n_kv) * self.hd, self.d, 1), 2: (self.d, self.h * self.hd, 1),
                 3: (self.i, self.d, 2), 4: (self.d, self.i, 1)}
         plan = {}
         for stage, (n, k, stacked) in dims.items():
-            r = math.ceil(math.ceil(n / self.programs) / BOX_ROWS.value) * BOX_ROWS.value
-            kcp = _pow2(k // BOX_K.value)
-            if self.gluon_mma:
-                fits = (k % (MMA_IN.value * MMA_CHUNK.value) == 0 and (stacked * r + 1) * k * 2 <= GLUON_TILE_BYTES
+            r = math.ceil(math.ceil(n / self.programs) / layout.BOX_ROWS) * layout.BOX_ROWS
+            kcp = pow2(k // layout.BOX_K)
+            if layout.GLUON_MMA:
+                fits = (k % (layout.MMA_IN * layout.MMA_CHUNK) == 0
+                        and (stacked * r + 1) * k * 2 <= layout.GLUON_TILE_BYTES
                         and mma_tile_split(_mma_tile_rows(stacked, r, k)) is not None)
             else:
-                fits = k % BOX_K.value == 0 and stacked * r * k * 2 + kcp * BOX_K.value * 4 <= GLUON_TILE_BYTES
+                fits = (k % layout.BOX_K == 0
+                        and stacked * r * k * 2 + kcp * layout.BOX_K * 4 <= layout.GLUON_TILE_BYTES)
             if fits:
                 plan[stage] = (n, k, r, kcp)
         return plan
 
-    def gluon_lo(self, stage: int) -> int:
-        """`mk_gluon.gemv_stage`'s LO for a planned stage: rows of [8 chunks, 64] in the first tile buffer
-        (`mma_tile_split`; 1, unused, with FFMAs)."""
-        if not self.gluon_mma:
+    def gluon_lo(self, stage: int, plan: tuple | None = None) -> int:
+        """`gluon_gemv.gemv_stage`'s LO for a planned stage (`plan`: its `gluon_plan` entry): rows of [8 chunks, 64]
+        in the first tile buffer (`mma_tile_split`; 1, unused, with FFMAs)."""
+        if not layout.GLUON_MMA:
             return 1
-        n, k, r, _ = self.gluon_plan()[stage]
+        n, k, r, _ = plan or self.gluon_plan()[stage]
         return mma_tile_split(_mma_tile_rows(2 if stage == 3 else 1, r, k))
 
     def gluon_active(self) -> dict[int, tuple[int, int, int, int]]:
-        """The stages the next call runs in Gluon (`gluon_plan` within `gluon_stages`; none unless `gluon_gemv`
-        and a per-stage sync)."""
+        """The stages the next call runs in Gluon (`gluon_plan`; none unless `gluon_gemv` and a per-stage sync)."""
         if not self.gluon_gemv or self.stage_sync == "barrier":
             return {}
-        return {s: p for s, p in self.gluon_plan().items() if s in self.gluon_stages}
+        return self.gluon_plan()
 
     def gluon_attention_active(self) -> bool:
-        """Whether the next call runs the Gluon attention stage: `gluon_attention`, Gluon GEMV stages active (their
+        """Whether the next call runs the Gluon attention stage: GLUON_ATTENTION, Gluon GEMV stages active (their
         kernels' shared-memory carveout is the one the attention program needs, 69 KB), and shapes it handles: a
         KV group of at most 8 q heads, a power-of-two head size (multiple of 8) and 16-byte aligned cache rows."""
-        from rlbench.engine.megakernel.gluon_attend import QR
-
-        return (self.gluon_attention and bool(self.gluon_active()) and self.group <= QR.value // 2
-                and self.hd == _pow2(self.hd) and self.hd % 8 == 0 and self.head_stride % 8 == 0)
+        return (layout.GLUON_ATTENTION and bool(self.gluon_active()) and self.group <= layout.ATTENTION_ROWS // 2
+                and self.hd == pow2(self.hd) and self.hd % 8 == 0 and self.head_stride % 8 == 0)
 
     def _gluon_descs(self) -> list[dict]:
         """Per layer, the TMA descriptors of the planned stages' weights (built once per bind)."""
         if not self._descs:
             from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-            from rlbench.engine.megakernel.gluon_gemv import (
-                BOX_K,
-                BOX_ROWS,
-                MMA_BOX_ROWS,
-                MMA_CHUNK,
-                MMA_SLICES,
-                box_layout,
-                mma_box_layout,
-            )
+            from rlbench.engine.megakernel.gluon_gemv import box_layout, mma_box_layout
 
             names = {0: "qkv", 2: "o", 3: "gate_up", 4: "down"}
 
             def desc(weight: torch.Tensor):
-                if not self.gluon_mma:
-                    return TensorDescriptor.from_tensor(weight, [BOX_ROWS.value, BOX_K.value], box_layout())
+                if not layout.GLUON_MMA:
+                    return TensorDescriptor.from_tensor(weight, [layout.BOX_ROWS, layout.BOX_K], box_layout())
                 rows, k = weight.shape  # viewed as [K / 512 blocks, rows, 8 chunks, 64]
-                c, s = MMA_CHUNK.value, MMA_SLICES.value
+                c, s = layout.MMA_CHUNK, layout.MMA_SLICES
                 return TensorDescriptor(weight, [k // (s * c), rows, s, c], [s * c, weight.stride(0), c, 1],
-                                        [1, MMA_BOX_ROWS.value, s, c], mma_box_layout())
+                                        [1, layout.MMA_BOX_ROWS, s, c], mma_box_layout())
 
             self._descs = [{s: desc(getattr(w, names[s])) for s in self.gluon_plan()} for w in self._layers]
         return self._descs
@@ -367,14 +261,14 @@ class DecodeMegakernel:
         (r_qkv, br_qkv, bk_qkv, st_qkv), (r_o, br_o, bk_o, st_o) = self.t_qkv, self.t_o
         (r_gu, br_gu, bk_gu, st_gu), (r_dn, br_dn, bk_dn, st_dn) = self.t_gu, self.t_dn
         args = (self.table, hidden, cos, sin, positions, self.qkv, self.attn, self.act, self.part_acc, self.part_m,
-                self.part_l, self.sync, self.err, self.laps, self.table.shape[0], self.eps, self.scale, self.head_stride,
+                self.part_l, self.sync, self.err, self.table.shape[0], self.eps, self.scale, self.head_stride,
                 self.max_splits, r_qkv, r_o, r_gu, r_dn)
         consts = dict(D=self.d, H=self.h, NKV=self.n_kv, HD=self.hd, FFN=self.i, G=self.group,
-                      BG=_pow2(self.group), BD=_pow2(self.d), SPLIT=SPLIT, CS=self.merge_chunk,
+                      BG=pow2(self.group), BD=pow2(self.d), SPLIT=layout.SPLIT, CS=layout.MERGE_CHUNK,
                       HAS_QKV_BIAS=self.has_bias, HAS_QK_NORM=self.has_qk_norm, BR_QKV=br_qkv, BK_QKV=bk_qkv,
                       BR_O=br_o, BK_O=bk_o, BR_GU=br_gu, BK_GU=bk_gu, BR_DN=br_dn, BK_DN=bk_dn,
                       ST_QKV=st_qkv, ST_O=st_o, ST_GU=st_gu, ST_DN=st_dn,
-                      MAX_SPINS=self.max_spins, TIMED=self.timed, BF16_DOT=self.bf16_dot)
+                      MAX_SPINS=layout.MAX_SPINS, BF16_DOT=self.bf16_dot)
         return args, consts
 
     def stage_args(self, hidden, cos, sin, positions, layer: int, attend: bool | None = None) -> tuple[tuple, dict]:
@@ -382,10 +276,10 @@ class DecodeMegakernel:
         the Gluon attention stage runs (None: `gluon_attention_active()`, ~40 us of host work; a call passes the
         value it computed once)."""
         args, consts = self.launch_args(hidden, cos, sin, positions)
-        args = args[:12] + (self.stage_laps, layer) + args[15:]  # no err / laps / num_layers
+        args = args[:12] + (layer,) + args[14:]  # no err / num_layers
         consts = {k: v for k, v in consts.items() if k != "MAX_SPINS"}
         attend = self.gluon_attention_active() if attend is None else attend
-        consts["MIN_PER"] = self.attention_min_blocks if attend else 1  # the merge's grid is the attention's
+        consts["MIN_PER"] = layout.ATTENTION_MIN_BLOCKS if attend else 1  # the merge's grid is the attention's
         return args, consts
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -401,14 +295,15 @@ class DecodeMegakernel:
         if self.stage_sync == "barrier":
             self.sync.zero_()  # the grid barrier's counter and the attention merge's tickets
             args, consts = self.launch_args(hidden, cos, sin, positions)
-            self._carve(decode_layers[(self.programs,)](*args, **consts, num_warps=self.num_warps), self.carveout)
+            self._carve(decode_layers[(self.programs,)](*args, **consts, num_warps=layout.NUM_WARPS), layout.CARVEOUT)
             return hidden
         pdl = self.stage_sync == "pdl"
         plan = self.gluon_active()
         attend = self.gluon_attention_active()
+        carveout = layout.GLUON_CARVEOUT if plan else layout.CARVEOUT
         for layer in range(self.table.shape[0]):
             args, consts = self.stage_args(hidden, cos, sin, positions, layer, attend)
-            for stage in STAGE_ORDER:
+            for stage in layout.STAGE_ORDER:
                 first = layer == 0 and stage == 0  # follows the embedding: a plain launch (its wait is a no-op)
                 if stage in plan:
                     self._gluon_stage(stage, layer, plan[stage], hidden, pdl and not first)
@@ -416,54 +311,61 @@ class DecodeMegakernel:
                 if stage == 1 and attend:
                     self._gluon_attend(layer, cos, sin, positions, pdl)
                     continue
-                warps = self.merge_warps if stage == 5 else self.num_warps
+                warps = layout.MERGE_WARPS if stage == 5 else layout.NUM_WARPS
                 self._carve(decode_stage[(self.programs,)](*args, **consts, STAGE=stage, PDL=pdl, num_warps=warps,
-                                                           launch_pdl=pdl and not first),
-                            self.gluon_carveout if plan else self.carveout)
+                                                           launch_pdl=pdl and not first), carveout)
         return hidden
+
+    def gluon_stage_consts(self, stage: int, plan: tuple | None = None) -> dict:
+        """`gluon_gemv.gemv_stage`'s constexprs for a planned stage (`plan`: its `gluon_plan` entry; also used to
+        compile it offline in tests)."""
+        plan = plan or self.gluon_plan()[stage]
+        n, k, r, kcp = plan
+        group, in_flight = layout.GLUON_PACING[stage]
+        return dict(N=n, K=k, R=r, KCP=kcp, STAGE=stage, HAS_BIAS=stage == 0 and self.has_bias,
+                    LATE_LAUNCH=stage in layout.GLUON_LATE_LAUNCH, GROUP=group, IN_FLIGHT=in_flight,
+                    WARPS=layout.GLUON_WARPS, MMA=layout.GLUON_MMA, LO=self.gluon_lo(stage, plan))
+
+    def gluon_attend_consts(self) -> dict:
+        """`gluon_attend.attend_stage`'s constexprs (also used to compile it offline in tests)."""
+        return dict(H=self.h, NKV=self.n_kv, HD=self.hd, G=self.group, BG=pow2(self.group),
+                    HAS_NORM=self.has_qk_norm, AHEAD=layout.ATTENTION_AHEAD, PAIR=layout.ATTENTION_PAIR,
+                    MIN_PER=layout.ATTENTION_MIN_BLOCKS)
 
     def _gluon_stage(self, stage: int, layer: int, plan: tuple, hidden: torch.Tensor, pdl: bool) -> None:
         from rlbench.engine.megakernel.gluon_gemv import gemv_stage
 
-        n, k, r, kcp = plan
         w = self._layers[layer]
         inp = {0: hidden, 2: self.attn, 3: hidden, 4: self.act}[stage]
         norm = {0: w.input_norm, 3: w.post_norm}.get(stage, inp)
         out = {0: self.qkv, 3: self.act}.get(stage, hidden)
         bias = w.qkv_bias if stage == 0 and w.qkv_bias is not None else inp
-        kernel = gemv_stage[(self.programs,)](
-            self._gluon_descs()[layer][stage], inp, norm, bias, out, self.stage_laps,
-            (layer * 6 + stage) * self.programs * 4, self.eps, N=n, K=k, R=r, KCP=kcp, STAGE=stage,
-            HAS_BIAS=stage == 0 and w.qkv_bias is not None, LATE_LAUNCH=stage in self.gluon_late_launch,
-            GROUP=self.gluon_pacing[stage][0], IN_FLIGHT=self.gluon_pacing[stage][1], WARPS=self.gluon_warps,
-            TIMED=self.timed, MMA=self.gluon_mma, LO=self.gluon_lo(stage), num_warps=self.gluon_warps,
-            launch_pdl=pdl)
-        self._carve(kernel, self.gluon_carveout)
+        kernel = gemv_stage[(self.programs,)](self._gluon_descs()[layer][stage], inp, norm, bias, out, self.eps,
+                                              **self.gluon_stage_consts(stage, plan), num_warps=layout.GLUON_WARPS,
+                                              launch_pdl=pdl)
+        self._carve(kernel, layout.GLUON_CARVEOUT)
 
     def _gluon_attend(self, layer: int, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                       pdl: bool) -> None:
-        from rlbench.engine.megakernel.gluon_attend import WARPS, attend_stage
+        from rlbench.engine.megakernel.gluon_attend import attend_stage
 
         w, (kc, vc) = self._layers[layer], self._caches[layer]
         kernel = attend_stage[(self.programs,)](
             self.qkv, kc, vc, self.qkv if w.q_norm is None else w.q_norm, self.qkv if w.k_norm is None else w.k_norm,
-            cos, sin, positions, self.part_acc, self.part_m, self.part_l, self.stage_laps,
-            (layer * 6 + 1) * self.programs * 4, self.eps, self.scale, self.head_stride, self.max_splits,
-            H=self.h, NKV=self.n_kv, HD=self.hd, G=self.group, BG=_pow2(self.group), HAS_NORM=self.has_qk_norm,
-            TIMED=self.timed, AHEAD=self.attention_ahead, PAIR=self.attention_pair,
-            MIN_PER=self.attention_min_blocks, num_warps=WARPS.value, launch_pdl=pdl)
-        self._carve(kernel, self.gluon_carveout)
+            cos, sin, positions, self.part_acc, self.part_m, self.part_l, self.eps, self.scale, self.head_stride,
+            self.max_splits, **self.gluon_attend_consts(), num_warps=layout.ATTENTION_WARPS, launch_pdl=pdl)
+        self._carve(kernel, layout.GLUON_CARVEOUT)
 
     def _carve(self, kernel, percent: int | None) -> None:
         """Set the carveout hint `percent` (None: the driver's choice) once per compiled kernel."""
         if kernel is None or percent is None or not hasattr(kernel, "function"):
             return  # Triton's interpreter returns no compiled kernel
         if (kernel.function, percent) not in self._carved:
-            _set_carveout(kernel.function, percent)
+            set_carveout(kernel.function, percent)
             self._carved.add((kernel.function, percent))
 
 
-def _set_carveout(function: int, percent: int) -> None:
+def set_carveout(function: int, percent: int) -> None:
     """cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT): the share of the SM's unified L1/shared memory the
     driver should give shared memory (0: as little as the kernel needs, leaving the most L1). A hint: if the
     driver refuses it, the kernel still runs (slower), with a warning."""

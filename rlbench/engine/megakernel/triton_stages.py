@@ -1,4 +1,4 @@
-"""Triton code of the batch-1 decode megakernel (`megakernel.py` holds the host side and the why).
+"""Triton code of the batch-1 decode megakernel (`host.py` holds the host side and the why).
 
 A layer is five stages, each split into tasks of about equal bytes, at most one per program for the GEMVs.
 `decode_layers`: one persistent program per SM runs every layer, programs meet at a grid barrier between
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globaltimer, smid
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from rlbench.engine.megakernel.layout import TABLE
 
@@ -38,7 +38,7 @@ Q_ROWS = tl.constexpr(16)  # an attention task's q heads, padded to the tensor c
 
 
 @triton.jit
-def _bf(x):
+def round_bf16(x):
     """Round fp32 to the nearest bf16 (ties to even), kept as fp32: where HF holds a bf16 tensor.
 
     Integer rounding instead of `.to(tl.bfloat16)`, because Triton's CPU interpreter truncates that cast;
@@ -51,7 +51,7 @@ def _bf(x):
 
 @triton.jit
 def _to_bf16(x):
-    return _bf(x).to(tl.bfloat16)
+    return round_bf16(x).to(tl.bfloat16)
 
 
 @triton.jit
@@ -73,8 +73,7 @@ def _arrive(sync, arrived):
 @triton.jit
 def _wait(sync, target, err, MAX_SPINS: tl.constexpr):
     """Second half: spin until `target` programs have arrived (the counter only grows). One thread polls, with
-    atomics (0.91 us per barrier at 132 programs x 8 warps, against 1.74 us when every warp polled with volatile
-    loads; docs/LOG.md).
+    atomics (cheaper than every warp polling with volatile loads).
 
     Split from `_arrive` so that a program issues its next weight loads between the two: a release fence waits
     for the thread's outstanding loads, so loads issued before arriving would delay the arrival by their latency.
@@ -83,11 +82,9 @@ def _wait(sync, target, err, MAX_SPINS: tl.constexpr):
     error, not a hang.
 
     Every poll is an ACQUIRE (`ld.global.gpu.acquire`) whose value the loop reads, so the poll that sees `target`
-    has completed before the CTA barrier lets the other threads on. Until session 6 the polls were relaxed and
-    followed by `atomic_add(sync, 0, sem="acquire")` with its result unused, which Triton drops: the PTX had no
-    acquire at all, and loads through L1 after the barrier (the cp.async pipeline's `cp.async.ca`) read stale
-    activations, so the 4B shape's output differed from call to call (docs/LOG.md, 2026-11-30 session 6; the
-    offline compile test now counts the acquires). Same barrier cost (0.90 vs 0.94 us).
+    has completed before the CTA barrier lets the other threads on: an acquire whose result is unused is dropped
+    by Triton, and without one, loads through L1 after the barrier (the cp.async pipeline's `cp.async.ca`) read
+    stale activations (the offline compile test counts the acquires).
     """
     seen = tl.atomic_add(sync, 0, sem="acquire", scope="gpu")
     spins = tl.full([], 0, tl.int32)
@@ -98,24 +95,6 @@ def _wait(sync, target, err, MAX_SPINS: tl.constexpr):
         tl.atomic_add(sync, 1 << 30, sem="relaxed", scope="gpu")
         tl.store(err, 1)
     tl.debug_barrier()
-
-
-@triton.jit
-def _grid_sync(sync, arrived, err, MAX_SPINS: tl.constexpr):
-    """A whole grid barrier (benchmarks/megakernel.py times it alone); returns the new arrival count."""
-    arrived = _arrive(sync, arrived)
-    _wait(sync, arrived, err, MAX_SPINS)
-    return arrived
-
-
-@triton.jit
-def _lap(laps, t, slot: tl.constexpr, TIMED: tl.constexpr):
-    """With TIMED, add the SM cycles since `t` to `laps[slot]` and restart the clock (profiling only)."""
-    if TIMED:
-        now = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-        laps = tl.where(tl.arange(0, 16) == slot, laps + (now - t), laps)
-        t = now
-    return laps, t
 
 
 @triton.jit
@@ -173,7 +152,7 @@ def _norm_chunk(norm_ptr, K: tl.constexpr, BK: tl.constexpr):
 def _v_apply(v, scale, rstd, NORMED: tl.constexpr):
     """With NORMED, `bf16(norm * bf16(v * rstd))` (HF RMSNorm) of a raw chunk; else the chunk itself."""
     if NORMED:
-        v = _bf(scale * _bf(v * rstd))
+        v = round_bf16(scale * round_bf16(v * rstd))
     return v
 
 
@@ -187,12 +166,12 @@ def _gemv(w0, s0, w, rows, rmask, K: tl.constexpr, v_ptr, norm_ptr, eps, NORMED:
     (TILE_ELEMS): then the weights are all in flight before the barrier. Otherwise register double buffering
     keeps the next chunk's weights and activation in flight. With NORMED, v is `rmsnorm(v) * norm` (`v` has BD
     entries, padded); a one-chunk tile takes the RMS from the chunk it loaded instead of a separate load.
-    STAGES > 1 (tiles of many chunks, `megakernel.PIPELINE_STAGES`): the chunks after the first go through
+    STAGES > 1 (tiles of many chunks, `layout.PIPELINE_STAGES`): the chunks after the first go through
     Triton's software pipeline instead (cp.async into shared memory, STAGES - 1 in flight, no registers held)."""
     if BK >= K:
         v, _ = _v_raw(v_ptr, norm_ptr, K, 0, False, BK)
         if NORMED:
-            v = _bf(s0 * _bf(v * (1.0 / tl.sqrt(tl.sum(v * v, axis=0) / K + eps))))
+            v = round_bf16(s0 * round_bf16(v * (1.0 / tl.sqrt(tl.sum(v * v, axis=0) / K + eps))))
         acc = tl.sum(w0.to(tl.float32) * v[None, :], axis=1)
     else:
         # chunk k0 + BK (weights AND activation) is in flight while chunk k0 is used (masked past K: no load); the
@@ -246,10 +225,10 @@ def _norm_rope(src, heads, hmask, norm, cos, sin, eps, HD: tl.constexpr, HAS_NOR
     b = tl.load(src + heads[:, None] * HD + rot[None, :], mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
     if HAS_NORM:
         r = 1.0 / tl.sqrt(tl.sum(a * a, axis=1) / HD + eps)
-        a = _bf(norm[0][None, :] * _bf(a * r[:, None]))
-        b = _bf(norm[1][None, :] * _bf(b * r[:, None]))
+        a = round_bf16(norm[0][None, :] * round_bf16(a * r[:, None]))
+        b = round_bf16(norm[1][None, :] * round_bf16(b * r[:, None]))
     b = tl.where(d[None, :] < HD // 2, -b, b)
-    return _bf(_bf(a * cos[None, :]) + _bf(b * sin[None, :]))
+    return round_bf16(round_bf16(a * cos[None, :]) + round_bf16(b * sin[None, :]))
 
 
 @triton.jit
@@ -274,7 +253,7 @@ def _kv_block(kc, vc, g, blk, pos, live, head_stride, HD: tl.constexpr, SPLIT: t
 
 
 @triton.jit
-def _task(t, n_splits, per):
+def task(t, n_splits, per):
     """Attention task t -> (KV head, split, first block): a split is `per` consecutive 64-position blocks."""
     return t // n_splits, t % n_splits, (t % n_splits) * per
 
@@ -282,18 +261,17 @@ def _task(t, n_splits, per):
 @triton.jit
 def _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos, sin, pos, n_blocks, per, n_splits, k0, v0,
                   part_acc, part_m, part_l, tickets, attn_out, pid, nprog, eps, scale, head_stride, max_splits,
-                  laps, t_lap, H: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, G: tl.constexpr,
-                  BG: tl.constexpr, SPLIT: tl.constexpr, HAS_NORM: tl.constexpr, CS: tl.constexpr,
-                  BF16_DOT: tl.constexpr, TIMED: tl.constexpr, TICKET: tl.constexpr = True):
+                  H: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
+                  SPLIT: tl.constexpr, HAS_NORM: tl.constexpr, CS: tl.constexpr, BF16_DOT: tl.constexpr,
+                  TICKET: tl.constexpr = True):
     """Tasks are (KV head, split); a split runs `per` blocks with an online softmax, so that there are never more
     tasks than programs (`per` grows with the context). Each task's partial goes to its slot; with TICKET (the
     grid-barrier kernel) the last task of a KV head to finish (atomic ticket) merges the slots in split order,
-    otherwise the next kernel does (`_stage_merge`). With TIMED, laps 12-14: a task's blocks, its partial store
-    and ticket, the merge."""
+    otherwise the next kernel does (`_stage_merge`)."""
     d = tl.arange(0, HD)
     jq = tl.arange(0, Q_ROWS)
     for t in range(pid, NKV * n_splits, nprog):  # one per program (a second only where `per` rounds up short)
-        g, s, first = _task(t, n_splits, per)
+        g, s, first = task(t, n_splits, per)
         k_cur, v_cur = k0, v0
         if t != pid:
             k_cur, v_cur = _kv_block(kc, vc, g, first, pos, True, head_stride, HD, SPLIT)
@@ -305,7 +283,6 @@ def _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos, sin, pos, n_blocks, p
         v_new = tl.load(qkv + (H + NKV + g) * HD + d, cache_modifier=".cg")
         acc, m_run, l_run = _blocks(kc, vc, q, g, first, per, n_blocks, pos, k_cur, v_cur, k_new, v_new, scale,
                                     head_stride, HD, SPLIT, BF16_DOT)
-        laps, t_lap = _lap(laps, t_lap, 12, TIMED)
         slot = g * max_splits + s
         tl.store(part_acc + (slot * BG + jq[:, None]) * HD + d[None, :], acc, mask=(jq < BG)[:, None])
         tl.store(part_m + slot * BG + jq, m_run, mask=jq < BG)
@@ -313,19 +290,15 @@ def _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos, sin, pos, n_blocks, p
         if TICKET:
             tl.debug_barrier()
             ticket = tl.atomic_add(tickets + layer * NKV + g, 1, sem="acq_rel", scope="gpu")
-            laps, t_lap = _lap(laps, t_lap, 13, TIMED)
             if ticket == n_splits - 1:  # the last split of this KV head merges all of them, in split order
                 _merge(part_acc, part_m, part_l, attn_out, g, n_splits, max_splits, HD, G, BG, CS)
-                laps, t_lap = _lap(laps, t_lap, 14, TIMED)
-    return laps, t_lap
 
 
 @triton.jit
 def _blocks(kc, vc, q, g, first, per, n_blocks, pos, k_cur, v_cur, k_new, v_new, scale, head_stride,
             HD: tl.constexpr, SPLIT: tl.constexpr, BF16_DOT: tl.constexpr):
     """A task's blocks on the tensor cores, the group's q heads padded to Q_ROWS rows (mma's minimum): `q @ K^T`
-    then `p @ V`, fp32 sums. A block is a few block-wide reductions; one q head at a time with elementwise
-    products and sums took ~10 per head (0.6B: 6.2 -> 2.8 us per task at pos 256, docs/LOG.md).
+    then `p @ V`, fp32 sums: a block is a few block-wide reductions, not ~10 per q head.
 
     BF16_DOT (GPU): bf16 operands, as flash attention (q, K, V are bf16 values; p is rounded to bf16), which
     keeps the operand tiles in shared memory small (36 KB): with fp32 operands (72 KB) the L1 left to the kernel
@@ -399,7 +372,7 @@ def _stage_merge(part_acc, part_m, part_l, attn_out, pid, nprog, n_splits, max_s
                  G: tl.constexpr, BG: tl.constexpr, CS: tl.constexpr):
     """The per-stage kernels' merge: a program combines one q head's split partials at a time (the same
     online-softmax merge as `_merge`, CS splits per load) with a few warps, so that the sums over splits need no
-    CTA-wide reduction; the ticket-merge in the attention kernel took ~3 us per layer (docs/LOG.md)."""
+    CTA-wide reduction (cheaper than the grid-barrier kernel's ticket-merge inside the attention stage)."""
     for h in range(pid, H, nprog):
         g, j = h // G, h % G
         d = tl.arange(0, HD)
@@ -431,7 +404,7 @@ def _stage_residual(w, w0, x, v_ptr, pid, nprog, rows_per, D: tl.constexpr, K: t
         if t != pid:
             w0 = _w_chunk(w, rows, rmask, K, 0, BK)
         res = tl.load(x + rows, mask=rmask, other=0.0, cache_modifier=".cg").to(tl.float32)  # same trip as v's
-        out = _bf(_gemv(w0, 0.0, w, rows, rmask, K, v_ptr, v_ptr, 0.0, False, BK, BK, STAGES))
+        out = round_bf16(_gemv(w0, 0.0, w, rows, rmask, K, v_ptr, v_ptr, 0.0, False, BK, BK, STAGES))
         tl.store(x + rows, _to_bf16(res + out), mask=rmask)
 
 
@@ -443,12 +416,12 @@ def _stage_gate_up(w, norm, x, act, w0, s0, pid, nprog, eps, rows_per, D: tl.con
         rows, rmask = _stacked_rows(t, rows_per, FFN, BR)
         if t != pid:
             w0 = _w_chunk(w, rows, rmask, D, 0, BK)
-        out = _bf(_gemv(w0, s0, w, rows, rmask, D, x, norm, eps, True, BK, BD, STAGES))  # [2 BR]
+        out = round_bf16(_gemv(w0, s0, w, rows, rmask, D, x, norm, eps, True, BK, BD, STAGES))  # [2 BR]
         pair = tl.reshape(out, (2, BR))
         first = (tl.arange(0, 2) == 0)[:, None]
         gate = tl.sum(tl.where(first, pair, 0.0), axis=0)
         up = tl.sum(tl.where(first, 0.0, pair), axis=0)
-        silu = _bf(gate / (1.0 + tl.exp(-gate)))
+        silu = round_bf16(gate / (1.0 + tl.exp(-gate)))
         r, rm = _rows(t, rows_per, FFN, BR)
         tl.store(act + r, _to_bf16(silu * up), mask=rm)
 
@@ -463,7 +436,7 @@ def _pre_qkv(table, layer, pid, r_qkv, live, D: tl.constexpr, N: tl.constexpr, B
 
 
 @triton.jit
-def _attn_grid(pos, nprog, NKV: tl.constexpr, SPLIT: tl.constexpr, MIN_PER: tl.constexpr = 1):
+def attn_grid(pos, nprog, NKV: tl.constexpr, SPLIT: tl.constexpr, MIN_PER: tl.constexpr = 1):
     """The attention task grid at `pos` for `nprog` programs: (blocks per KV head, blocks per task, splits); a task
     holds at least MIN_PER blocks."""
     n_blocks = pos // SPLIT + 1  # 64-position blocks per KV head
@@ -475,9 +448,9 @@ def _attn_grid(pos, nprog, NKV: tl.constexpr, SPLIT: tl.constexpr, MIN_PER: tl.c
 def _pre_attend(table, layer, pid, nprog, pos, head_stride, NKV: tl.constexpr, HD: tl.constexpr,
                 SPLIT: tl.constexpr, HAS_QK_NORM: tl.constexpr):
     """Stage B's: the task grid at `pos`, program pid's first K/V block, and the q/k norm weights."""
-    n_blocks, per, n_splits = _attn_grid(pos, nprog, NKV, SPLIT)
+    n_blocks, per, n_splits = attn_grid(pos, nprog, NKV, SPLIT)
     kc, vc = _ptr(table, layer, K_CACHE), _ptr(table, layer, V_CACHE)
-    g0, _, first0 = _task(pid, n_splits, per)
+    g0, _, first0 = task(pid, n_splits, per)
     k0, v0 = _kv_block(kc, vc, g0, first0, pos, pid < NKV * n_splits, head_stride, HD, SPLIT)
     q_norm = _norm_pair(_ptr(table, layer, Q_NORM), HD, HAS_QK_NORM)
     k_norm = _norm_pair(_ptr(table, layer, K_NORM), HD, HAS_QK_NORM)
@@ -509,7 +482,7 @@ def _rope_row(cos, sin, HD: tl.constexpr):
 
 
 @triton.jit
-def decode_stage(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, part_l, sync, laps_out, layer, eps,
+def decode_stage(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, part_l, sync, layer, eps,
                  scale, head_stride, max_splits, r_qkv, r_o, r_gu, r_dn,
                  D: tl.constexpr, H: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, FFN: tl.constexpr,
                  G: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr, CS: tl.constexpr,
@@ -517,8 +490,7 @@ def decode_stage(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, 
                  BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_O: tl.constexpr, BK_O: tl.constexpr,
                  BR_GU: tl.constexpr, BK_GU: tl.constexpr, BR_DN: tl.constexpr, BK_DN: tl.constexpr,
                  ST_QKV: tl.constexpr, ST_O: tl.constexpr, ST_GU: tl.constexpr, ST_DN: tl.constexpr,
-                 BF16_DOT: tl.constexpr, STAGE: tl.constexpr, PDL: tl.constexpr, TIMED: tl.constexpr,
-                 MIN_PER: tl.constexpr = 1):
+                 BF16_DOT: tl.constexpr, STAGE: tl.constexpr, PDL: tl.constexpr, MIN_PER: tl.constexpr = 1):
     """ONE stage of one layer as its own kernel (`DecodeMegakernel.stage_sync` "pdl" / "launch"): the tasks and
     stage code of `decode_layers`, with the kernel boundary as the barrier. Each program first issues its
     token-independent loads (weights, cached K/V), then, with PDL (programmatic dependent launch, sm_90+), lets
@@ -526,16 +498,13 @@ def decode_stage(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, 
     wherever an SM has room) and waits for the previous stage's kernel to complete with its memory visible
     (`griddepcontrol.wait`). Every global store and every read of an activation comes after that wait.
     STAGE 5 merges the attention partials (between stages 1 and 2; in the grid-barrier kernel the attention
-    stage's last task per KV head does). With TIMED, `laps_out[((layer * 6 + STAGE) * nprog + pid) * 4 :][:4]`
-    gets the program's globaltimer (ns) at its start, after the wait and at its end, and its SM."""
+    stage's last task per KV head does)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    t_start = globaltimer() if TIMED else 0
     n_qkv: tl.constexpr = (H + 2 * NKV) * HD
     if STAGE == 0:
         w_a, s_a = _pre_qkv(table, layer, pid, r_qkv, True, D, n_qkv, BR_QKV, BK_QKV)
         _stage_boundary(PDL)
-        t_wait = globaltimer() if TIMED else 0
         _stage_qkv(_ptr(table, layer, QKV), _ptr(table, layer, IN_NORM), _ptr(table, layer, QKV_BIAS), x, qkv,
                    w_a, s_a, pid, nprog, eps, r_qkv, D, n_qkv, HAS_QKV_BIAS, BR_QKV, BK_QKV, BD, ST_QKV)
     elif STAGE == 1:
@@ -544,37 +513,26 @@ def decode_stage(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, 
             table, layer, pid, nprog, pos, head_stride, NKV, HD, SPLIT, HAS_QK_NORM)
         cos_v, sin_v = _rope_row(cos, sin, HD)
         _stage_boundary(PDL)
-        t_wait = globaltimer() if TIMED else 0
         _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos_v, sin_v, pos, n_blocks, per, n_splits, k0, v0,
                       part_acc, part_m, part_l, sync + 1, attn, pid, nprog, eps, scale, head_stride, max_splits,
-                      tl.zeros([16], tl.int64), tl.full([], 0, tl.int64), H, NKV, HD, G, BG, SPLIT, HAS_QK_NORM, CS,
-                      BF16_DOT, False, False)
+                      H, NKV, HD, G, BG, SPLIT, HAS_QK_NORM, CS, BF16_DOT, False)
     elif STAGE == 5:
-        _, _, n_splits = _attn_grid(tl.load(pos_ptr).to(tl.int32), nprog, NKV, SPLIT, MIN_PER)  # the attention's
+        _, _, n_splits = attn_grid(tl.load(pos_ptr).to(tl.int32), nprog, NKV, SPLIT, MIN_PER)  # the attention's
         _stage_boundary(PDL)
-        t_wait = globaltimer() if TIMED else 0
         _stage_merge(part_acc, part_m, part_l, attn, pid, nprog, n_splits, max_splits, H, HD, G, BG, CS)
     elif STAGE == 2:
         w_o, w_c = _pre_rows(table, layer, O_PROJ, pid, r_o, D, H * HD, BR_O, BK_O)
         _stage_boundary(PDL)
-        t_wait = globaltimer() if TIMED else 0
         _stage_residual(w_o, w_c, x, attn, pid, nprog, r_o, D, H * HD, BR_O, BK_O, ST_O)
     elif STAGE == 3:
         w_gu, w_d, s_d = _pre_gate_up(table, layer, pid, r_gu, D, FFN, BR_GU, BK_GU)
         _stage_boundary(PDL)
-        t_wait = globaltimer() if TIMED else 0
         _stage_gate_up(w_gu, _ptr(table, layer, POST_NORM), x, act, w_d, s_d, pid, nprog, eps, r_gu, D, FFN, BR_GU,
                        BK_GU, BD, ST_GU)
     else:
         w_dn, w_e = _pre_rows(table, layer, DOWN, pid, r_dn, D, FFN, BR_DN, BK_DN)
         _stage_boundary(PDL)
-        t_wait = globaltimer() if TIMED else 0
         _stage_residual(w_dn, w_e, x, act, pid, nprog, r_dn, D, FFN, BR_DN, BK_DN, ST_DN)
-    if TIMED:
-        t_end = globaltimer()
-        i = tl.arange(0, 4)
-        stamps = tl.where(i == 0, t_start, tl.where(i == 1, t_wait, tl.where(i == 2, t_end, smid().to(tl.int64))))
-        tl.store(laps_out + ((layer * 6 + STAGE) * nprog + pid) * 4 + i, stamps)
 
 
 @triton.jit
@@ -587,7 +545,7 @@ def _stage_boundary(PDL: tl.constexpr):
 
 
 @triton.jit
-def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, part_l, sync, err, laps_out,
+def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m, part_l, sync, err,
                   num_layers, eps, scale, head_stride, max_splits, r_qkv, r_o, r_gu, r_dn,
                   D: tl.constexpr, H: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, FFN: tl.constexpr,
                   G: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr, CS: tl.constexpr,
@@ -595,11 +553,9 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
                   BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_O: tl.constexpr, BK_O: tl.constexpr,
                   BR_GU: tl.constexpr, BK_GU: tl.constexpr, BR_DN: tl.constexpr, BK_DN: tl.constexpr,
                   ST_QKV: tl.constexpr, ST_O: tl.constexpr, ST_GU: tl.constexpr, ST_DN: tl.constexpr,
-                  MAX_SPINS: tl.constexpr, BF16_DOT: tl.constexpr, TIMED: tl.constexpr):
+                  MAX_SPINS: tl.constexpr, BF16_DOT: tl.constexpr):
     """Every decoder layer for one token: x `[D]` bf16 is updated in place. `sync[0]` is the barrier counter,
-    `sync[1:]` the per-(layer, KV head) merge tickets, all zero at launch; `err[0]` is set on a barrier timeout.
-    With TIMED, `laps_out[pid, 2 s]` / `[pid, 2 s + 1]` get the SM cycles program pid spent working in / waiting
-    after stage s (0..4, summed over layers) and `[pid, 10]` / `[pid, 11]` its total cycles / nanoseconds."""
+    `sync[1:]` the per-(layer, KV head) merge tickets, all zero at launch; `err[0]` is set on a barrier timeout."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     pos = tl.load(pos_ptr).to(tl.int32)
@@ -608,49 +564,31 @@ def decode_layers(table, x, cos, sin, pos_ptr, qkv, attn, act, part_acc, part_m,
     n_qkv: tl.constexpr = (H + 2 * NKV) * HD
     w_a, s_a = _pre_qkv(table, 0, pid, r_qkv, True, D, n_qkv, BR_QKV, BK_QKV)
     cos_v, sin_v = _rope_row(cos, sin, HD)
-    laps, t = _lap(tl.zeros([16], tl.int64), 0, 15, TIMED)
-    t0, ns0 = t, 0
-    if TIMED:
-        ns0 = globaltimer()
     for layer in range(num_layers):  # each barrier: arrive, load the next stage's weights (or K/V), wait
         _stage_qkv(_ptr(table, layer, QKV), _ptr(table, layer, IN_NORM), _ptr(table, layer, QKV_BIAS), x, qkv,
                    w_a, s_a, pid, nprog, eps, r_qkv, D, n_qkv, HAS_QKV_BIAS, BR_QKV, BK_QKV, BD, ST_QKV)
-        laps, t = _lap(laps, t, 0, TIMED)
         arrived = _arrive(sync, arrived)
         n_blocks, per, n_splits, kc, vc, k0, v0, q_norm, k_norm = _pre_attend(
             table, layer, pid, nprog, pos, head_stride, NKV, HD, SPLIT, HAS_QK_NORM)
         _wait(sync, arrived, err, MAX_SPINS)
-        laps, t = _lap(laps, t, 1, TIMED)
-        laps, t = _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos_v, sin_v, pos, n_blocks, per, n_splits,
-                                k0, v0, part_acc, part_m, part_l, tickets, attn, pid, nprog, eps, scale, head_stride,
-                                max_splits, laps, t, H, NKV, HD, G, BG, SPLIT, HAS_QK_NORM, CS, BF16_DOT, TIMED)
-        laps, t = _lap(laps, t, 2, TIMED)
+        _stage_attend(kc, vc, q_norm, k_norm, layer, qkv, cos_v, sin_v, pos, n_blocks, per, n_splits, k0, v0,
+                      part_acc, part_m, part_l, tickets, attn, pid, nprog, eps, scale, head_stride, max_splits,
+                      H, NKV, HD, G, BG, SPLIT, HAS_QK_NORM, CS, BF16_DOT)
         arrived = _arrive(sync, arrived)
         w_o, w_c = _pre_rows(table, layer, O_PROJ, pid, r_o, D, H * HD, BR_O, BK_O)
         _wait(sync, arrived, err, MAX_SPINS)
-        laps, t = _lap(laps, t, 3, TIMED)
         _stage_residual(w_o, w_c, x, attn, pid, nprog, r_o, D, H * HD, BR_O, BK_O, ST_O)
-        laps, t = _lap(laps, t, 4, TIMED)
         arrived = _arrive(sync, arrived)
         w_gu, w_d, s_d = _pre_gate_up(table, layer, pid, r_gu, D, FFN, BR_GU, BK_GU)
         _wait(sync, arrived, err, MAX_SPINS)
-        laps, t = _lap(laps, t, 5, TIMED)
         _stage_gate_up(w_gu, _ptr(table, layer, POST_NORM), x, act, w_d, s_d, pid, nprog, eps, r_gu, D, FFN, BR_GU,
                        BK_GU, BD, ST_GU)
-        laps, t = _lap(laps, t, 6, TIMED)
         arrived = _arrive(sync, arrived)
         w_dn, w_e = _pre_rows(table, layer, DOWN, pid, r_dn, D, FFN, BR_DN, BK_DN)
         _wait(sync, arrived, err, MAX_SPINS)
-        laps, t = _lap(laps, t, 7, TIMED)
         _stage_residual(w_dn, w_e, x, act, pid, nprog, r_dn, D, FFN, BR_DN, BK_DN, ST_DN)
-        laps, t = _lap(laps, t, 8, TIMED)
         arrived = _arrive(sync, arrived)
         # the next layer's first QKV chunk (none after the last)
         w_a, s_a = _pre_qkv(table, tl.minimum(layer + 1, num_layers - 1), pid, r_qkv, layer + 1 < num_layers, D,
                             n_qkv, BR_QKV, BK_QKV)
         _wait(sync, arrived, err, MAX_SPINS)
-        laps, t = _lap(laps, t, 9, TIMED)
-    if TIMED:
-        laps = tl.where(tl.arange(0, 16) == 10, t - t0, laps)
-        laps = tl.where(tl.arange(0, 16) == 11, globaltimer() - ns0, laps)
-        tl.store(laps_out + pid * 16 + tl.arange(0, 16), laps)
