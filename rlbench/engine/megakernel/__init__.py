@@ -83,6 +83,6 @@ def build(model: torch.nn.Module, base: torch.nn.Module, layers: list | None, ma
     if cfg.gluon is False:
         kernel.gluon_gemv = False
     elif cfg.gluon and not kernel.gluon_active():
-        warnings.warn("megakernel_gluon=True has no effect here (needs sm_90+, Triton's Gluon, a per-stage "
+        warnings.warn("MegakernelConfig(gluon=True) has no effect here (needs sm_90+, Triton's Gluon, a per-stage "
                       "sync and a GEMV tile that fits shared memory); the Triton stages run", stacklevel=3)
     return BatchOneDecoder(kernel, head)
