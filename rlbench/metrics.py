@@ -15,9 +15,7 @@ import json
 import math
 import os
 import statistics
-import time
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from rlbench.config import LoggingConfig
@@ -34,6 +32,7 @@ CONSOLE_KEYS: tuple[tuple[str, str], ...] = (
     ("train/kl_loss", "kl"),
     ("train/entropy", "ent"),
     ("train/grad_norm", "gnorm"),
+    ("train/skipped", "skipped"),  # printed only when non-zero (a step whose loss or grad norm was not finite)
     ("perf/rollout_time", "t_roll"),
     ("perf/log_probs_time", "t_logp"),
     ("perf/train_time", "t_train"),
@@ -70,6 +69,8 @@ def format_line(metrics: dict[str, float], step: int, keys: Sequence[tuple[str, 
     for key, label in keys:
         if key in metrics:
             value = metrics[key]
+            if key == "train/skipped" and not value:
+                continue
             unit = "s" if key.endswith("_time") else ""
             parts.append(f"{label} {value:.4g}{unit}")
     return " | ".join(parts)
@@ -79,12 +80,21 @@ class JsonlSink:
     """Appends `{"step": s, **metrics}` as one line per step (the file is flushed every write)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self.file = open(path, "a")  # noqa: SIM115 -- closed by close()
+        self.path = os.fspath(path)
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.file = open(path, "a")  # noqa: SIM115 -- closed by close()
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot open the metrics file {self.path!r}: {exc.strerror}; "
+                          "choose another logging.jsonl_path or free the disk") from exc
 
     def write(self, metrics: dict[str, float], step: int) -> None:
-        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+            self.file.flush()
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot append step {step} to the metrics file {self.path!r}: {exc.strerror}; "
+                          "free disk space or choose another logging.jsonl_path") from exc
 
     def close(self) -> None:
         self.file.close()
@@ -184,16 +194,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-@contextmanager
-def timer(metrics: dict[str, float], key: str) -> Iterator[None]:
-    """Adds the wall time of the `with` body, in seconds, to `metrics[key]` (accumulates on repeats)."""
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - start
 
 
 def to_floats(metrics: dict) -> dict[str, float]:

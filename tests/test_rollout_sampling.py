@@ -11,7 +11,6 @@ from rlbench.engine.sampling import (
     argmax_rows,
     greedy_tokens,
     logsumexp_rows,
-    reference_probs,
     sample_tokens,
     token_hash,
     truncate_logits,
@@ -20,6 +19,23 @@ from rlbench.engine.sampling import (
 
 V, N = 12, 40_000
 LOGITS = torch.tensor([2.0, 1.5, 1.2, 0.9, 0.5, 0.3, 0.0, -0.4, -0.8, -1.2, -2.0, -3.0])
+
+
+def reference_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """The exact sampling distribution `[V]` float64 for one row (test reference; plain loops, no tricks)."""
+    scaled = logits.double() / temperature
+    order = torch.argsort(scaled, descending=True).tolist()
+    kept = order[: top_k or len(order)]
+    probs = torch.softmax(scaled[kept], dim=0).tolist()
+    nucleus, mass = [], 0.0
+    for tok, p in zip(kept, probs):
+        if mass >= top_p:
+            break
+        nucleus.append(tok)
+        mass += p
+    out = torch.zeros_like(scaled)
+    out[nucleus] = torch.softmax(scaled[nucleus], dim=0)
+    return out
 
 
 def _draw(temperature, top_k=0, top_p=1.0, logits=LOGITS, n=N, seed0=0, step=3):

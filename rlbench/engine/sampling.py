@@ -141,20 +141,3 @@ def sample_tokens(
     sampled = argmax_rows(candidates + gumbel)
     tokens = torch.where(greedy, argmax_rows(scaled), sampled)  # T = 1 on greedy rows: scaled == logits
     return tokens, log_prob_at(scaled, tokens)
-
-
-def reference_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """The exact sampling distribution `[V]` float64 for one row (test reference; plain loops, no tricks)."""
-    scaled = logits.double() / temperature
-    order = torch.argsort(scaled, descending=True).tolist()
-    kept = order[: top_k or len(order)]
-    probs = torch.softmax(scaled[kept], dim=0).tolist()
-    nucleus, mass = [], 0.0
-    for tok, p in zip(kept, probs):
-        if mass >= top_p:
-            break
-        nucleus.append(tok)
-        mass += p
-    out = torch.zeros_like(scaled)
-    out[nucleus] = torch.softmax(scaled[nucleus], dim=0)
-    return out

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from rlbench.config import RunConfig, TaskConfig
-from rlbench.data import DataConfig, PromptDataset, build_tokenizer, write_jsonl
+from rlbench.data import PromptDataset, build_tokenizer, write_jsonl
 from rlbench.models import build_config, load_tokenizer
 
 
@@ -127,8 +127,3 @@ def check_lengths(cfg: RunConfig, items: list) -> None:
             f"longest prompt ({longest} tokens) + max response ({budget}) exceeds engine.max_seq_len="
             f"{cfg.engine.max_seq_len}; raise max_seq_len or set data.max_prompt_length to drop long prompts"
         )
-
-
-def data_config(path: str, **kwargs) -> DataConfig:
-    """Shorthand used by presets and the CLI."""
-    return DataConfig(path=path, **kwargs)
