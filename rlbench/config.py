@@ -83,7 +83,11 @@ class RolloutConfig:
     top_k: int = 0
     """Top-k sampling (0 = off)."""
     rm_type: str = "math"
-    """Reward function name in `rlbench.rewards.REWARDS` or "module:function" (per-row metadata wins)."""
+    """Reward function name in `rlbench.rewards.REWARDS` or "module:function" (per-row metadata wins).
+    Checked when the config is built (names, with "did you mean"); the import is resolved when the Trainer starts."""
+    reward_timeout: float | None = 30.0
+    """Seconds one reward call may take before `RewardError` names the function and the sample (calls run
+    in a daemon worker thread; a stuck call's thread is abandoned). None or 0: no limit, calls run inline."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (zero advantage) and sample more prompts to refill."""
     over_sampling_batch_size: int | None = None
@@ -108,6 +112,11 @@ class RolloutConfig:
             )
         if self.dynamic_sampling and self.n_samples_per_prompt < 2:
             raise ValueError("dynamic_sampling needs n_samples_per_prompt >= 2 (a group of 1 always has equal rewards)")
+        if self.reward_timeout is not None and self.reward_timeout < 0:
+            raise ValueError(f"reward_timeout={self.reward_timeout} must be > 0 seconds (None or 0: no limit)")
+        from rlbench.rewards import check_rm_type  # light: no user module is imported here
+
+        check_rm_type(self.rm_type)
 
 
 @dataclass
@@ -254,10 +263,15 @@ class LoggingConfig:
     """Run name for wandb (None: wandb picks one)."""
     console_keys: tuple[str, ...] = field(default_factory=tuple)
     """Extra metric keys the console line prints besides the defaults."""
+    warn_skipped_steps: int = 3
+    """Warn once this many optimizer steps in a row were skipped (non-finite loss or grad norm: the weights
+    did not move); 0: never warn. `train/skipped` is on the console line whenever it is non-zero."""
 
     def __post_init__(self) -> None:
         if self.wandb_run_name is not None and self.wandb_project is None:
             raise ValueError("wandb_run_name is set but wandb_project is None; set wandb_project to log to wandb")
+        if self.warn_skipped_steps < 0:
+            raise ValueError(f"warn_skipped_steps={self.warn_skipped_steps} must be >= 0 (0 = never warn)")
 
 
 @dataclass

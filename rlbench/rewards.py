@@ -4,8 +4,9 @@
     rewards = score_batch(samples, rm_type="math")          # Samples carry .response and .label
     rewards = score_batch(["\\\\boxed{3}"], labels=["3"], rm_type="math")
 
-A reward function that raises is re-raised as `RewardError` naming the sample (index, response, label);
-errors are never swallowed into a zero reward. Per-sample `metadata["rm_type"]` overrides `rm_type`,
+A reward function that raises, returns a non-number (None, str, ...) or a non-finite number (NaN, Inf),
+or runs past `timeout` seconds raises `RewardError` naming the function and the sample (index, prompt
+and response excerpts, label, the value and its type); errors are never swallowed into a zero reward. Per-sample `metadata["rm_type"]` overrides `rm_type`,
 as in slime.
 
 Cost (2-core CPU, measured): `math` is ~1-5 ms per call through math_verify after warm-up (the first
@@ -15,7 +16,11 @@ with the same verdict, so scoring the ~64 responses of an arithmetic RL step cos
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import math
+import numbers
+import queue
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -65,26 +70,64 @@ REWARDS: dict[str, RewardFn] = {"math": math_reward, "exact": exact_reward, "cou
 
 
 def get_reward_fn(rm_type: str | RewardFn) -> RewardFn:
-    """A registered reward by name, a `"module.path:function"` import, or a callable passed through."""
+    """A registered reward by name, a `"module.path:function"` import, or a callable passed through.
+
+    Raises ValueError naming the problem: an unknown registry name (with "did you mean"), a module that
+    does not import, or a module without that callable (with "did you mean" from the module's names).
+    """
     if callable(rm_type):
         return rm_type
+    check_rm_type(rm_type)
     if rm_type in REWARDS:
         return REWARDS[rm_type]
+    module_name, _, attr = rm_type.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ValueError(
+            f"rm_type={rm_type!r}: cannot import module {module_name!r} ({type(exc).__name__}: {exc}); "
+            "check the module is on PYTHONPATH (or installed) and imports cleanly"
+        ) from exc
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n, None))]
+        raise ValueError(f"{rm_type!r}: module {module_name!r} has no callable {attr!r}{_did_you_mean(attr, names)}")
+    return fn
+
+
+def check_rm_type(rm_type: str | RewardFn) -> None:
+    """Check a reward name without importing anything: a registry name, or `"module.path:function"`."""
+    if callable(rm_type):
+        return
+    if not isinstance(rm_type, str):
+        raise ValueError(f"rm_type={rm_type!r} must be a registry name, 'module.path:function' or a callable")
+    if rm_type in REWARDS:
+        return
     if ":" not in rm_type:
         raise ValueError(
-            f"unknown reward {rm_type!r}; choose one of {sorted(REWARDS)} or pass 'module.path:function'"
+            f"unknown reward {rm_type!r} (rm_type){_did_you_mean(rm_type, list(REWARDS))}; choose one of "
+            f"{sorted(REWARDS)} or pass 'module.path:function'"
         )
     module_name, _, attr = rm_type.partition(":")
-    fn = getattr(importlib.import_module(module_name), attr, None)
-    if not callable(fn):
-        raise ValueError(f"{rm_type!r}: module {module_name!r} has no callable {attr!r}")
-    return fn
+    if not (all(p.isidentifier() for p in module_name.split(".")) and attr.isidentifier()):
+        raise ValueError(
+            f"rm_type={rm_type!r} is not 'module.path:function' (e.g. 'my_pkg.rewards:score'); "
+            f"or use a registry name: {sorted(REWARDS)}"
+        )
+
+
+def _did_you_mean(name: str, choices: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, choices, n=3, cutoff=0.5)
+    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
 
 
 def score_batch(
     samples_or_texts: Sequence[Any],
     labels: Sequence[Any] | None = None,
     rm_type: str | RewardFn = "math",
+    *,
+    timeout: float | None = None,
+    indices: Sequence[int] | None = None,
 ) -> list[float]:
     """Rewards for a batch of responses.
 
@@ -92,28 +135,123 @@ def score_batch(
         samples_or_texts: `rlbench.types.Sample`s (their `.response`, `.label`, `.metadata`) or response strings.
         labels: one label per item; required for strings, overrides `Sample.label` when given.
         rm_type: reward name, `"module:function"` or a callable; `metadata["rm_type"]` of a Sample wins.
+        timeout: seconds one reward call may take (`RolloutConfig.reward_timeout`); None or 0: no limit,
+            the call runs in this thread. With a limit it runs in a daemon worker thread; a call past the
+            limit raises `RewardError` (the stuck thread is abandoned, it cannot be killed).
+        indices: the items' indices in the caller's batch, used in error messages (default 0..n-1).
 
     Returns:
-        one float per item, in order.
+        one finite float per item, in order.
 
     Raises:
-        RewardError: a reward function raised; the message has the index, response and label.
+        RewardError: a reward function raised, timed out, or returned a non-number or a non-finite value;
+            the message names the function and the sample (index, prompt/response excerpts, label, value).
     """
     if labels is not None and len(labels) != len(samples_or_texts):
         raise ValueError(f"got {len(samples_or_texts)} responses but {len(labels)} labels; pass one label each")
     default_fn = get_reward_fn(rm_type)
     rewards = []
     for i, item in enumerate(samples_or_texts):
+        idx = indices[i] if indices is not None else i
         response, label, fn = _unpack(item, i, labels, default_fn)
         try:
-            value = fn(response, label)
+            value = _call(fn, response, label, timeout)
+        except _Timeout:
+            raise RewardError(
+                f"reward {_name(fn)!r} timed out after {timeout:g}s on {describe_sample(item, idx, response, label)}; "
+                "make the reward faster or raise rollout.reward_timeout (--reward-timeout)"
+            ) from None
         except Exception as exc:  # re-raised with context, never swallowed
             raise RewardError(
-                f"reward {getattr(fn, '__name__', fn)!r} raised on sample {i}: "
-                f"response={response!r} label={label!r}: {type(exc).__name__}: {exc}"
+                f"reward {_name(fn)!r} raised on {describe_sample(item, idx, response, label)}: "
+                f"{type(exc).__name__}: {exc}"
             ) from exc
-        rewards.append(float(value))
+        rewards.append(check_reward(value, f"reward {_name(fn)!r} on {describe_sample(item, idx, response, label)}"))
     return rewards
+
+
+def check_reward(value: Any, where: str) -> float:
+    """`value` as a finite float, or `RewardError` (`where` names the function and sample)."""
+    if not isinstance(value, numbers.Real) and hasattr(value, "item"):
+        try:
+            value = value.item()  # numpy / torch one-element values
+        except (ValueError, RuntimeError):
+            pass
+    if not isinstance(value, numbers.Real):
+        raise RewardError(
+            f"{where} returned {_excerpt(value)} of type {type(value).__name__}; a reward must return a finite "
+            "float (e.g. 0.0 / 1.0)"
+        )
+    value = float(value)
+    if not math.isfinite(value):
+        raise RewardError(
+            f"{where} returned {value!r} (not finite); NaN/Inf rewards would make the group's advantages NaN "
+            "and skip every optimizer step holding them; return a finite float (e.g. 0.0 for a failed parse)"
+        )
+    return value
+
+
+def describe_sample(item: Any, idx: int, response: str | None = None, label: Any = None) -> str:
+    """`sample 3 (prompt='1+2=?', response='\\boxed{3}', label='3')`, excerpts cut to 80 characters."""
+    prompt = None if isinstance(item, str) else getattr(item, "prompt", None)
+    parts = ([f"prompt={_excerpt(prompt)}"] if prompt is not None else []) + [
+        f"response={_excerpt(response)}", f"label={_excerpt(label)}"]
+    return f"sample {idx} ({', '.join(parts)})"
+
+
+def _excerpt(value: Any, n: int = 80) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return repr(text if len(text) <= n else text[: n // 2] + " ... " + text[-n // 2 :])
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__name__", None) or repr(fn)
+
+
+class _Timeout(Exception):
+    pass
+
+
+class _Worker:
+    """A daemon thread running one reward call at a time; abandoned (never joined) when a call hangs."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.Queue = queue.Queue()
+        threading.Thread(target=self._loop, daemon=True, name="rlbench-reward").start()
+
+    def _loop(self) -> None:
+        while True:
+            fn, args, out, done = self.jobs.get()
+            try:
+                out.append((True, fn(*args)))
+            except BaseException as exc:  # handed back to the caller
+                out.append((False, exc))
+            done.set()
+
+
+_worker: _Worker | None = None
+_worker_lock = threading.Lock()
+
+
+def _call(fn: RewardFn, response: str, label: Any, timeout: float | None) -> Any:
+    """`fn(response, label)`, in a worker thread with a time limit when `timeout` is set."""
+    global _worker
+    if not timeout:
+        return fn(response, label)
+    with _worker_lock:
+        worker = _worker = _worker or _Worker()
+    out: list = []
+    done = threading.Event()
+    worker.jobs.put((fn, (response, label), out, done))
+    if not done.wait(timeout):
+        with _worker_lock:
+            if _worker is worker:
+                _worker = None  # the stuck thread keeps its job; the next call gets a fresh worker
+        raise _Timeout
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
 
 
 def _unpack(item: Any, i: int, labels: Sequence[Any] | None, default_fn: RewardFn) -> tuple[str, Any, RewardFn]:
@@ -124,4 +262,9 @@ def _unpack(item: Any, i: int, labels: Sequence[Any] | None, default_fn: RewardF
         return item, labels[i], default_fn
     label = labels[i] if labels is not None else item.label
     rm = (item.metadata or {}).get("rm_type")
-    return item.response, label, get_reward_fn(rm) if rm else default_fn
+    if not rm:
+        return item.response, label, default_fn
+    try:
+        return item.response, label, get_reward_fn(rm)
+    except ValueError as exc:
+        raise RewardError(f"sample {i}: metadata rm_type: {exc}") from exc

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import random
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -29,7 +30,7 @@ from rlbench.algorithms import compute_advantages
 from rlbench.config import RunConfig
 from rlbench.metrics import MetricsLogger, build_sinks, to_floats
 from rlbench.rank_step import RankStep
-from rlbench.rewards import score_batch
+from rlbench.rewards import check_reward, describe_sample, get_reward_fn, score_batch
 from rlbench.rollout.manager import RolloutBatch, RolloutManager
 from rlbench.weights import WeightSync
 
@@ -54,6 +55,7 @@ class Trainer:
                 "rlbench.build_trainer(cfg), which picks the class of cfg.cluster.backend"
             )
         seed_everything(cfg.seed)
+        get_reward_fn(cfg.rollout.rm_type)  # a bad "module:function" fails here, before the model is built
         if components is None:
             from rlbench.orchestration.local import build_components
 
@@ -75,6 +77,7 @@ class Trainer:
         self.policy_version = 0  # train_step calls so far: the version of the trainer's weights
         self.version = 0  # policy version held by the engine
         self._phase = "train"
+        self.skipped_streak = 0  # optimizer steps skipped in a row (non-finite loss / grad norm)
         self.sync_weights()  # the engine always starts from the trainer's weights (version 0)
         if cfg.checkpoint.load_dir:
             self.load(cfg.checkpoint.load_dir)
@@ -107,6 +110,14 @@ class Trainer:
     def fit(self, num_rollout: int | None = None) -> list[dict]:
         """Run `step()` until `num_rollout` RL steps are done (default `cfg.batch.num_rollout`)."""
         target = self.cfg.batch.num_rollout if num_rollout is None else num_rollout
+        if self.rollout_id >= target:
+            resumed = f" (resumed from {self.cfg.checkpoint.load_dir})" if self.cfg.checkpoint.load_dir else ""
+            warnings.warn(
+                f"nothing to train: the run is at rollout {self.rollout_id}{resumed} and num_rollout={target}; "
+                f"raise num_rollout (--num-rollout) above {self.rollout_id} to train further",
+                UserWarning,
+                stacklevel=2,
+            )
         while self.rollout_id < target:
             self.step()
         return self.history
@@ -124,9 +135,13 @@ class Trainer:
 
         Returns `rollout/advantages` (mean over trained tokens) and `rollout/raw_reward`.
         """
-        missing = [s for s in batch.samples if s.reward is None]
-        for s, r in zip(missing, score_batch(missing, rm_type=self.cfg.rollout.rm_type)):
-            s.reward = r
+        missing = [i for i, s in enumerate(batch.samples) if s.reward is None]
+        scored = score_batch([batch.samples[i] for i in missing], rm_type=self.cfg.rollout.rm_type,
+                             timeout=self.cfg.rollout.reward_timeout, indices=missing)
+        for i, r in zip(missing, scored):
+            batch.samples[i].reward = r
+        for i, s in enumerate(batch.samples):  # rewards set elsewhere (a custom rollout) are checked too
+            s.reward = check_reward(s.reward, f"the reward of {describe_sample(s, i)} (rm_type={self.cfg.rollout.rm_type!r})")
         lengths = [s.response_length for s in batch.samples]
         mask = torch.tensor([m for s in batch.samples for m in s.loss_mask], dtype=torch.float32)  # [R]
         rewards = torch.tensor(batch.rewards, dtype=torch.float32)  # [N]
@@ -170,6 +185,7 @@ class Trainer:
         if self.rank_step.needs_log_probs(batch.old_log_probs, batch.ref_log_probs):
             self.compute_log_probs(batch)
         metrics = self.rank_step.train(batch.packs, batch.old_log_probs, batch.ref_log_probs)
+        self._count_skipped(metrics)
         self.policy_version += 1
         return metrics
 
@@ -244,6 +260,23 @@ class Trainer:
         self.logger.close()
 
     # ------------------------------------------------------------------ helpers
+    def _count_skipped(self, metrics: dict[str, float]) -> None:
+        """Track optimizer steps skipped in a row (a rollout whose steps all skipped extends the streak, any
+        applied step ends it) and warn once when the streak reaches `logging.warn_skipped_steps`."""
+        n = int(metrics.get("train/optimizer_steps", 1))
+        skipped = round(metrics.get("train/skipped", 0.0) * n)
+        before = self.skipped_streak
+        self.skipped_streak = before + n if skipped == n else 0
+        limit = self.cfg.logging.warn_skipped_steps
+        if limit and before < limit <= self.skipped_streak:
+            warnings.warn(
+                f"{self.skipped_streak} optimizer steps in a row were skipped (non-finite loss or grad norm, "
+                "train/skipped): the weights have not changed since; check the loss inputs, lower the lr or "
+                "use fp32 (param_dtype)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
     @property
     def _eval_on(self) -> bool:
         return self.cfg.eval.interval is not None and bool(self.eval_items)

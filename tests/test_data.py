@@ -149,7 +149,7 @@ def test_malformed_line_names_file_and_line(tmp_path, tok):
 
 def test_missing_key_names_key_and_available_keys(tmp_path, tok):
     path = _write(tmp_path / "k.jsonl", [{"prompt": "a", "label": "1"}, {"question": "b", "answer": "2"}])
-    with pytest.raises(ValueError, match=r"row 2: missing key 'prompt'; available keys: \['answer', 'question'\]"):
+    with pytest.raises(ValueError, match=r"k\.jsonl:2: missing key 'prompt'; available keys: \['answer', 'question'\]"):
         PromptDataset(DataConfig(path=path), tok)
 
 

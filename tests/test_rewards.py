@@ -82,8 +82,9 @@ def test_registry_and_custom_import_path():
         del sys.modules["_rlbench_test_rm"]
     with pytest.raises(ValueError, match="unknown reward 'f1'.*'countdown'.*module.path:function"):
         get_reward_fn("f1")
-    with pytest.raises(ModuleNotFoundError):
+    with pytest.raises(ValueError, match="cannot import module 'no_such_module_xyz'.*PYTHONPATH") as info:
         get_reward_fn("no_such_module_xyz:fn")
+    assert isinstance(info.value.__cause__, ModuleNotFoundError)
 
 
 def test_score_batch_on_texts_and_samples():

@@ -80,7 +80,7 @@ def _write(path, lines):
 @pytest.mark.parametrize(
     "lines, match",
     [
-        ([json.dumps({"question": "1+1=?", "label": "2"})], r"row 1: missing key 'prompt'; available keys: \['label', 'question'\]"),
+        ([json.dumps({"question": "1+1=?", "label": "2"})], r"bad\.jsonl:1: missing key 'prompt'; available keys: \['label', 'question'\]"),
         ([json.dumps({"prompt": "1+1=?", "label": "2"}), "{not json"], r":2: invalid JSON"),
         ([json.dumps({"prompt": "1+1=?" * 40, "label": "2"})], r"longest prompt \(\d+ tokens\) \+ max response \(8\) exceeds engine.max_seq_len=48"),
         ([json.dumps({"prompt": "1+1=?", "label": "2", "metadata": "x"})], r"'metadata' must be a dict"),

@@ -6,8 +6,10 @@
 
 Semantics follow slime (`slime/utils/data.py`): a str prompt becomes `[{"role": "user", ...}]` before
 the chat template; `max_prompt_length` drops longer prompts at load time (counted in `num_dropped`);
-each epoch is shuffled with seed `seed + epoch`. Malformed input raises ValueError with the file and
-1-based line (or row) number; nothing is silently skipped.
+each epoch is shuffled with seed `seed + epoch`. The whole file is validated at load: every bad line
+(invalid UTF-8 or JSON, an empty line, a non-object, a missing key, an empty prompt, a null label) is
+collected and one ValueError lists the first `MAX_REPORTED` as `file:line: problem`, then a count of the
+rest; nothing is silently skipped.
 """
 
 from __future__ import annotations
@@ -21,6 +23,22 @@ from typing import Any
 import numpy as np
 
 from rlbench.data.config import DataConfig
+
+MAX_REPORTED = 10
+"""Bad lines listed one by one in a data error (the rest are counted)."""
+
+
+class DataError(ValueError):
+    """Bad rows in a prompt file; `.problems` holds every `file:line: problem` found."""
+
+    def __init__(self, path: str, problems: list[str], total: int | None = None) -> None:
+        self.path, self.problems = path, problems
+        shown = problems[:MAX_REPORTED]
+        more = len(problems) - len(shown)
+        head = f"{path}: {len(problems)} bad line{'s' * (len(problems) != 1)}" + (f" of {total}" if total else "")
+        tail = f"\n  ... and {more} more" if more else ""
+        fix = "\nfix or remove these lines (every line must be a JSON object with a non-empty prompt)"
+        super().__init__(problems[0] if len(problems) == 1 else head + ":\n  " + "\n  ".join(shown) + tail + fix)
 
 
 @dataclass
@@ -48,19 +66,36 @@ def read_rows(path: str | os.PathLike) -> list[dict]:
         import pyarrow.parquet as pq  # optional extra: rlbench[data]
 
         return pq.read_table(path).to_pylist()
-    rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                raise ValueError(f"{path}:{lineno}: empty line; remove it (every line must be a JSON object)")
+    rows, problems = [], []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
+                rows.append(_parse_line(raw, path, lineno))
+            except ValueError as exc:
+                problems.append(str(exc))
+    if problems:
+        raise DataError(path, problems, total=lineno)
     return rows
+
+
+def _parse_line(raw: bytes, path: str, lineno: int) -> dict:
+    """One jsonl line as a dict, or ValueError naming `path:lineno` and the problem."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{path}:{lineno}: not valid UTF-8 (byte {raw[exc.start:exc.start + 1]!r} at column {exc.start + 1}); "
+            "re-encode the file as UTF-8"
+        ) from None
+    if not line.strip():
+        raise ValueError(f"{path}:{lineno}: empty line; remove it (every line must be a JSON object)")
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+    return row
 
 
 class PromptDataset:
@@ -71,7 +106,15 @@ class PromptDataset:
             raise ValueError("apply_chat_template / max_prompt_length need a tokenizer; pass tokenizer=")
         self.cfg = cfg
         self.tokenizer = tokenizer
-        items = [self._make_item(row, i) for i, row in enumerate(read_rows(cfg.path))]
+        rows = read_rows(cfg.path)
+        items, problems = [], []
+        for i, row in enumerate(rows):
+            try:
+                items.append(self._make_item(row, i))
+            except ValueError as exc:
+                problems.append(str(exc))
+        if problems:
+            raise DataError(os.fspath(cfg.path), problems, total=len(rows))
         limit = cfg.max_prompt_length
         self.items = [it for it in items if limit is None or len(it.prompt_token_ids) <= limit]
         self.num_dropped = len(items) - len(self.items)
@@ -95,9 +138,17 @@ class PromptDataset:
     def _make_item(self, row: dict, i: int) -> PromptItem:
         """A PromptItem from row `i` (0-based), checking that the configured keys exist."""
         cfg = self.cfg
-        where = f"{cfg.path}: row {i + 1}"
+        path = os.fspath(cfg.path)
+        where = f"{path}: row {i + 1}" if path.endswith(".parquet") else f"{path}:{i + 1}"
         prompt = _require(row, cfg.input_key, where)
         label = _require(row, cfg.label_key, where) if cfg.label_key is not None else None
+        if _is_empty_prompt(prompt):
+            raise ValueError(f"{where}: empty prompt {cfg.input_key!r}={prompt!r}; give it text or remove the line")
+        if cfg.label_key is not None and label is None:
+            raise ValueError(
+                f"{where}: null label {cfg.label_key!r}; fill it in, remove the line, or set label_key=None "
+                "(--label-key) for data without labels"
+            )
         metadata = row.get(cfg.metadata_key) if cfg.metadata_key is not None else None
         if metadata is not None and not isinstance(metadata, dict):
             raise ValueError(f"{where}: {cfg.metadata_key!r} must be a dict, got {type(metadata).__name__}")
@@ -149,6 +200,15 @@ class PromptDataset:
             )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._epoch_order(self.epoch)
+
+
+def _is_empty_prompt(prompt: Any) -> bool:
+    """None, a blank string, or a message list without any non-blank content."""
+    if prompt is None or isinstance(prompt, str):
+        return not (prompt or "").strip()
+    if isinstance(prompt, list):
+        return not any(isinstance(m, dict) and str(m.get("content") or "").strip() for m in prompt)
+    return False
 
 
 def _require(row: dict, key: str, where: str) -> Any:

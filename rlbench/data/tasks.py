@@ -228,8 +228,23 @@ def make_task(name: str, n: int, *, seed: int = 0, **cfg: Any) -> list[dict]:
 
 
 def write_jsonl(rows: list[dict], path: str | os.PathLike) -> None:
-    """Write rows as slime-layout jsonl (`prompt`, `label`, `metadata` per line)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+    """Write rows as slime-layout jsonl (`prompt`, `label`, `metadata` per line).
+
+    Atomic: the rows go to `path.tmp`, which replaces `path` only once complete, so a full disk or a kill
+    never leaves a truncated file that a later run would read. An OSError (e.g. ENOSPC) names the path.
+    """
+    path = os.fspath(path)
+    tmp = path + ".tmp"
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise OSError(
+            exc.errno, f"cannot write {len(rows)} rows to {path!r}: {exc.strerror or exc}; free disk space or "
+            "write elsewhere (e.g. TaskConfig.out_dir)"
+        ) from exc

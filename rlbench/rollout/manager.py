@@ -129,7 +129,7 @@ class RolloutManager:
             raise RuntimeError(f"engine returned {len(gens)} generations for {len(items)} prompts x n={n}")
         groups = [[self._to_sample(items[g.prompt_index], g) for g in gens[i * n : (i + 1) * n]] for i in range(len(items))]
         flat = [s for g in groups for s in g]
-        for s, r in zip(flat, score_batch(flat, rm_type=self.cfg.rm_type)):
+        for s, r in zip(flat, score_batch(flat, rm_type=self.cfg.rm_type, timeout=self.cfg.reward_timeout)):
             s.reward = r
         return groups
 

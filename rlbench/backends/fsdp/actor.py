@@ -230,11 +230,14 @@ class FSDPBackend:
     def save(self, step: int | None = None) -> str:
         step = self.step if step is None else step
         args = (self.model, self.optimizer, self.scheduler, self.env)
-        return save_checkpoint(self._checkpoint_root(), step, *args, fmt=self.cfg.checkpoint_format)
+        meta = {"model": self.cfg.model, "model_overrides": dict(self.cfg.model_overrides),
+                "optim_config": dataclasses.asdict(self.cfg.optim)}  # checked on load (resume.py)
+        return save_checkpoint(self._checkpoint_root(), step, *args, fmt=self.cfg.checkpoint_format, extra_meta=meta)
 
     def load(self, step: int | None = None) -> int:
         root = self._checkpoint_root()
-        self.step = load_checkpoint(root, self.model, self.optimizer, self.scheduler, self.env, step)
+        self.step = load_checkpoint(root, self.model, self.optimizer, self.scheduler, self.env, step,
+                                    optim_cfg=self.cfg.optim)
         return self.step
 
     def export_hf(self, path: str, dtype: torch.dtype | None = None) -> None:

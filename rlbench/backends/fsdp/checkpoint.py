@@ -23,6 +23,12 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from rlbench.backends.fsdp.resume import (
+    apply_optim_config,
+    check_dcp_shapes,
+    check_model_config,
+    model_config_dict,
+)
 from rlbench.distributed.mesh import DistEnv, barrier
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -60,9 +66,13 @@ def _write_state(path: str, fmt: str, model: nn.Module, optimizer, env: DistEnv)
 
 
 def save_checkpoint(
-    root: str, step: int, model: nn.Module, optimizer, scheduler, env: DistEnv, fmt: str = "sharded"
+    root: str, step: int, model: nn.Module, optimizer, scheduler, env: DistEnv, fmt: str = "sharded",
+    extra_meta: dict | None = None,
 ) -> str:
-    """Write checkpoint `step` atomically (collective: every rank calls it). Returns its directory."""
+    """Write checkpoint `step` atomically (collective: every rank calls it). Returns its directory.
+
+    `trainer_state.pt` also holds the model's HF config (`model_config`) and `extra_meta` (the backend
+    adds the model name/overrides and its `optim_config`), which `load_checkpoint` checks (`resume.py`)."""
     final, tmp = iter_dir(root, step), iter_dir(root, step) + ".tmp"
     if env.is_main:
         os.makedirs(root, exist_ok=True)
@@ -73,6 +83,7 @@ def save_checkpoint(
     torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{env.rank}.pt"))
     if env.is_main:
         meta = {"scheduler": scheduler.state_dict(), "step": step, "world_size": env.world_size, "format": fmt}
+        meta |= {"model_config": model_config_dict(model)} | (extra_meta or {})
         torch.save(meta, os.path.join(tmp, "trainer_state.pt"))
     barrier(env)
     if env.is_main:
@@ -95,22 +106,29 @@ def _commit(root: str, tmp: str, final: str, step: int) -> None:
 
 
 def load_checkpoint(
-    root: str, model: nn.Module, optimizer, scheduler, env: DistEnv, step: int | None = None
+    root: str, model: nn.Module, optimizer, scheduler, env: DistEnv, step: int | None = None, optim_cfg=None
 ) -> int:
-    """Restore model, optimizer, scheduler and RNG from `step` (default: the tracker). Returns the step."""
+    """Restore model, optimizer, scheduler and RNG from `step` (default: the tracker). Returns the step.
+
+    A model that differs from the checkpoint's raises `ResumeError` naming the fields before anything is
+    read into the model; with `optim_cfg` the new optimizer hyper-parameters win (`resume.apply_optim_config`)."""
     step = latest_step(root) if step is None else step
     if step is None or not os.path.isdir(iter_dir(root, step)):
         raise ValueError(f"no finished checkpoint {step} under {root!r}; save one first or pass a valid step")
     path = iter_dir(root, step)
     meta = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+    check_model_config(meta, model, path)
     if meta["format"] == "sharded":
         msd, osd = get_state_dict(model, optimizer)
+        check_dcp_shapes(os.path.join(path, "dcp"), msd, path)
         state = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
         _load_full(path, model, optimizer, env)
     scheduler.load_state_dict(meta["scheduler"])
+    if optim_cfg is not None:
+        apply_optim_config(optimizer, scheduler, meta.get("optim_config"), optim_cfg, path=path, announce=env.is_main)
     rng_file = os.path.join(path, f"rng_rank{env.rank}.pt")
     if os.path.isfile(rng_file):  # absent when resuming on a larger world
         rng = torch.load(rng_file, weights_only=False)
