@@ -136,8 +136,9 @@ def score_batch(
         labels: one label per item; required for strings, overrides `Sample.label` when given.
         rm_type: reward name, `"module:function"` or a callable; `metadata["rm_type"]` of a Sample wins.
         timeout: seconds one reward call may take (`RolloutConfig.reward_timeout`); None or 0: no limit,
-            the call runs in this thread. With a limit it runs in a daemon worker thread; a call past the
-            limit raises `RewardError` (the stuck thread is abandoned, it cannot be killed).
+            the call runs in this thread. With a limit a user reward runs in a daemon worker thread; a call
+            past the limit raises `RewardError` (the stuck thread is abandoned, it cannot be killed). The
+            built-in rewards (`REWARDS`) always run inline: `math` keeps math_verify's own 5 s timeouts.
         indices: the items' indices in the caller's batch, used in error messages (default 0..n-1).
 
     Returns:
@@ -151,22 +152,25 @@ def score_batch(
         raise ValueError(f"got {len(samples_or_texts)} responses but {len(labels)} labels; pass one label each")
     default_fn = get_reward_fn(rm_type)
     rewards = []
+    default_spec = rm_type if isinstance(rm_type, str) else None
     for i, item in enumerate(samples_or_texts):
         idx = indices[i] if indices is not None else i
-        response, label, fn = _unpack(item, i, labels, default_fn)
+        response, label, fn, spec = _unpack(item, i, labels, default_fn)
+        spec = spec or default_spec
+        name = spec if isinstance(spec, str) else _name(fn)
         try:
             value = _call(fn, response, label, timeout)
         except _Timeout:
             raise RewardError(
-                f"reward {_name(fn)!r} timed out after {timeout:g}s on {describe_sample(item, idx, response, label)}; "
+                f"reward {name!r} timed out after {timeout:g}s on {describe_sample(item, idx, response, label)}; "
                 "make the reward faster or raise rollout.reward_timeout (--reward-timeout)"
             ) from None
         except Exception as exc:  # re-raised with context, never swallowed
             raise RewardError(
-                f"reward {_name(fn)!r} raised on {describe_sample(item, idx, response, label)}: "
+                f"reward {name!r} raised on {describe_sample(item, idx, response, label)}: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        rewards.append(check_reward(value, f"reward {_name(fn)!r} on {describe_sample(item, idx, response, label)}"))
+        rewards.append(check_reward(value, f"reward {name!r} on {describe_sample(item, idx, response, label)}"))
     return rewards
 
 
@@ -229,6 +233,7 @@ class _Worker:
             done.set()
 
 
+_BUILTIN = frozenset(REWARDS.values())
 _worker: _Worker | None = None
 _worker_lock = threading.Lock()
 
@@ -236,7 +241,7 @@ _worker_lock = threading.Lock()
 def _call(fn: RewardFn, response: str, label: Any, timeout: float | None) -> Any:
     """`fn(response, label)`, in a worker thread with a time limit when `timeout` is set."""
     global _worker
-    if not timeout:
+    if not timeout or fn in _BUILTIN:  # the built-in rewards are bounded (math_verify has its own timeouts)
         return fn(response, label)
     with _worker_lock:
         worker = _worker = _worker or _Worker()
@@ -254,17 +259,17 @@ def _call(fn: RewardFn, response: str, label: Any, timeout: float | None) -> Any
     return value
 
 
-def _unpack(item: Any, i: int, labels: Sequence[Any] | None, default_fn: RewardFn) -> tuple[str, Any, RewardFn]:
-    """(response, label, reward fn) of one batch item."""
+def _unpack(item: Any, i: int, labels: Sequence[Any] | None, default_fn: RewardFn) -> tuple[str, Any, RewardFn, Any]:
+    """(response, label, reward fn, its rm_type) of one batch item."""
     if isinstance(item, str):
         if labels is None:
             raise ValueError("score_batch got response strings without labels; pass labels=[...]")
-        return item, labels[i], default_fn
+        return item, labels[i], default_fn, None
     label = labels[i] if labels is not None else item.label
     rm = (item.metadata or {}).get("rm_type")
     if not rm:
-        return item.response, label, default_fn
+        return item.response, label, default_fn, None
     try:
-        return item.response, label, get_reward_fn(rm)
+        return item.response, label, get_reward_fn(rm), rm
     except ValueError as exc:
         raise RewardError(f"sample {i}: metadata rm_type: {exc}") from exc

@@ -63,6 +63,7 @@ class Trainer:
         self.cfg = cfg
         self.tokenizer, self.backend, self.engine = components.tokenizer, components.backend, components.engine
         self.dataset, self.eval_items = components.dataset, components.eval_items
+        _check_row_rewards(getattr(self.dataset, "items", []) + list(self.eval_items or []))
         self.rollouts = RolloutManager(cfg.rollout, self.engine, self.dataset, self.tokenizer)
         self.weight_sync = WeightSync(cfg.weights, self.backend, self.engine)
         self.rank_step = RankStep(cfg.batch, cfg.loss, self.backend, cp_size=cfg.backend.cp_size,
@@ -325,6 +326,16 @@ def _latest(path: str) -> int:
     if not ids:
         raise ValueError(f"{path!r} has no trainer_XXXXXXX.pt checkpoint; pass the directory given to save()")
     return max(ids)
+
+
+def _check_row_rewards(items) -> None:
+    """Resolve every per-row `metadata["rm_type"]` of the data now, not at the first rollout."""
+    names = {it.metadata.get("rm_type") for it in items if isinstance(getattr(it, "metadata", None), dict)}
+    for name in sorted(n for n in names if n):
+        try:
+            get_reward_fn(name)
+        except ValueError as exc:
+            raise ValueError(f"the data's metadata rm_type={name!r}: {exc}") from exc
 
 
 def seed_everything(seed: int) -> None:
