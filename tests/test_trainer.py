@@ -97,6 +97,6 @@ def test_a_raising_reward_names_the_sample(trainer):
     batch = trainer.rollout()
     batch.samples[3].reward = None
     batch.samples[3].metadata["rm_type"] = "json:loads"  # a user reward that raises (TypeError)
-    with pytest.raises(RewardError, match=r"raised on sample 0: response=.* label="):
+    with pytest.raises(RewardError, match=r"reward 'json:loads' raised on sample 3 \(prompt=.*, response=.*, label="):
         trainer.score(batch)
     assert batch.samples[0].status in (Status.COMPLETED, Status.TRUNCATED)
