@@ -78,11 +78,11 @@ def _ref_shaped(kl_coef):
 @pytest.mark.parametrize("gamma", [1.0, 0.9])
 def test_reinforce_pp_discounted_shaped_returns(gamma):
     exp = []
-    for tok in _ref_shaped(0.05):
+    for tok, m in zip(_ref_shaped(0.05), torch.split(MASK, LENGTHS)):  # masked tokens are not time steps
         g, ret = 0.0, []
-        for r in reversed(tok):
-            g = r + gamma * g
-            ret.append(g)
+        for r, mt in zip(reversed(tok), reversed(m.tolist())):
+            g = r + gamma * g if mt else g
+            ret.append(g if mt else 0.0)
         exp += ret[::-1]
     got = reinforce_pp_advantages(REWARDS, LENGTHS, MASK, KL, 0.05, gamma)
     torch.testing.assert_close(got, torch.tensor(exp, dtype=D), rtol=0, atol=1e-12)

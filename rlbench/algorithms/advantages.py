@@ -8,6 +8,12 @@ and response-space token tensors `[R]` (samples concatenated, `seq_lengths` summ
     REINFORCE++-baseline   A_t = (R_i − mean_g) − kl_coef·kl_t, then whitened (required)
     PPO (GAE)     δ_t = r_t + γ V_{t+1} − V_t (V after the last token = 0), A_t = δ_t + γλ A_{t+1}, ret = A + V
 
+The recursions over time (REINFORCE++ returns, GAE) run over the TRAINED tokens only (loss mask 1): a
+loss-masked token inside a response (tool output in multi-turn) is not a time step, so "t+1" is the next
+trained token and V / A / G are carried across masked spans (verl's GAE skips observation tokens the same
+way); masked positions get 0. Values on masked tokens (KL, critic values, log-probs) are never read, so a
+NaN/±Inf there changes nothing.
+
 Unlike slime, a batch whose size is not a multiple of the group size raises instead of silently becoming
 one big group.
 """
@@ -18,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .aggregation import zero_masked
 from .config import LossConfig
 from .kl import approx_kl
 
@@ -92,7 +99,7 @@ def shaped_token_rewards(
     """
     tok = torch.zeros_like(loss_mask, dtype=rewards.dtype)
     if kl is not None and kl_coef != 0:
-        tok = tok - kl_coef * kl.to(rewards.dtype) * loss_mask
+        tok = tok - kl_coef * zero_masked(kl.to(rewards.dtype), loss_mask)
     starts = torch.cumsum(torch.as_tensor([0, *seq_lengths[:-1]]), 0).tolist() if len(seq_lengths) else []
     for i, (s, n) in enumerate(zip(starts, seq_lengths)):
         if n == 0:
@@ -103,20 +110,26 @@ def shaped_token_rewards(
     return tok
 
 
-def discounted_returns(token_rewards: torch.Tensor, seq_lengths: Sequence[int], gamma: float) -> torch.Tensor:
-    """`[R]`: G_t = r_t + γ G_{t+1} within each sample (G after the last token = 0)."""
-    r = to_padded(token_rewards, seq_lengths)  # [N, L]; padding is zero so it adds nothing
+def discounted_returns(
+    token_rewards: torch.Tensor, seq_lengths: Sequence[int], gamma: float, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`[R]`: G_t = r_t + γ G_{t+1} within each sample over the tokens with `mask` ≠ 0 (None: every token);
+    t+1 is the next such token, G after the last one = 0, and G = 0 on masked tokens (their r is not read)."""
+    r = to_padded(token_rewards, seq_lengths)  # [N, L]
+    steps = to_padded(torch.ones_like(token_rewards) if mask is None else (mask != 0).to(r.dtype), seq_lengths) > 0
+    r = torch.where(steps, r, torch.zeros((), dtype=r.dtype))
     g = torch.zeros_like(r)
     running = torch.zeros_like(r[:, 0]) if r.numel() else r.new_zeros(0)
     for t in range(r.shape[1] - 1, -1, -1):
-        running = r[:, t] + gamma * running
-        g[:, t] = running
+        running = torch.where(steps[:, t], r[:, t] + gamma * running, running)  # carried across masked tokens
+        g[:, t] = torch.where(steps[:, t], running, torch.zeros((), dtype=r.dtype))
     return from_padded(g, seq_lengths)
 
 
 def reinforce_pp_advantages(rewards, seq_lengths, loss_mask, kl, kl_coef, gamma) -> torch.Tensor:
-    """`[R]` REINFORCE++ returns (whiten them afterwards)."""
-    return discounted_returns(shaped_token_rewards(rewards, seq_lengths, loss_mask, kl, kl_coef), seq_lengths, gamma)
+    """`[R]` REINFORCE++ returns over the trained tokens (0 on masked ones; whiten them afterwards)."""
+    tok = shaped_token_rewards(rewards, seq_lengths, loss_mask, kl, kl_coef)
+    return discounted_returns(tok, seq_lengths, gamma, loss_mask)
 
 
 def reinforce_pp_baseline_advantages(rewards, group_size, seq_lengths, kl, kl_coef) -> torch.Tensor:
@@ -128,34 +141,39 @@ def reinforce_pp_baseline_advantages(rewards, group_size, seq_lengths, kl, kl_co
 def gae(
     rewards_tok: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation on right-padded `[B, L]` tensors.
+    """Generalised advantage estimation on right-padded `[B, L]` tensors, over the trained tokens only.
 
     Args:
         rewards_tok: `[B, L]` per-token rewards (e.g. from `shaped_token_rewards`, padded).
         values: `[B, L]` critic values V_t.
-        mask: `[B, L]` 1 inside each response, 0 on padding (V beyond the response is taken as 0).
+        mask: `[B, L]` 1 on the time steps (trained tokens), 0 on loss-masked tokens inside a response and on
+            padding. Masked positions are skipped: δ_t = r_t + γ V_next − V_t and A_t = δ_t + γλ A_next with
+            "next" the next trained token (V_next = A_next = 0 after the last one); their r and V are not read.
     Returns:
-        `(advantages [B, L], returns [B, L])`, zero on padding.
+        `(advantages [B, L], returns [B, L])`; returns = A + V on trained tokens; both 0 where mask is 0.
     """
-    mask = mask.to(values.dtype)
-    v = values * mask
+    steps = mask != 0
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    v = torch.where(steps, values, zero)
+    r = torch.where(steps, rewards_tok.to(values.dtype), zero)
     adv = torch.zeros_like(v)
     next_v = torch.zeros_like(v[:, 0])
     next_a = torch.zeros_like(v[:, 0])
     for t in range(v.shape[1] - 1, -1, -1):
-        delta = rewards_tok[:, t] + gamma * next_v - v[:, t]
-        next_a = (delta + gamma * lam * next_a) * mask[:, t]
-        adv[:, t] = next_a
-        next_v = v[:, t]
-    return adv, (adv + v) * mask
+        a = r[:, t] + gamma * next_v - v[:, t] + gamma * lam * next_a
+        on = steps[:, t]
+        next_a = torch.where(on, a, next_a)  # a masked token passes A and V of the next trained token through
+        next_v = torch.where(on, v[:, t], next_v)
+        adv[:, t] = torch.where(on, a, zero)
+    return adv, torch.where(steps, adv + v, zero)
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
     """`[R]`: (x − masked mean) / sqrt(masked unbiased var + eps); pass ALL tokens of the global batch."""
     m = mask.to(x.dtype)
     n = m.sum().clamp_min(1.0)
-    mean = (x * m).sum() / n
-    var = ((x - mean) ** 2 * m).sum() / (n - 1).clamp_min(1.0)
+    mean = zero_masked(x * m, m).sum() / n  # a NaN/Inf on a masked token does not enter the statistics
+    var = zero_masked((x - mean) ** 2 * m, m).sum() / (n - 1).clamp_min(1.0)
     out = (x - mean) * torch.rsqrt(var + eps)
     return out if shift_mean else out + mean
 
@@ -184,8 +202,8 @@ def _ppo(cfg, rewards, seq_lengths, loss_mask, group_size, kl, values):
     if values is None:
         raise ValueError("advantage_estimator='ppo' needs critic values [R]")
     tok = shaped_token_rewards(rewards, seq_lengths, loss_mask, kl, cfg.kl_coef)
-    valid = to_padded(torch.ones_like(tok), seq_lengths)
-    adv, _ = gae(to_padded(tok, seq_lengths), to_padded(values.to(tok.dtype), seq_lengths), valid, cfg.gamma, cfg.lambd)
+    steps = to_padded((loss_mask != 0).to(tok.dtype), seq_lengths)  # masked tokens are not time steps
+    adv, _ = gae(to_padded(tok, seq_lengths), to_padded(values.to(tok.dtype), seq_lengths), steps, cfg.gamma, cfg.lambd)
     return from_padded(adv, seq_lengths)
 
 
@@ -229,6 +247,6 @@ def compute_advantages(
     if cfg.kl_coef != 0:
         if old_log_probs is None or ref_log_probs is None:
             raise ValueError(f"kl_coef={cfg.kl_coef} needs old_log_probs and ref_log_probs")
-        kl = approx_kl(old_log_probs, ref_log_probs, cfg.kl_loss_type)
+        kl = zero_masked(approx_kl(old_log_probs, ref_log_probs, cfg.kl_loss_type), loss_mask)
     adv = ADVANTAGE_FNS[cfg.advantage_estimator](cfg, rewards, list(seq_lengths), loss_mask, group_size, kl, values)
     return whiten(adv, loss_mask) if cfg.normalize_advantages else adv

@@ -9,7 +9,14 @@ samples were split. Modes, for sample i with mask m_i and masked length n_i = Σ
     token_mean        w_it = m_it / max(1, Σ_i n_i)             tokens of the whole global batch
     seq_sum_constant  w_it = m_it / (N · C)                     Dr.GRPO; C e.g. the max response length
 
-Also the segment helpers (per-sequence sums/means over a flat response-space tensor) used by the losses.
+Per-sequence metrics (a sequence's PPL, ...) are a mean over the sequences of the global batch that have at
+least one trained token: `sequence_metric_weights`, w_it = m_it / (n_i · N_nonempty); an empty sample (all
+tokens loss-masked, e.g. by `mask_truncated`) has no such value and does not count. With N_nonempty = 0 the
+weights are NaN, so the metric reads NaN (undefined) instead of a silent 0.
+
+Also the segment helpers (per-sequence sums/means over a flat response-space tensor) used by the losses, and
+`zero_masked`: values at masked positions are replaced by 0 (torch.where) BEFORE any arithmetic, so a NaN/±Inf
+there (−inf log-prob of a padded token, a NaN advantage) can reach neither a sum nor a gradient (0 · NaN = NaN).
 """
 
 from __future__ import annotations
@@ -32,12 +39,22 @@ class GlobalNorm:
     """Loss-masked (trained) response tokens in the global batch."""
     constant: float = 1.0
     """Per-sample divisor of `seq_sum_constant` (Dr.GRPO), e.g. the max response length."""
+    n_nonempty: int | None = None
+    """Samples with at least one trained token (the denominator of per-sequence metrics); a caller that
+    all-reduces the counts by hand must all-reduce this one too. None: not counted, taken as n_samples."""
 
     def __post_init__(self) -> None:
         if self.n_samples < 1:
             raise ValueError(f"GlobalNorm.n_samples={self.n_samples} must be >= 1 (an empty global batch?)")
         if self.constant <= 0:
             raise ValueError(f"GlobalNorm.constant={self.constant} must be > 0 (e.g. the max response length)")
+        if self.n_nonempty is not None and not 0 <= self.n_nonempty <= self.n_samples:
+            raise ValueError(f"GlobalNorm.n_nonempty={self.n_nonempty} must be in [0, n_samples={self.n_samples}]")
+
+    @property
+    def sequences(self) -> int:
+        """The denominator of per-sequence metrics: n_nonempty, or n_samples when it was not counted."""
+        return self.n_samples if self.n_nonempty is None else self.n_nonempty
 
     @classmethod
     def from_masks(
@@ -45,7 +62,11 @@ class GlobalNorm:
     ) -> GlobalNorm:
         """From every micro-batch of the step: its `[R]` loss mask and its per-sequence response lengths."""
         n_samples = sum(len(lengths) for lengths in seq_lengths)
-        return cls(n_samples, float(sum(float(m.sum()) for m in loss_masks)), constant)
+        n_nonempty = sum(
+            int((segment_sum((m != 0).to(torch.float64), seq_ids_from_lengths(ls, m.device), len(ls)) > 0).sum())
+            for m, ls in zip(loss_masks, seq_lengths)
+        )
+        return cls(n_samples, float(sum(float(m.sum()) for m in loss_masks)), constant, n_nonempty)
 
     @classmethod
     def combine(cls, norms: Sequence[GlobalNorm]) -> GlobalNorm:
@@ -53,7 +74,9 @@ class GlobalNorm:
         constants = {n.constant for n in norms}
         if len(constants) != 1:
             raise ValueError(f"GlobalNorm.combine: constants differ {sorted(constants)}; use one constant per step")
-        return cls(sum(n.n_samples for n in norms), sum(n.n_tokens for n in norms), constants.pop())
+        counted = all(n.n_nonempty is not None for n in norms)
+        n_nonempty = sum(n.n_nonempty for n in norms) if counted else None
+        return cls(sum(n.n_samples for n in norms), sum(n.n_tokens for n in norms), constants.pop(), n_nonempty)
 
 
 def seq_ids_from_lengths(lengths: Sequence[int] | torch.Tensor, device=None) -> torch.Tensor:
@@ -68,9 +91,14 @@ def segment_sum(values: torch.Tensor, seq_ids: torch.Tensor, n_seqs: int) -> tor
     return out.index_add(0, seq_ids, values)
 
 
+def zero_masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`values` with 0 wherever `mask` is 0 (torch.where: a NaN/±Inf there reaches no sum and no gradient)."""
+    return torch.where(mask != 0, values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
 def segment_masked_mean(values: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, n_seqs: int):
-    """`[n_seqs]`: per-sequence Σ m·x / max(1, Σ m)."""
-    num = segment_sum(values * mask, seq_ids, n_seqs)
+    """`[n_seqs]`: per-sequence Σ m·x / max(1, Σ m); values at m = 0 are not read (NaN-safe)."""
+    num = segment_sum(zero_masked(values * mask, mask), seq_ids, n_seqs)
     den = segment_sum(mask.to(values.dtype), seq_ids, n_seqs).clamp_min(1.0)
     return num / den
 
@@ -120,3 +148,20 @@ def loss_token_weights(
     if seq_ids.numel() != loss_mask.numel():
         raise ValueError(f"seq_lengths sum to {seq_ids.numel()} but loss_mask has {loss_mask.numel()} entries")
     return _WEIGHT_FNS[mode](loss_mask.to(dtype), seq_ids, len(seq_lengths), norm)
+
+
+def sequence_metric_weights(
+    loss_mask: torch.Tensor, seq_lengths: Sequence[int] | torch.Tensor, norm: GlobalNorm, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """`[R]` weights of per-sequence metrics: `m_it / (n_i · norm.sequences)`, a mean over the samples of the
+    global batch with at least one trained token (whatever the loss aggregation). All NaN when there is none
+    (the metric is undefined and reads NaN)."""
+    dtype = dtype or (torch.float64 if loss_mask.dtype == torch.float64 else torch.float32)
+    seq_ids = seq_ids_from_lengths(seq_lengths, device=loss_mask.device)
+    if seq_ids.numel() != loss_mask.numel():
+        raise ValueError(f"seq_lengths sum to {seq_ids.numel()} but loss_mask has {loss_mask.numel()} entries")
+    m = (loss_mask != 0).to(dtype)
+    if norm.sequences == 0:
+        return torch.full_like(m, float("nan"))
+    n_i = segment_sum(m, seq_ids, len(seq_lengths)).clamp_min(1.0)  # [n]
+    return m / (n_i[seq_ids] * norm.sequences)

@@ -97,7 +97,9 @@ class LossConfig:
     policy_loss: str | None = None
     """ppo | gspo | cispo; None: gspo when advantage_estimator == 'gspo', else ppo."""
     eps_clip: float = 0.2
-    """Lower clip ε_low: ratios below 1 − ε_low are clipped."""
+    """Lower clip ε_low: ratios below 1 − ε_low are clipped. ppo/gspo: in [0, 1). cispo: any value >= 0, and
+    >= 1 means no lower bound (slime's convention; MiniMax-M1's CISPO tunes only ε_high, e.g.
+    `eps_clip=1.0, eps_clip_high=0.28`)."""
     eps_clip_high: float | None = None
     """Upper clip ε_high (DAPO clip-higher, e.g. 0.28); None means eps_clip."""
     eps_clip_c: float | None = None
@@ -146,8 +148,14 @@ class LossConfig:
         self._validate_combinations()
 
     def _validate_numbers(self) -> None:
-        if not 0 <= self.eps_clip < 1:
-            raise ValueError(f"eps_clip={self.eps_clip} must be in [0, 1)")
+        if self.policy_loss == "cispo":
+            if not self.eps_clip >= 0:
+                raise ValueError(f"eps_clip={self.eps_clip} must be >= 0 (cispo; >= 1 disables the lower bound)")
+        elif not 0 <= self.eps_clip < 1:
+            raise ValueError(
+                f"eps_clip={self.eps_clip} must be in [0, 1) for policy_loss={self.policy_loss!r} "
+                "(only cispo may drop the lower clip, with eps_clip >= 1)"
+            )
         if self.eps_clip_high < 0:
             raise ValueError(f"eps_clip_high={self.eps_clip_high} must be >= 0")
         if self.eps_clip_c is not None and self.eps_clip_c <= 1:

@@ -4,7 +4,11 @@ With d = logπ − logπ_ref (current first, base second), sampled from the curr
     k1          d
     k2          d² / 2
     k3          exp(−d) − 1 + d            (≥ 0, exactly 0 when logπ == logπ_ref)
-    low_var_kl  k3 clamped to [−10, 10]    (clamp applied after the optional importance ratio)
+    low_var_kl  k3 of d clamped to [−20, 20] (before the exponential), the kl clamped to [−10, 10]
+                (after the optional importance ratio): verl's kl_penalty and slime/miles' compute_approx_kl
+                do the same; without the first clamp exp(−d) overflows for logπ_ref − logπ ≳ 710 (fp64,
+                ≳ 89 in fp32) and the clamped-away inf turns the gradient into 0 · inf = NaN. Outside
+                [−20, 20] the gradient is 0 (as is every clamped value's). k3 itself is not clamped.
 Optional "unbiased" KL (DeepSeek-V3.2, `use_unbiased_kl`): multiply by the importance ratio
 exp(logπ − logπ_old), NOT detached (as in slime), so the estimate is of KL(π_θ‖π_ref) under samples
 from π_old.
@@ -17,6 +21,9 @@ from collections.abc import Callable
 import torch
 
 from .config import KL_TYPES
+
+LOG_RATIO_CLAMP = 20.0  # low_var_kl: |logπ − logπ_ref| bound before exp (verl, miles)
+KL_CLAMP = 10.0  # low_var_kl: bound on the estimate (slime, verl)
 
 
 def _k1(d: torch.Tensor) -> torch.Tensor:
@@ -57,12 +64,7 @@ def approx_kl(
     """
     if kl_type not in _ESTIMATORS:
         raise ValueError(f"kl_type={kl_type!r} is not one of {KL_TYPES}")
-    kl = _ESTIMATORS[kl_type](log_probs - ref_log_probs)
-    if old_log_probs is not None:
-        kl = kl * torch.exp(log_probs - old_log_probs)
-    if kl_type == "low_var_kl":
-        kl = kl.clamp(-10.0, 10.0)
-    return kl
+    return make_kl_fn(kl_type, old_log_probs is not None)(log_probs, ref_log_probs, old_log_probs)
 
 
 def make_kl_fn(kl_type: str, unbiased: bool) -> Callable[..., torch.Tensor]:
@@ -72,9 +74,10 @@ def make_kl_fn(kl_type: str, unbiased: bool) -> Callable[..., torch.Tensor]:
     est, clamp = _ESTIMATORS[kl_type], kl_type == "low_var_kl"
 
     def kl_fn(log_probs, ref_log_probs, old_log_probs):
-        kl = est(log_probs - ref_log_probs)
+        d = log_probs - ref_log_probs
+        kl = est(d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) if clamp else d)
         if unbiased:
             kl = kl * torch.exp(log_probs - old_log_probs)
-        return kl.clamp(-10.0, 10.0) if clamp else kl
+        return kl.clamp(-KL_CLAMP, KL_CLAMP) if clamp else kl
 
     return kl_fn

@@ -6,6 +6,12 @@
 IS weights of the step (1 without TIS/MIS), `pg` the chosen policy loss (OPSM-masked when enabled).
 Metrics are weighted sums too, so summing them over micro-batches and DP ranks gives the global value. Their
 keys are bare names (`pg_loss`, `ppo_kl`, ...): the training backend sums them and owns the `train/` prefix.
+Per-sequence metrics (`mismatch.SEQUENCE_METRICS`) use `LossInputs.seq_metric_weights`: a mean over the
+sequences with at least one trained token (NaN when the global batch has none).
+
+Untrained tokens (loss mask 0) are zeroed (torch.where) in every input before any arithmetic — current, old,
+ref and rollout log-probs, advantages, entropy, IS weights, precomputed metrics — so a −inf log-prob of a
+padded token or a NaN advantage there leaves the loss, its gradient (0 on those tokens) and the metrics finite.
 """
 
 from __future__ import annotations
@@ -15,10 +21,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .aggregation import GlobalNorm, loss_token_weights, seq_ids_from_lengths
+from .aggregation import (
+    GlobalNorm,
+    loss_token_weights,
+    seq_ids_from_lengths,
+    sequence_metric_weights,
+    zero_masked,
+)
 from .config import LossConfig
 from .kl import make_kl_fn
-from .mismatch import compute_is_weights
+from .mismatch import SEQUENCE_METRICS, compute_is_weights
 from .policy_loss import POLICY_LOSS_FNS, opsm_keep_mask
 
 
@@ -46,6 +58,9 @@ class LossInputs:
     """`{name: [R]}` precomputed per-token diagnostics (mismatch, TIS/MIS), averaged with metric_weights."""
     metric_weights: torch.Tensor | None = None
     """`[R]` weights for metrics when they differ from token_weights (seq_sum_constant); None: same."""
+    seq_metric_weights: torch.Tensor | None = None
+    """`[R]` weights of the per-sequence metrics (`SEQUENCE_METRICS`) of token_metrics: `sequence_metric_weights`
+    (mean over the sequences with a trained token; NaN if none). None: metric_weights."""
     seq_ids: torch.Tensor = field(init=False)
     """`[R]` long, sequence index of each token (derived)."""
 
@@ -53,7 +68,7 @@ class LossInputs:
         self.seq_ids = seq_ids_from_lengths(self.response_lengths, device=self.loss_mask.device)
         R = self.seq_ids.numel()
         names = ("old_log_probs", "advantages", "loss_mask", "token_weights", "ref_log_probs", "rollout_log_probs",
-                 "is_weights", "metric_weights")
+                 "is_weights", "metric_weights", "seq_metric_weights")
         for name in names:
             t = getattr(self, name)
             if t is not None and t.shape != (R,):
@@ -71,7 +86,7 @@ class LossInputs:
         return LossInputs(
             mv(self.old_log_probs), mv(self.advantages), mv(self.loss_mask), mv(self.token_weights),
             list(self.response_lengths), mv(self.ref_log_probs), mv(self.rollout_log_probs), mv(self.is_weights),
-            {k: mv(v) for k, v in self.token_metrics.items()}, mv(self.metric_weights),
+            {k: mv(v) for k, v in self.token_metrics.items()}, mv(self.metric_weights), mv(self.seq_metric_weights),
         )
 
 
@@ -91,36 +106,44 @@ class PolicyLoss:
         dt = log_probs.dtype
         w = x.token_weights.to(dt)
         mw = w.detach() if x.metric_weights is None else x.metric_weights.to(dt)
-        old, adv, mask = x.old_log_probs.to(dt), x.advantages.to(dt), x.loss_mask.to(dt)
+        sw = mw if x.seq_metric_weights is None else x.seq_metric_weights.to(dt)
+        mask = x.loss_mask.to(dt)
+
+        def z(t):  # untrained tokens -> 0 before any arithmetic (where: no NaN into values or gradients)
+            return zero_masked(t.to(dt), mask)
+
+        log_probs, old, adv = z(log_probs), z(x.old_log_probs), z(x.advantages)
         pg, tok = self._pg(log_probs, old, adv, mask, x.seq_ids, x.n_seqs, self.cfg)
         if self._opsm_delta is not None:
             keep = opsm_keep_mask(log_probs, old, adv, mask, x.seq_ids, x.n_seqs, self._opsm_delta)
             pg, tok["opsm_clipfrac"] = pg * keep, 1.0 - keep
         if x.is_weights is not None:
-            pg = pg * x.is_weights.to(dt)
+            pg = pg * z(x.is_weights)
         loss = (w * pg).sum()
         tok["pg_loss"] = pg.detach()
         if self._kl is not None:
             if x.ref_log_probs is None:
                 raise ValueError("use_kl_loss=True but LossInputs.ref_log_probs is None; compute ref log-probs")
-            kl = self._kl(log_probs, x.ref_log_probs.to(dt), old)
+            kl = self._kl(log_probs, z(x.ref_log_probs), old)
             loss = loss + self.cfg.kl_loss_coef * (w * kl).sum()
             tok["kl_loss"] = kl.detach()
         if entropy is not None:
+            entropy = z(entropy)
             if self.cfg.entropy_coef != 0:
-                loss = loss - self.cfg.entropy_coef * (w * entropy.to(dt)).sum()
-            tok["entropy"] = entropy.detach().to(dt)
+                loss = loss - self.cfg.entropy_coef * (w * entropy).sum()
+            tok["entropy"] = entropy.detach()
         elif self.cfg.entropy_coef != 0:
             raise ValueError(f"entropy_coef={self.cfg.entropy_coef} but no entropy was passed")
-        return loss, self._metrics(loss, log_probs, old, mw, tok, x.token_metrics)
+        return loss, self._metrics(loss, log_probs, old, mask, mw, sw, tok, x.token_metrics)
 
     @staticmethod
     @torch.no_grad()
-    def _metrics(loss, log_probs, old, mw, tok, precomputed) -> dict[str, torch.Tensor]:
+    def _metrics(loss, log_probs, old, mask, mw, sw, tok, precomputed) -> dict[str, torch.Tensor]:
         tok["ois"] = torch.exp(log_probs.detach() - old)
         out = {"loss": loss.detach()}
         for name, v in (*tok.items(), *precomputed.items()):
-            out[name] = (mw * v.to(mw.dtype)).sum()
+            weights = sw if name in SEQUENCE_METRICS else mw
+            out[name] = (weights * zero_masked(v.to(mw.dtype), mask)).sum()
         out["ppo_kl_abs"] = (mw * tok["ppo_kl"].abs()).sum()
         return out
 
@@ -205,9 +228,12 @@ def build_loss_inputs(
         mw = None
         if cfg.loss_aggregation == "seq_sum_constant":
             mw = loss_token_weights(mb.loss_mask, mb.response_lengths, "sample_mean", norm)
+        sw = None
+        if any(name in SEQUENCE_METRICS for name in tm):
+            sw = sequence_metric_weights(mb.loss_mask, mb.response_lengths, norm, dtype=tw.dtype)
         old = mb.rollout_log_probs if cfg.use_rollout_logprobs else mb.old_log_probs
         out.append(
             LossInputs(old, mb.advantages, mb.loss_mask, tw, list(mb.response_lengths), mb.ref_log_probs,
-                       mb.rollout_log_probs, w_is, tm, mw)
+                       mb.rollout_log_probs, w_is, tm, mw, sw)
         )
     return out

@@ -12,7 +12,15 @@ micro-batching; so MIS batch normalisation spans the global batch. With several 
 summed stats (`LossInputs` building does the second call).
 
 All outputs are per-token `[R]` tensors without gradient; metric tensors are averaged later with the loss
-token weights (sequence-level metrics are broadcast to their tokens).
+token weights. Per-sequence metrics (`SEQUENCE_METRICS`: a sequence's PPL, PPL ratio, chi2_seq, the vetoed
+fraction of sequences, the batch-norm factor) are broadcast to their tokens and averaged over the sequences
+that have at least one trained token (`aggregation.sequence_metric_weights`): an empty row has no PPL and does
+not count; with no trained token in the whole global batch they read NaN.
+
+Untrained tokens are never read by a reduction: every per-sequence sum/mean and the MIS batch statistics
+zero them with torch.where first, so a −inf/NaN log-prob there (a padded token) changes no weight of a trained
+token, no per-sequence value and no batch statistic. The per-token outputs AT untrained positions are
+unspecified (NaN if the inputs are); `PolicyLoss` zeroes them before use.
 """
 
 from __future__ import annotations
@@ -23,12 +31,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .aggregation import segment_masked_mean, segment_sum
+from .aggregation import segment_masked_mean, segment_sum, zero_masked
 
 if TYPE_CHECKING:
     from .config import LossConfig, MISConfig
 
 SAFETY_BOUND = 20.0  # clamp on log importance ratios before exp (as slime)
+
+SEQUENCE_METRICS = frozenset({
+    "mismatch_training_log_ppl", "mismatch_rollout_log_ppl", "mismatch_training_ppl", "mismatch_rollout_ppl",
+    "mismatch_log_ppl_diff", "mismatch_log_ppl_abs_diff", "mismatch_ppl_ratio", "mismatch_chi2_seq",
+    "mis_rs_catastrophic_seq_fraction", "mis_batch_norm_factor",
+})
+"""Metrics with one value per sequence (or per batch): averaged over the sequences with a trained token."""
 
 
 @dataclass
@@ -49,7 +64,7 @@ def mismatch_metrics(old, rollout, mask, seq_ids, n_seqs) -> dict[str, torch.Ten
     m = mask.to(delta.dtype)
     train_lp = -segment_masked_mean(old.detach(), m, seq_ids, n_seqs)  # [n] log-ppl
     roll_lp = -segment_masked_mean(rollout.detach(), m, seq_ids, n_seqs)  # [n]
-    seq_log_ratio = segment_sum(delta * m, seq_ids, n_seqs).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # [n]
+    seq_log_ratio = segment_sum(zero_masked(delta * m, m), seq_ids, n_seqs).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # [n]
     rho = torch.exp(delta.clamp(-SAFETY_BOUND, SAFETY_BOUND))
     return {
         "train_rollout_logprob_abs_diff": delta.abs(),
@@ -80,7 +95,7 @@ def _level_log_ratio(delta, m, seq_ids, n_seqs, level: str) -> torch.Tensor:
     if level == "token":
         lr = delta
     elif level == "sequence":
-        lr = segment_sum(delta * m, seq_ids, n_seqs)[seq_ids]
+        lr = segment_sum(zero_masked(delta * m, m), seq_ids, n_seqs)[seq_ids]
     else:
         lr = segment_masked_mean(delta, m, seq_ids, n_seqs)[seq_ids]
     return lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)
@@ -126,7 +141,7 @@ def _mis_rs(delta, m, seq_ids, n_seqs, keep, mcfg: MISConfig, metrics: dict) -> 
 def _mis_batch_stats(w, keep_m, seq_ids, n_seqs, level: str) -> torch.Tensor:
     """`[2]` (Σ, count): token level Σ w over kept tokens; sequence level Σ of per-sequence kept means."""
     if level == "token":
-        return torch.stack([(w * keep_m).sum(), keep_m.sum()])
+        return torch.stack([zero_masked(w * keep_m, keep_m).sum(), keep_m.sum()])
     seq_mean = segment_masked_mean(w, keep_m, seq_ids, n_seqs)  # [n]
     valid = (segment_sum(keep_m, seq_ids, n_seqs) > 0).to(w.dtype)
     return torch.stack([(seq_mean * valid).sum(), valid.sum()])

@@ -6,8 +6,10 @@ With log-ratio ρ_t = logπ_t − logπ_old,t, r_t = exp(ρ_t), advantage A_t:
     gspo   the same with ρ_t replaced by its per-sequence masked mean (geometric-mean sequence ratio),
            gradient flowing through the mean
     cispo  L = −sg(clip(r, 1−ε_low, 1+ε_high))·A·logπ      clipfrac = 1[r outside the interval]
+           ε_low >= 1 (e.g. eps_clip=1.0) is upper-only CISPO (MiniMax-M1; slime's convention): 1−ε_low <= 0 < r
 OPSM (off-policy sequence masking): tokens of sequences with A < 0 and masked-mean(old − new) > δ get 0.
 Metrics `ppo_kl` are signed: old − new (GSPO: the sequence value).
+`PolicyLoss` passes inputs already zeroed on untrained tokens; the sequence means here are NaN-safe too.
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ def gspo_loss(log_probs, old_log_probs, adv, mask, seq_ids, n_seqs, cfg):
 
 
 def cispo_loss(log_probs, old_log_probs, adv, mask, seq_ids, n_seqs, cfg):
-    """CISPO: REINFORCE weighted by the detached clipped ratio; every token keeps a gradient."""
+    """CISPO: REINFORCE weighted by the detached clipped ratio; every token keeps a gradient.
+
+    `cfg.eps_clip >= 1` drops the lower bound (1 − eps_clip <= 0 never binds): upper-only CISPO."""
     log_ratio = log_probs - old_log_probs
     ratio = torch.exp(log_ratio.detach())
     clipped = ratio.clamp(1.0 - cfg.eps_clip, 1.0 + cfg.eps_clip_high)
