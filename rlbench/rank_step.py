@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -31,6 +32,7 @@ from rlbench.algorithms import (
     global_norm,
     is_batch_stats,
 )
+from rlbench.interrupts import defer_sigint
 from rlbench.packing import num_micro_batches
 from rlbench.packing.pack import Pack, make_step_packs
 
@@ -72,6 +74,21 @@ class DPAllReduce:
 
     def max(self, value: int) -> int:
         return int(self._reduce([value], dist.ReduceOp.MAX)[0])
+
+
+@dataclass
+class TrainProgress:
+    """The optimizer steps of one `RankStep.train` call finished so far (resume an interrupted call with it)."""
+
+    per_step: list[dict[str, float]] = field(default_factory=list)
+    """`backend.train` metrics of each finished optimizer step (applied, or skipped as non-finite)."""
+    first_kl: float | None = None
+    """`ppo_kl_abs` of this rank's very first micro-batch (set when the first optimizer step finished)."""
+
+    @property
+    def applied(self) -> int:
+        """Optimizer steps that changed the weights (skipped non-finite steps do not)."""
+        return sum(1 for m in self.per_step if not m.get("train/skipped", 0.0))
 
 
 class RankStep:
@@ -167,19 +184,25 @@ class RankStep:
             for i, p in enumerate(packs)
         ]
         local = global_norm(self.loss_cfg, mbs)
-        n_samples, n_tokens, n_nonempty = self.reduce.sum([local.n_samples, local.n_tokens, local.n_nonempty])
-        norm = GlobalNorm(int(round(n_samples)), n_tokens, local.constant, int(round(n_nonempty)))
+        n_samples, n_tokens = self.reduce.sum([local.n_samples, local.n_tokens])
+        norm = GlobalNorm(int(round(n_samples)), n_tokens, local.constant)
         stats = is_batch_stats(self.loss_cfg, mbs)
         if stats is not None:
             stats = torch.tensor(self.reduce.sum(stats.double().tolist()), dtype=stats.dtype)
         return build_loss_inputs(self.loss_cfg, mbs, norm=norm, batch_stats=stats)
 
-    def train(self, packs: list[list[Pack]], old: StepTensors | None, ref: StepTensors | None) -> dict[str, float]:
+    def train(self, packs: list[list[Pack]], old: StepTensors | None, ref: StepTensors | None,
+              progress: TrainProgress | None = None) -> dict[str, float]:
         """`backend.train` once per optimizer step; `train/*` averaged over the steps (the backend's are global).
 
         `train/ppo_kl_first_mb` is |old − new| summed over every rank's very first micro-batch: exactly 0.0
         while the policy is unchanged (old log-probs recomputed by the same weights and kernels).
+
+        `progress` (resumable): the optimizer steps already finished are skipped, each finished one is recorded
+        as it completes; a `backend.train` call and its record run with SIGINT held back except between
+        micro-batches, so after a KeyboardInterrupt `progress` says exactly which updates were applied.
         """
+        progress = TrainProgress() if progress is None else progress
         micro: list[dict[str, float]] = []
 
         def loss_fn(logp, entropy, inputs):
@@ -188,14 +211,19 @@ class RankStep:
             micro.append({k: float(v) for k, v in metrics.items()})
             return value, metrics
 
-        per_step = []
-        for s, step_packs in enumerate(packs):
+        per_step = progress.per_step
+        for s in range(len(per_step), len(packs)):
+            step_packs = packs[s]
             inputs = self.loss_inputs(step_packs, old[s] if old is not None else None, ref[s] if ref is not None else None)
-            per_step.append(self.backend.train(step_packs, inputs, loss_fn=loss_fn))
+            del micro[:]
+            with defer_sigint():  # an interrupt lands between micro-batches (raise_if_interrupted) or after the record
+                done = self.backend.train(step_packs, inputs, loss_fn=loss_fn)
+                if s == 0:
+                    progress.first_kl = micro[0].get("ppo_kl_abs", 0.0) if micro else 0.0
+                per_step.append(done)
         metrics = {k: float(np.mean([m[k] for m in per_step])) for k in per_step[0]}
         metrics["train/step"] = per_step[-1]["train/step"]
         metrics["perf/train_time"] = float(sum(m["perf/train_time"] for m in per_step))
         metrics["train/optimizer_steps"] = float(len(per_step))
-        first = micro[0].get("ppo_kl_abs", 0.0) if micro else 0.0
-        metrics["train/ppo_kl_first_mb"] = self.reduce.sum([first])[0]
+        metrics["train/ppo_kl_first_mb"] = self.reduce.sum([progress.first_kl or 0.0])[0]
         return metrics

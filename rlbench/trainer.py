@@ -18,18 +18,22 @@ on the device: `_enter("rollout")` / `_enter("train")` switch between them.
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import time
 import warnings
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from rlbench.algorithms import compute_advantages
+from rlbench.backends.fsdp.checkpoint import TRACKER, committed_dir, committed_steps, latest_step
 from rlbench.config import RunConfig
+from rlbench.interrupts import defer_sigint
 from rlbench.metrics import MetricsLogger, build_sinks, to_floats
-from rlbench.rank_step import RankStep
+from rlbench.rank_step import RankStep, TrainProgress
 from rlbench.rewards import check_reward, describe_sample, get_reward_fn, score_batch
 from rlbench.rollout.manager import RolloutBatch, RolloutManager
 from rlbench.weights import WeightSync
@@ -75,9 +79,11 @@ class Trainer:
         self.eval_history: list[dict] = []
         self.last_rollout: RolloutBatch | None = None
         self.rollout_id = 0  # completed RL steps
-        self.policy_version = 0  # train_step calls so far: the version of the trainer's weights
-        self.version = 0  # policy version held by the engine
+        self.policy_version = 0  # optimizer steps applied so far: the version of the trainer's weights
+        self.version = 0  # policy version held by the engine (set only after a complete sync)
         self._phase = "train"
+        self._engine_stale = False  # a sync was interrupted: the engine may hold a mix; resynced before use
+        self._inflight: _InFlight | None = None  # a step() interrupted after its first optimizer step
         self.skipped_streak = 0  # optimizer steps skipped in a row (non-finite loss / grad norm)
         self.sync_weights()  # the engine always starts from the trainer's weights (version 0)
         if cfg.checkpoint.load_dir:
@@ -85,28 +91,70 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> dict:
-        """One RL step; returns (and appends to `history`) its flat metric dict."""
-        start = time.perf_counter()
-        _reset_peak_memory()
-        metrics: dict[str, float] = {"rollout/id": float(self.rollout_id)}
-        if self.rollout_id == 0 and self._eval_on and not self.cfg.eval.skip_before_train and not self.eval_history:
-            self.evaluate()  # the starting policy, kept in eval_history
-        batch = self.rollout()
-        metrics |= batch.metrics | self.score(batch)
-        self.pack(batch)
-        metrics |= self.compute_log_probs(batch)
-        metrics |= self.train_step(batch)
-        metrics |= self.update_ref()
-        metrics |= self.sync_weights()
-        self.rollout_id += 1
-        if self._eval_on and self.rollout_id % self.cfg.eval.interval == 0:
-            metrics |= self.evaluate()
-        metrics |= self._perf(batch, metrics, time.perf_counter() - start)
-        self.history.append(metrics)
-        self.logger.log(metrics, step=self.rollout_id)
-        if self._save_due():
-            self.save()
-        return metrics
+        """One RL step; returns (and appends to `history`) its flat metric dict.
+
+        Transactional with respect to interrupts and errors (docs/reliability.md): a step stopped (Ctrl-C,
+        an exception) before its first optimizer step finished is rolled back, as if it had never started;
+        one stopped later is finished by the next `step()` call, which returns its metrics. Either way
+        "interrupt, then step() again" trains bit for bit like one uninterrupted step().
+        """
+        fl = self._inflight
+        if fl is None:
+            _reset_peak_memory()
+            fl = _InFlight(self._snapshot(), time.perf_counter(), {"rollout/id": float(self.rollout_id)})
+        try:
+            return self._run(fl)
+        except BaseException:
+            if fl.progress.per_step:  # weights changed: keep the step, the next step() finishes it
+                self._inflight = fl
+            else:  # nothing trained yet: back to the state before the step
+                self._restore(fl.snapshot)
+                self._inflight = None
+            raise
+
+    def _run(self, fl: _InFlight) -> dict:
+        """The stages of one step from `fl.stage` on (each recorded when done, so a resumed step skips it)."""
+        m = fl.metrics
+        for stage in _STAGES[_STAGES.index(fl.stage):]:
+            fl.stage = stage
+            if stage == "eval0":
+                if self.rollout_id == 0 and self._eval_on and not self.cfg.eval.skip_before_train and not self.eval_history:
+                    self.evaluate()  # the starting policy, kept in eval_history
+            elif stage == "rollout":
+                fl.batch = self.rollout()
+                m |= fl.batch.metrics | self.score(fl.batch)
+                self.pack(fl.batch)
+                m |= self.compute_log_probs(fl.batch)
+            elif stage == "train":
+                m |= self.train_step(fl.batch, progress=fl.progress)
+            elif stage == "ref":
+                m |= self.update_ref()
+            elif stage == "sync":
+                m |= self.sync_weights()
+                with defer_sigint():
+                    self.rollout_id += 1
+                    fl.stage = "eval"
+                continue
+            elif stage == "eval":
+                if self._eval_on and self.rollout_id % self.cfg.eval.interval == 0:
+                    m |= self.evaluate()
+            elif stage == "record":
+                with defer_sigint():
+                    m |= self._perf(fl.batch, m, time.perf_counter() - fl.start)
+                    self.history.append(m)
+                    self.logger.log(m, step=self.rollout_id)
+                    fl.stage = "save"
+                continue
+            elif stage == "save":
+                if self._save_due():
+                    self._inflight = None  # the loop state is complete: save() may write it
+                    try:
+                        self.save()
+                    except BaseException:
+                        self._inflight = fl
+                        raise
+        self._inflight = None
+        return m
 
     def fit(self, num_rollout: int | None = None) -> list[dict]:
         """Run `step()` until `num_rollout` RL steps are done (default `cfg.batch.num_rollout`)."""
@@ -126,6 +174,7 @@ class Trainer:
     # ------------------------------------------------------------------ sub-steps
     def rollout(self) -> RolloutBatch:
         """Generate and reward `rollout_batch_size` groups with the engine's current policy."""
+        self._resync_if_stale()
         self._enter("rollout")
         batch = self.rollouts.generate(self.rollout_id)
         self.last_rollout = batch
@@ -176,8 +225,11 @@ class Trainer:
         batch.old_log_probs, batch.ref_log_probs, metrics = self.rank_step.compute_log_probs(batch.packs)
         return metrics
 
-    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+    def train_step(self, batch: RolloutBatch, progress: TrainProgress | None = None) -> dict[str, float]:
         """One optimizer step per packed global batch; returns `train/*` averaged over the steps.
+
+        `policy_version` goes up by one per optimizer step applied (a skipped non-finite step changes no
+        weight and no version). `progress` resumes an interrupted call (`RankStep.train`).
 
         `train/ppo_kl_first_mb` is the weighted |old - new| sum of the very first micro-batch (exactly 0
         when the old log-probs were recomputed by the same policy and kernels).
@@ -185,9 +237,13 @@ class Trainer:
         self._enter("train")
         if self.rank_step.needs_log_probs(batch.old_log_probs, batch.ref_log_probs):
             self.compute_log_probs(batch)
-        metrics = self.rank_step.train(batch.packs, batch.old_log_probs, batch.ref_log_probs)
+        progress = TrainProgress() if progress is None else progress
+        version = self.policy_version - progress.applied  # the version before this call's first update
+        try:
+            metrics = self.rank_step.train(batch.packs, batch.old_log_probs, batch.ref_log_probs, progress)
+        finally:  # interrupted too: one version per optimizer step actually applied
+            self.policy_version = version + progress.applied
         self._count_skipped(metrics)
-        self.policy_version += 1
         return metrics
 
     def update_ref(self) -> dict[str, float]:
@@ -198,15 +254,22 @@ class Trainer:
         return self.backend.update_ref()
 
     def sync_weights(self) -> dict[str, float]:
-        """Push the trainer's weights into the engine, stamped with `policy_version` (train steps so far)."""
+        """Push the trainer's weights into the engine, stamped with `policy_version` (optimizer steps so far).
+
+        `version` changes only after the whole push succeeded; an interrupted or failed push marks the
+        engine stale (it may hold a mix of old and new weights) and the next rollout / eval resyncs first.
+        """
         self._enter("train")
-        self.version = self.policy_version
-        return self.weight_sync.push(self.version)
+        self._engine_stale = True
+        metrics = self.weight_sync.push(self.policy_version)
+        self.version, self._engine_stale = self.policy_version, False
+        return metrics
 
     def evaluate(self) -> dict[str, float]:
         """Held-out `eval/*` of the engine's current policy; also appended to `eval_history`."""
         if not self.eval_items:
             raise ValueError("no eval prompts: set eval.interval (and eval.data_path or task) in the config")
+        self._resync_if_stale()
         self._enter("rollout")
         metrics = self.rollouts.evaluate(self.eval_items, self.cfg.eval)
         self.eval_history.append({"rollout/id": float(self.rollout_id), "weights/version": float(self.version)} | metrics)
@@ -218,21 +281,24 @@ class Trainer:
         path = path or self.cfg.checkpoint.save_dir
         if path is None:
             raise ValueError("save() needs a path or cfg.checkpoint.save_dir (--save DIR)")
+        if self._inflight is not None:
+            raise RuntimeError(f"step {self.rollout_id} was interrupted after it changed the weights; call step() "
+                               "to finish it before save() (its loop state is not consistent yet)")
         self._enter("train")
         _point_backend_at(self.backend, path)
-        backend_dir = self.backend.save()  # iter_<optimizer step>/ under path
-        state = self.state_dict() | {"backend_step": int(os.path.basename(backend_dir).removeprefix("iter_"))}
-        torch.save(state, os.path.join(path, f"trainer_{self.rollout_id:07d}.pt"))
+        # one atomic commit: the loop state is written inside the backend's checkpoint before the rename
+        self.backend.save(extra={LOOP_STATE: self.state_dict()})
         return path
 
     def load(self, path: str, rollout_id: int | None = None) -> int:
-        """Resume from `save(path)` (latest by default); the engine gets the restored weights."""
-        rollout_id = _latest(path) if rollout_id is None else rollout_id
+        """Resume from `save(path)`: the checkpoint the tracker names, or the committed one holding
+        `rollout_id`; the engine gets the restored weights. Returns the restored `rollout_id`."""
+        step, state = find_checkpoint(path, rollout_id)
         self._enter("train")
         _point_backend_at(self.backend, path)
-        state = torch.load(os.path.join(path, f"trainer_{rollout_id:07d}.pt"), weights_only=False)
-        self.backend.load(state["backend_step"])
+        self.backend.load(step)
         self.load_state_dict(state)
+        self._inflight = None
         self.sync_weights()
         return self.rollout_id
 
@@ -245,7 +311,7 @@ class Trainer:
             "rollouts": self.rollouts.state_dict(),
             "history": list(self.history),
             "eval_history": list(self.eval_history),
-            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+            "rng": _rng_state(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -253,14 +319,28 @@ class Trainer:
         self.dataset.load_state_dict(state["dataset"])
         self.rollouts.load_state_dict(state["rollouts"])
         self.history, self.eval_history = list(state["history"]), list(state["eval_history"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
-        torch.set_rng_state(state["rng"]["torch"])
+        _set_rng_state(state["rng"])
 
     def close(self) -> None:
         self.logger.close()
 
     # ------------------------------------------------------------------ helpers
+    def _snapshot(self) -> dict:
+        """What a step changes before its first optimizer step (restored when it is stopped there)."""
+        return {"dataset": copy.deepcopy(self.dataset.state_dict()), "rollouts": self.rollouts.state_dict(),
+                "eval_history": len(self.eval_history), "last_rollout": self.last_rollout, "rng": _rng_state()}
+
+    def _restore(self, snap: dict) -> None:
+        self.dataset.load_state_dict(snap["dataset"])
+        self.rollouts.load_state_dict(snap["rollouts"])
+        del self.eval_history[snap["eval_history"]:]
+        self.last_rollout = snap["last_rollout"]
+        _set_rng_state(snap["rng"])
+
+    def _resync_if_stale(self) -> None:
+        if self._engine_stale:
+            self.sync_weights()
+
     def _count_skipped(self, metrics: dict[str, float]) -> None:
         """Track optimizer steps skipped in a row (a rollout whose steps all skipped extends the streak, any
         applied step ends it) and warn once when the streak reaches `logging.warn_skipped_steps`."""
@@ -321,11 +401,76 @@ def _point_backend_at(backend, path: str) -> None:
         backend.cfg = dataclasses.replace(backend.cfg, checkpoint_dir=path)
 
 
-def _latest(path: str) -> int:
-    ids = [int(f[len("trainer_") : -3]) for f in os.listdir(path) if f.startswith("trainer_") and f.endswith(".pt")]
-    if not ids:
-        raise ValueError(f"{path!r} has no trainer_XXXXXXX.pt checkpoint; pass the directory given to save()")
-    return max(ids)
+LOOP_STATE = "loop_state.pt"
+"""The Trainer's file inside each checkpoint directory (`backend.save(extra=...)`): data position, RNG, history."""
+
+# step()'s stages in order; an interrupted step resumes at the one it was in (`_InFlight.stage`)
+_STAGES = ("eval0", "rollout", "train", "ref", "sync", "eval", "record", "save")
+
+
+@dataclass
+class _InFlight:
+    """A step() in progress: the state to roll back to, and how far it got."""
+
+    snapshot: dict
+    start: float
+    metrics: dict
+    batch: RolloutBatch | None = None
+    progress: TrainProgress = field(default_factory=TrainProgress)
+    stage: str = _STAGES[0]
+
+
+def find_checkpoint(path: str, rollout_id: int | None = None) -> tuple[int, dict]:
+    """`(backend step, loop state)` of the checkpoint the tracker names (None) or the committed one holding
+    `rollout_id`. Checkpoints of the previous layout (`trainer_XXXXXXX.pt` beside the `iter_*` dirs) load too."""
+    if not os.path.isdir(path):
+        raise ValueError(f"checkpoint directory {path!r} does not exist; pass the directory given to save()")
+    legacy = {int(f[8:-3]): os.path.join(path, f) for f in os.listdir(path)
+              if f.startswith("trainer_") and f.endswith(".pt") and f[8:-3].isdigit()}
+    if rollout_id is None:
+        step = latest_step(path)
+        if step is None:
+            raise ValueError(f"{path!r} has no committed checkpoint (no {TRACKER}); pass the directory given to save()")
+        where = committed_dir(path, step)
+        if where is None:
+            raise ValueError(f"{path!r}: the tracker names step {step} but there is no iter_{step:07d}/ directory")
+        if os.path.isfile(os.path.join(where, LOOP_STATE)):
+            return step, _read(os.path.join(where, LOOP_STATE))
+        for rid in sorted(legacy, reverse=True):  # previous layout: the newest trainer file of this backend step
+            state = _read(legacy[rid])
+            if state.get("backend_step") == step:
+                return step, state
+        raise ValueError(f"checkpoint {where!r} has no {LOOP_STATE} (written by backend.save alone?); "
+                         "save with Trainer.save")
+    for step in reversed(committed_steps(path)):
+        file = os.path.join(committed_dir(path, step), LOOP_STATE)
+        if os.path.isfile(file):
+            state = _read(file)
+            if state["rollout_id"] == rollout_id:
+                return step, state
+    if rollout_id in legacy:
+        state = _read(legacy[rollout_id])
+        return int(state["backend_step"]), state
+    raise ValueError(f"{path!r} has no committed checkpoint of rollout {rollout_id}; "
+                     "load(path) without rollout_id takes the latest")
+
+
+def _read(file: str) -> dict:
+    try:
+        return torch.load(file, weights_only=False)
+    except Exception as exc:
+        raise ValueError(f"cannot read checkpoint file {file!r} ({type(exc).__name__}: {exc}); "
+                         "load another checkpoint (rollout_id=...) or delete the file") from exc
+
+
+def _rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def _set_rng_state(rng: dict) -> None:
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
 
 
 def _check_row_rewards(items) -> None:

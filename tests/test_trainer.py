@@ -50,14 +50,15 @@ def test_sub_steps_are_inspectable(trainer):
     assert metrics["train/optimizer_steps"] == 2.0
     assert metrics["train/ppo_kl_first_mb"] == 0.0  # exactly: same weights, same kernels, same packs
     sync = trainer.sync_weights()
-    assert sync["weights/bytes"] > 0 and trainer.engine.weight_version == trainer.version == 1
+    # one policy version per optimizer step applied
+    assert sync["weights/bytes"] > 0 and trainer.engine.weight_version == trainer.version == 2
 
 
 def test_step_history_versions_and_engine_weights(trainer):
     before, version = trainer.rollout_id, trainer.version
     m = trainer.step()
     assert trainer.rollout_id == before + 1 and trainer.history[-1] is m
-    assert m["rollout/weight_version"] == version and m["weights/version"] == version + 1
+    assert m["rollout/weight_version"] == version and m["weights/version"] == version + m["train/optimizer_steps"]
     assert m["train/ppo_kl_first_mb"] == 0.0
     for key in ("rollout/raw_reward", "rollout/response_len/mean", "rollout/zero_std/count", "rollout/truncated_ratio",
                 "train/loss", "train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/grad_norm", "train/lr",

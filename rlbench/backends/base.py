@@ -47,8 +47,13 @@ class TrainBackend(Protocol):
         """One optimizer step over this rank's micro-batches; returns flat `train/*` metrics."""
         ...
 
-    def save(self, step: int) -> str:
-        """Checkpoint everything needed to resume exactly; returns the checkpoint directory."""
+    def save(self, step: int | None = None, extra: dict[str, Any] | None = None) -> str:
+        """Checkpoint everything needed to resume exactly, atomically; returns the committed directory.
+
+        `extra` (file name -> picklable object) is written inside the checkpoint before it is committed (the
+        Trainer's loop state), so a checkpoint is all there or not at all. Layout and tracker (the only source
+        of "latest"): `rlbench.backends.fsdp.checkpoint` (docs/ARCHITECTURE.md, TrainBackend).
+        """
         ...
 
     def load(self, step: int | None = None) -> int:

@@ -221,8 +221,8 @@ class TrainGroup:
     def update_ref(self) -> dict:
         return max_merge(self.cluster.call_trainers("update_ref"))
 
-    def save(self, step: int | None = None) -> str:
-        return self.cluster.call_trainers("save", self.cfg.checkpoint_dir, step)[0]
+    def save(self, step: int | None = None, extra: dict | None = None) -> str:
+        return self.cluster.call_trainers("save", self.cfg.checkpoint_dir, step, extra)[0]
 
     def load(self, step: int | None = None) -> int:
         return self.cluster.call_trainers("load", self.cfg.checkpoint_dir, step)[0]

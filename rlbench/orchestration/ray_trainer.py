@@ -14,7 +14,7 @@ Async (`cluster.async_rollout`, disaggregated only): `rollout()` returns the bat
 previous step and immediately starts the next generation on a driver thread, so generation of rollout
 r+1 overlaps training on rollout r; `sync_weights()` first waits for that generation (weights never
 change mid-generation). Every sample records `metadata["staleness"]` (= policy updates since the weights
-that generated it: 0 synchronous, 1 async); `rollout/staleness_*` summarise it. TIS/MIS (`LossConfig`)
+that generated it: 0 synchronous, one rollout's optimizer steps async); `rollout/staleness_*` summarise it. TIS/MIS (`LossConfig`)
 correct for the off-policy gap exactly as in a synchronous run.
 """
 
@@ -119,24 +119,29 @@ class RayTrainer(Trainer):
         self._log_probs_of = batch  # the log-probs themselves stay on the trainer ranks
         return out
 
-    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
-        """One optimizer step per global batch on every rank; `train/*` are global, `perf/*` the slowest rank's."""
+    def train_step(self, batch: RolloutBatch, progress=None) -> dict[str, float]:
+        """One optimizer step per global batch on every rank; `train/*` are global, `perf/*` the slowest rank's.
+
+        `policy_version` goes up by the optimizer steps applied. `progress` is not used: on Ray an interrupted
+        driver does not stop the ranks' call (docs/reliability.md)."""
         self._enter("train")
         if self._log_probs_of is not batch:
             self.compute_log_probs(batch)
         per_rank = self.cluster.call_trainers("train")
         metrics = dict(per_rank[0]) | {k: v for k, v in max_merge(per_rank).items() if k.startswith("perf/")}
-        self.policy_version += 1
+        self.policy_version += round(metrics["train/optimizer_steps"] * (1.0 - metrics["train/skipped"]))
         return metrics
 
     def sync_weights(self) -> dict[str, float]:
         """Push trainer weights into every engine, stamped `policy_version`. Async: waits for the running generation."""
         self._drain()
         self._enter("train")
-        if self.async_rollout and self.policy_version % self.cluster_cfg.update_weights_interval:
-            return {}  # async with --update-weights-interval: not this step
-        self.version = self.policy_version
-        return self.cluster.sync_weights(self.version)
+        if self.async_rollout and (self.rollout_id + 1) % self.cluster_cfg.update_weights_interval:
+            return {}  # async with --update-weights-interval: not this step (counted in rollouts)
+        self._engine_stale = True
+        metrics = self.cluster.sync_weights(self.policy_version)
+        self.version, self._engine_stale = self.policy_version, False
+        return metrics
 
     def evaluate(self) -> dict[str, float]:
         self._drain()

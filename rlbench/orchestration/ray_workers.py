@@ -170,9 +170,9 @@ class TrainWorker:
     def update_ref(self) -> dict:
         return self.backend.update_ref()
 
-    def save(self, checkpoint_dir: str, step: int | None = None) -> str:
+    def save(self, checkpoint_dir: str, step: int | None = None, extra: dict | None = None) -> str:
         self.backend.cfg = dataclasses.replace(self.backend.cfg, checkpoint_dir=checkpoint_dir)
-        return self.backend.save(step)
+        return self.backend.save(step, extra=extra if self.rank == 0 else None)  # rank 0 writes the extras
 
     def load(self, checkpoint_dir: str, step: int | None) -> int:
         self.backend.cfg = dataclasses.replace(self.backend.cfg, checkpoint_dir=checkpoint_dir)

@@ -26,6 +26,7 @@ from rlbench.backends.fsdp.offload import HostStash, state_tensors
 from rlbench.backends.fsdp.optim import build_optimizer, build_scheduler, init_optimizer_state
 from rlbench.backends.fsdp.weights import export_hf, named_weight_buckets
 from rlbench.distributed.mesh import DistEnv, barrier, init_distributed
+from rlbench.interrupts import defer_sigint, raise_if_interrupted
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
@@ -127,6 +128,10 @@ class FSDPBackend:
         gradients are summed over micro-batches and ranks. A step whose loss or grad norm is not finite
         is skipped: no parameter, optimizer or scheduler change, `train/skipped = 1`. The loss's metrics
         (bare names, weighted sums) are summed over micro-batches and ranks and returned as `train/<name>`.
+
+        Interrupt-safe (docs/reliability.md): gradients are cleared before the accumulation starts, so a
+        call interrupted mid-accumulation (KeyboardInterrupt) leaks nothing into the next one; the update itself
+        (optimizer, scheduler, `step`) runs with SIGINT deferred, so it is applied entirely or not at all.
         """
         loss_fn = loss_fn or self.loss_fn
         if loss_fn is None:
@@ -136,17 +141,20 @@ class FSDPBackend:
         self._check_same_count(len(packs))
         t0 = time.perf_counter()
         self.model.train()
+        self._clear_grads()  # an interrupted earlier call may have left gradients (sharded and FSDP's unsharded)
         loss_sum, metric_sums = self._accumulate(packs, loss_inputs, loss_fn)
         keys = sorted(metric_sums)
         totals = torch.stack([loss_sum] + [metric_sums[k] for k in keys]).double()
+        raise_if_interrupted()  # the last point before the update
         dist.all_reduce(totals)
         grad_norm = self._clip_grad_norm()
         ok = bool(torch.isfinite(totals[0])) and bool(torch.isfinite(grad_norm))
         lr = self.scheduler.get_last_lr()[0]
         if ok:
-            self.optimizer.step()
-            self.scheduler.step()
-            self.step += 1
+            with defer_sigint():  # all of the update or none of it
+                self.optimizer.step()
+                self.scheduler.step()
+                self.step += 1
         self.optimizer.zero_grad(set_to_none=True)
         metrics = {f"train/{k}": float(v) for k, v in zip(keys, totals[1:])}  # the loss's metrics are bare names
         metrics |= {
@@ -166,6 +174,7 @@ class FSDPBackend:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
         sums: dict[str, torch.Tensor] = {}
         for i, (pack, inputs) in enumerate(zip(packs, loss_inputs)):
+            raise_if_interrupted()  # a held Ctrl-C stops here, between micro-batches (grads cleared next call)
             if self.cfg.no_sync_accumulation:
                 self.model.set_requires_gradient_sync(i == len(packs) - 1)
             logp, ent = self.forward_pack(self.model, pack, self.cfg.with_entropy)
@@ -206,6 +215,24 @@ class FSDPBackend:
             ref[name].to_local().copy_(param.to_local())
         return {"perf/ref_update_time": time.perf_counter() - t0}
 
+    def _clear_grads(self) -> None:
+        """No gradient anywhere: the sharded `.grad`s and FSDP2's unsharded accumulators, which hold the
+        micro-batches of an accumulation interrupted under `no_sync_accumulation` (the optimizer never sees
+        them, but the next reduce-scatter would add them in)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.model.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            module.reshard()  # an interrupted forward may leave the unsharded params registered
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for fsdp_param in group.fsdp_params:
+                    fsdp_param.unsharded_accumulated_grad = None
+                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                    if unsharded is not None:
+                        unsharded.grad = None
+        self.optimizer.zero_grad(set_to_none=True)
+
     def _clip_grad_norm(self) -> torch.Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.cfg.optim.clip_grad or float("inf")
@@ -227,12 +254,15 @@ class FSDPBackend:
             raise ValueError("FSDPConfig.checkpoint_dir is not set; set it to save or load checkpoints")
         return self.cfg.checkpoint_dir
 
-    def save(self, step: int | None = None) -> str:
+    def save(self, step: int | None = None, extra: dict | None = None) -> str:
+        """Atomic checkpoint `step` (default: the optimizer steps taken) under `cfg.checkpoint_dir`; `extra`
+        (file name -> object) is written inside it by rank 0 and committed with it. Returns its directory."""
         step = self.step if step is None else step
         args = (self.model, self.optimizer, self.scheduler, self.env)
         meta = {"model": self.cfg.model, "model_overrides": dict(self.cfg.model_overrides),
                 "optim_config": dataclasses.asdict(self.cfg.optim)}  # checked on load (resume.py)
-        return save_checkpoint(self._checkpoint_root(), step, *args, fmt=self.cfg.checkpoint_format, extra_meta=meta)
+        return save_checkpoint(self._checkpoint_root(), step, *args, fmt=self.cfg.checkpoint_format, extra_meta=meta,
+                               extra=extra)
 
     def load(self, step: int | None = None) -> int:
         root = self._checkpoint_root()

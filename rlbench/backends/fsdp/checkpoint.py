@@ -6,17 +6,24 @@ Layout under `root/`:
         full.pt              rank-0 full model + optimizer state dicts (format "full")
         trainer_state.pt     scheduler state, step, world size (rank 0)
         rng_rank{r}.pt       each rank's torch (+CUDA) RNG state
-    latest_checkpointed_iteration.txt
+        <extra name>         the caller's extra files (`save(..., extra={"loop_state.pt": obj})`, rank 0)
+    latest_checkpointed_iteration.txt   the tracker: the ONLY source of "latest"
 
-Atomicity: everything is written to `iter_XXXXXXX.tmp/`; only after every rank finished does rank 0
-rename it to `iter_XXXXXXX/` and then atomically replace the tracker file. A crash at any earlier point
-leaves the previous checkpoint and tracker untouched (and a stale `.tmp` dir that the next save clears).
+Atomicity: everything (extras included) is written to `iter_XXXXXXX.tmp/`; only after every rank finished
+does rank 0 rename it to `iter_XXXXXXX/` and then atomically replace the tracker file. A crash at any earlier
+point leaves the previous checkpoint and tracker untouched. Re-saving an existing step first moves the old
+directory to `iter_XXXXXXX.old/` (the loader falls back to it until the new one is in place). A save starts
+by removing every stale `iter_*.tmp/` (never committed: nothing is lost) and resolving `iter_*.old/`. A failed
+write (disk full: ENOSPC) removes its `.tmp` dir and raises an OSError naming the path; the previous
+checkpoint stays the loadable latest.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -44,7 +51,54 @@ def latest_step(root: str) -> int | None:
     if not os.path.isfile(path):
         return None
     with open(path) as f:
-        return int(f.read().strip())
+        text = f.read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"checkpoint tracker {path!r} holds {text[:40]!r}, not a step number") from None
+
+
+def committed_dir(root: str, step: int) -> str | None:
+    """The directory of finished checkpoint `step`: `iter_N/`, or `iter_N.old/` while a re-save of the same step
+    is being committed; None when there is neither."""
+    for path in (iter_dir(root, step), iter_dir(root, step) + ".old"):
+        if os.path.isdir(path):
+            return path
+    return None
+
+
+def committed_steps(root: str) -> list[int]:
+    """Steps of every finished checkpoint under `root` (ascending); `.tmp` dirs are not finished."""
+    steps = set()
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        base = name.removesuffix(".old")
+        if base.startswith("iter_") and base[5:].isdigit() and os.path.isdir(os.path.join(root, name)):
+            steps.add(int(base[5:]))
+    return sorted(steps)
+
+
+def clean_stale(root: str) -> list[str]:
+    """Remove every `iter_*.tmp/` (a save that never committed) and resolve `iter_*.old/` (kept only while it
+    is the sole copy of its step: then renamed back). Returns the removed paths; nothing committed is lost."""
+    removed = []
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        path = os.path.join(root, name)
+        if not (name.startswith("iter_") and os.path.isdir(path)):
+            continue
+        if name.endswith(".tmp"):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        elif name.endswith(".old"):
+            final = path.removesuffix(".old")
+            if os.path.isdir(final):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+            else:
+                os.replace(path, final)
+    if removed:
+        warnings.warn(f"removed {len(removed)} uncommitted checkpoint dir(s) {removed[:3]} (never committed: "
+                      "nothing lost)", stacklevel=3)
+    return removed
 
 
 def _rng_state() -> dict:
@@ -67,35 +121,63 @@ def _write_state(path: str, fmt: str, model: nn.Module, optimizer, env: DistEnv)
 
 def save_checkpoint(
     root: str, step: int, model: nn.Module, optimizer, scheduler, env: DistEnv, fmt: str = "sharded",
-    extra_meta: dict | None = None,
+    extra_meta: dict | None = None, extra: dict | None = None,
 ) -> str:
     """Write checkpoint `step` atomically (collective: every rank calls it). Returns its directory.
 
     `trainer_state.pt` also holds the model's HF config (`model_config`) and `extra_meta` (the backend
-    adds the model name/overrides and its `optim_config`), which `load_checkpoint` checks (`resume.py`)."""
+    adds the model name/overrides and its `optim_config`), which `load_checkpoint` checks (`resume.py`).
+
+    `extra` maps file names to objects that rank 0 `torch.save`s inside the checkpoint before it is committed
+    (the Trainer's loop state): they are committed, or not, together with the model and optimizer."""
     final, tmp = iter_dir(root, step), iter_dir(root, step) + ".tmp"
-    if env.is_main:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    barrier(env)
-    _write_state(tmp, fmt, model, optimizer, env)
-    torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{env.rank}.pt"))
-    if env.is_main:
-        meta = {"scheduler": scheduler.state_dict(), "step": step, "world_size": env.world_size, "format": fmt}
-        meta |= {"model_config": model_config_dict(model)} | (extra_meta or {})
-        torch.save(meta, os.path.join(tmp, "trainer_state.pt"))
-    barrier(env)
-    if env.is_main:
-        _commit(root, tmp, final, step)
+    for name in extra or {}:
+        if os.path.basename(name) != name or name in ("dcp", "full.pt", "trainer_state.pt") or name.startswith("rng_rank"):
+            raise ValueError(f"extra checkpoint file {name!r} must be a plain file name the backend does not use")
+    try:
+        if env.is_main:
+            os.makedirs(root, exist_ok=True)
+            clean_stale(root)
+            os.makedirs(tmp)
+        barrier(env)
+        _write_state(tmp, fmt, model, optimizer, env)
+        torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{env.rank}.pt"))
+        if env.is_main:
+            meta = {"scheduler": scheduler.state_dict(), "step": step, "world_size": env.world_size, "format": fmt}
+            meta |= {"model_config": model_config_dict(model)} | (extra_meta or {})
+            torch.save(meta, os.path.join(tmp, "trainer_state.pt"))
+            for name, obj in (extra or {}).items():
+                torch.save(obj, os.path.join(tmp, name))
+        barrier(env)
+        if env.is_main:
+            _commit(root, tmp, final, step)
+    except OSError as exc:
+        raise _save_error(exc, root, tmp, final, env) from exc
     barrier(env)
     return final
 
 
+def _save_error(exc: OSError, root: str, tmp: str, final: str, env: DistEnv) -> OSError:
+    """Remove the unfinished `.tmp` dir (frees the space) and name the path in the error (disk full...)."""
+    if env.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    where = exc.filename or tmp
+    prev = latest_step(root) if os.path.isfile(os.path.join(root, TRACKER)) else None
+    kept = f"step {prev} ({committed_dir(root, prev)})" if prev is not None else "none"
+    return OSError(exc.errno or errno.EIO, f"saving checkpoint {final!r} failed writing {where!r}: "
+                   f"{exc.strerror or exc}; nothing was committed, the previous checkpoint ({kept}) stays the latest",
+                   where)
+
+
 def _commit(root: str, tmp: str, final: str, step: int) -> None:
-    """Rename tmp -> final, then point the tracker at it (each an atomic filesystem operation)."""
+    """Rename tmp -> final, then point the tracker at it (each an atomic filesystem operation).
+
+    An existing `final` (a re-save of the same step) is renamed to `final.old` first, never deleted before the
+    new one is in place: at every instant the tracker's step has a finished directory (`committed_dir`)."""
+    old = final + ".old"
     if os.path.isdir(final):
-        shutil.rmtree(final)
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
     os.replace(tmp, final)
     tracker_tmp = os.path.join(root, TRACKER + ".tmp")
     with open(tracker_tmp, "w") as f:
@@ -103,6 +185,7 @@ def _commit(root: str, tmp: str, final: str, step: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tracker_tmp, os.path.join(root, TRACKER))
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def load_checkpoint(
@@ -113,9 +196,9 @@ def load_checkpoint(
     A model that differs from the checkpoint's raises `ResumeError` naming the fields before anything is
     read into the model; with `optim_cfg` the new optimizer hyper-parameters win (`resume.apply_optim_config`)."""
     step = latest_step(root) if step is None else step
-    if step is None or not os.path.isdir(iter_dir(root, step)):
+    path = committed_dir(root, step) if step is not None else None
+    if path is None:
         raise ValueError(f"no finished checkpoint {step} under {root!r}; save one first or pass a valid step")
-    path = iter_dir(root, step)
     meta = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
     check_model_config(meta, model, path)
     if meta["format"] == "sharded":

@@ -1,0 +1,70 @@
+"""Shared helpers of the fault-injection tests: a tiny CPU run whose weights move, and exact state snapshots."""
+
+from __future__ import annotations
+
+import dataclasses as dc
+import json
+import os
+
+import torch
+
+from rlbench import presets
+
+
+def text_reward(response: str, label) -> float:
+    """A reward that depends on the text (the tiny random model never solves the task): the weights move."""
+    return (sum(map(ord, response)) % 7) / 7.0
+
+
+def tiny_config(workdir: str, *, save_dir: str | None = None, save_interval: int | None = None, ref: bool = False):
+    """The `tiny` preset, float32 on CPU: 2 prompts x 4 samples, 2 optimizer steps per rollout, 2+ micro-batches
+    each (a small token budget), weights synced in several buckets."""
+    cfg = presets.cpu_test(model="tiny", workdir=workdir, level=1, n_eval=8)
+    os.makedirs(workdir, exist_ok=True)
+    data = os.path.join(workdir, "prompts.jsonl")  # no task: its rows would name their own reward ("math")
+    with open(data, "w") as f:
+        f.writelines(json.dumps({"prompt": f"{i}+{i % 3}=?", "label": str(i + i % 3)}) + "\n" for i in range(12))
+    backend = dc.replace(cfg.backend, ref_model="tiny" if ref else None, ref_update_interval=1 if ref else None)
+    return cfg.replace(
+        task=None,
+        data=dc.replace(cfg.data, path=data),
+        rollout=dc.replace(cfg.rollout, rollout_batch_size=2, n_samples_per_prompt=4, max_response_len=6,
+                           rm_type="reliability._faults:text_reward"),
+        batch=dc.replace(cfg.batch, global_batch_size=4, max_tokens_per_gpu=48, num_rollout=100),
+        backend=backend,
+        weights=dc.replace(cfg.weights, bucket_bytes=64 << 10),
+        eval=dc.replace(cfg.eval, interval=None),
+        checkpoint=dc.replace(cfg.checkpoint, save_dir=save_dir, save_interval=save_interval),
+    )
+
+
+def comparable(history: list[dict]) -> list[dict]:
+    """Metrics without timings (everything else must match bit for bit)."""
+    return [{k: v for k, v in h.items() if not k.startswith(("perf/", "memory/"))} for h in history]
+
+
+def state(trainer) -> dict:
+    """Everything that must match bitwise: parameters, AdamW state, scheduler, engine weights, loop counters."""
+    b = trainer.backend
+    params = {n: p.full_tensor().clone() if hasattr(p, "full_tensor") else p.detach().clone()
+              for n, p in b.model.named_parameters()}
+    opt = [v.full_tensor().clone() if hasattr(v, "full_tensor") else (v.clone() if torch.is_tensor(v) else v)
+           for s in b.optimizer.state.values() for _, v in sorted(s.items())]
+    engine = {n: t.detach().clone() for n, t in trainer.engine.model.named_parameters()}
+    return {"params": params, "opt": opt, "sched": b.scheduler.state_dict(), "engine": engine,
+            "counters": (trainer.rollout_id, trainer.policy_version, trainer.version, trainer.engine.weight_version,
+                         b.step),
+            "data": trainer.dataset.state_dict(), "rollouts": trainer.rollouts.state_dict(),
+            "history": comparable(trainer.history)}
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a["counters"] == b["counters"]
+    assert a["data"] == b["data"] and a["rollouts"] == b["rollouts"] and a["sched"] == b["sched"]
+    assert a["history"] == b["history"]  # exact floats
+    for key in ("params", "engine"):
+        assert a[key].keys() == b[key].keys()
+        bad = [n for n in a[key] if not torch.equal(a[key][n], b[key][n])]
+        assert not bad, f"{key} differ: {bad[:5]}"
+    assert len(a["opt"]) == len(b["opt"])
+    assert all(torch.equal(x, y) if torch.is_tensor(x) else x == y for x, y in zip(a["opt"], b["opt"]))

@@ -1,0 +1,120 @@
+"""KeyboardInterrupt (a real SIGINT, as a notebook's "interrupt kernel" sends) at every sub-step boundary of
+`Trainer.step()`, then `step()` again: parameters, AdamW state, engine weights, versions, data position and metrics
+equal, bit for bit, those of a run that was never interrupted (docs/reliability.md states the semantics)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+from ._faults import assert_same, state, tiny_config
+
+import rlbench.backends.fsdp.checkpoint as ckpt
+from rlbench.trainer import Trainer
+
+STEPS = 2  # the interrupt hits the second step
+
+
+def _sigint():
+    signal.raise_signal(signal.SIGINT)  # Python's handler raises KeyboardInterrupt at the next safe point
+
+
+def _once(obj, name, before=False, after=False, nth=1):
+    """Wrap `obj.name` so that its `nth` call sends SIGINT (before or after doing its work); returns the counter."""
+    original = getattr(obj, name)
+    calls = [0]
+
+    def wrapped(*args, **kwargs):
+        calls[0] += 1
+        hit = calls[0] == nth
+        if hit and before:
+            _sigint()
+        out = original(*args, **kwargs)
+        if hit and after:
+            _sigint()
+        return out
+
+    setattr(obj, name, wrapped)
+    return lambda: setattr(obj, name, original)
+
+
+def _mid_bucket(trainer):
+    """Sync: the engine copies the first bucket, then SIGINT (a mix of old and new weights in the engine)."""
+    engine, original = trainer.engine, trainer.engine.update_weights
+    calls = [0]
+
+    def update_weights(buckets, version):
+        calls[0] += 1
+        if calls[0] != 1:
+            return original(buckets, version)
+
+        def first_then_interrupt():
+            it = iter(buckets)
+            yield next(it)
+            _sigint()
+            yield from it
+
+        return original(first_then_interrupt(), version)
+
+    engine.update_weights = update_weights
+    return lambda: setattr(engine, "update_weights", original)
+
+
+# point -> how to inject it; the loss is called once per micro-batch (4 per optimizer step, 2 optimizer steps)
+POINTS = {
+    "rollout (prompts taken)": lambda t: _once(t.dataset, "next_batch", after=True),
+    "score": lambda t: _once(t, "score", after=True),
+    "pack": lambda t: _once(t, "pack", after=True),
+    "compute_log_probs": lambda t: _once(t.backend, "compute_log_prob", after=True),
+    "train, 1st optimizer step, 2nd micro-batch": lambda t: _once(t.rank_step, "loss", after=True, nth=2),
+    "train, inside the 1st optimizer update": lambda t: _once(t.backend.optimizer, "step", after=True),
+    "train, between optimizer steps": lambda t: _once(t.backend, "train", after=True),
+    "train, 2nd optimizer step, last micro-batch": lambda t: _once(t.rank_step, "loss", after=True, nth=8),
+    "update_ref": lambda t: _once(t.backend, "update_ref", after=True),
+    "sync_weights, mid-bucket": _mid_bucket,
+    "save (before commit)": lambda t: _once(ckpt, "_commit", before=True),
+}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    torch.set_num_threads(1)
+    work = tmp_path_factory.mktemp("interrupts")
+    trainer = Trainer(tiny_config(str(work), save_dir=str(work / "ckpt"), save_interval=1, ref=True))
+    start = str(work / "start")
+    trainer.save(start)  # every case starts from here
+    trainer.load(start)
+    for _ in range(STEPS):
+        trainer.step()
+    reference = state(trainer)
+    assert reference["counters"][1] == 2 * STEPS  # one policy version per optimizer step
+    assert all(h["train/grad_norm"] > 0 for h in trainer.history)  # the weights really move
+    return trainer, start, reference
+
+
+@pytest.mark.parametrize("point", list(POINTS))
+def test_interrupt_then_step_again_is_the_uninterrupted_step(run, point):
+    trainer, start, reference = run
+    trainer.load(start)
+    trainer.step()
+    before = state(trainer)
+    undo = POINTS[point](trainer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            trainer.step()
+    finally:
+        undo()
+    # consistent at the interrupt: versions count applied optimizer steps, the engine's only after a full sync
+    rid, policy, version, engine_version, backend_step = state(trainer)["counters"]
+    assert policy == backend_step and engine_version == version
+    if trainer._inflight is None:  # rolled back: as if the step had never started
+        assert_same(state(trainer), before)
+    else:  # weights changed: the next step() finishes this one
+        assert policy > before["counters"][1]
+    assert len(trainer.history) == rid  # history and rollout_id agree
+    trainer.step()  # "Step again"
+    assert_same(state(trainer), reference)
+    assert trainer._inflight is None and not trainer._engine_stale
+    assert trainer.load(trainer.cfg.checkpoint.save_dir) == STEPS  # the step's checkpoint was written
+    assert_same(state(trainer), reference)
