@@ -30,6 +30,39 @@ __all__ = [
 ]
 
 
+REWARD_NAMES = ("math", "exact", "countdown")
+"""The names in `rlbench.rewards.REWARDS` (checked there), so that a config checks `rm_type` without importing it."""
+
+
+def check_rm_type(rm_type) -> None:
+    """Check a reward name without importing anything: a registry name, or `"module.path:function"`."""
+    if callable(rm_type):
+        return
+    if not isinstance(rm_type, str):
+        raise ValueError(f"rm_type={rm_type!r} must be a registry name, 'module.path:function' or a callable")
+    if rm_type in REWARD_NAMES:
+        return
+    if ":" not in rm_type:
+        raise ValueError(
+            f"unknown reward {rm_type!r} (rm_type){did_you_mean(rm_type, REWARD_NAMES)}; choose one of "
+            f"{sorted(REWARD_NAMES)} or pass 'module.path:function'"
+        )
+    module_name, _, attr = rm_type.partition(":")
+    if not (all(p.isidentifier() for p in module_name.split(".")) and attr.isidentifier()):
+        raise ValueError(
+            f"rm_type={rm_type!r} is not 'module.path:function' (e.g. 'my_pkg.rewards:score'); "
+            f"or use a registry name: {sorted(REWARD_NAMES)}"
+        )
+
+
+def did_you_mean(name: str, choices) -> str:
+    """" (did you mean 'x'?)" for the closest of `choices`, or ''."""
+    import difflib
+
+    close = difflib.get_close_matches(name, choices, n=3, cutoff=0.5)
+    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+
+
 @dataclass
 class TaskConfig:
     """A synthetic task whose train/eval jsonl files are generated before the run (if missing)."""
@@ -114,8 +147,6 @@ class RolloutConfig:
             raise ValueError("dynamic_sampling needs n_samples_per_prompt >= 2 (a group of 1 always has equal rewards)")
         if self.reward_timeout is not None and self.reward_timeout < 0:
             raise ValueError(f"reward_timeout={self.reward_timeout} must be > 0 seconds (None or 0: no limit)")
-        from rlbench.rewards import check_rm_type  # light: no user module is imported here
-
         check_rm_type(self.rm_type)
 
 

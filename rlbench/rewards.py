@@ -16,7 +16,6 @@ with the same verdict, so scoring the ~64 responses of an arithmetic RL step cos
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import math
 import numbers
@@ -25,6 +24,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from rlbench.config import REWARD_NAMES, check_rm_type, did_you_mean
 from rlbench.data.tasks import is_int, last_boxed, verify_countdown
 
 RewardFn = Callable[[str, Any], float]
@@ -67,6 +67,7 @@ def countdown_reward(response: str, label: Any) -> float:
 
 
 REWARDS: dict[str, RewardFn] = {"math": math_reward, "exact": exact_reward, "countdown": countdown_reward}
+assert tuple(REWARDS) == REWARD_NAMES, "rlbench.config.REWARD_NAMES lists the registry (configs check names with it)"
 
 
 def get_reward_fn(rm_type: str | RewardFn) -> RewardFn:
@@ -91,34 +92,8 @@ def get_reward_fn(rm_type: str | RewardFn) -> RewardFn:
     fn = getattr(module, attr, None)
     if not callable(fn):
         names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n, None))]
-        raise ValueError(f"{rm_type!r}: module {module_name!r} has no callable {attr!r}{_did_you_mean(attr, names)}")
+        raise ValueError(f"{rm_type!r}: module {module_name!r} has no callable {attr!r}{did_you_mean(attr, names)}")
     return fn
-
-
-def check_rm_type(rm_type: str | RewardFn) -> None:
-    """Check a reward name without importing anything: a registry name, or `"module.path:function"`."""
-    if callable(rm_type):
-        return
-    if not isinstance(rm_type, str):
-        raise ValueError(f"rm_type={rm_type!r} must be a registry name, 'module.path:function' or a callable")
-    if rm_type in REWARDS:
-        return
-    if ":" not in rm_type:
-        raise ValueError(
-            f"unknown reward {rm_type!r} (rm_type){_did_you_mean(rm_type, list(REWARDS))}; choose one of "
-            f"{sorted(REWARDS)} or pass 'module.path:function'"
-        )
-    module_name, _, attr = rm_type.partition(":")
-    if not (all(p.isidentifier() for p in module_name.split(".")) and attr.isidentifier()):
-        raise ValueError(
-            f"rm_type={rm_type!r} is not 'module.path:function' (e.g. 'my_pkg.rewards:score'); "
-            f"or use a registry name: {sorted(REWARDS)}"
-        )
-
-
-def _did_you_mean(name: str, choices: Sequence[str]) -> str:
-    close = difflib.get_close_matches(name, choices, n=3, cutoff=0.5)
-    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
 
 
 def score_batch(
