@@ -8,10 +8,11 @@ import signal
 
 import pytest
 import torch
-from ._faults import assert_same, state, tiny_config
 
 import rlbench.backends.fsdp.checkpoint as ckpt
 from rlbench.trainer import Trainer
+
+from ._faults import assert_same, state, tiny_config
 
 STEPS = 2  # the interrupt hits the second step
 

@@ -151,10 +151,28 @@ def save_checkpoint(
         barrier(env)
         if env.is_main:
             _commit(root, tmp, final, step)
-    except OSError as exc:
-        raise _save_error(exc, root, tmp, final, env) from exc
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException wrapping each rank's error
+        os_error = _os_error(exc)
+        if os_error is None:
+            if env.is_main and not isinstance(exc, KeyboardInterrupt):  # (an interrupted .tmp: the next save's)
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        raise _save_error(os_error, root, tmp, final, env) from exc
     barrier(env)
     return final
+
+
+def _os_error(exc: BaseException | None, depth: int = 0) -> OSError | None:
+    """The OSError behind `exc` (itself, its cause/context, or a DCP CheckpointException's per-rank failures)."""
+    if exc is None or depth > 8:
+        return None
+    if isinstance(exc, OSError):
+        return exc
+    failures = getattr(exc, "failures", None)
+    for inner in [f[0] if isinstance(f, tuple) else f for f in (failures.values() if isinstance(failures, dict) else [])]:
+        if isinstance(inner, BaseException) and (found := _os_error(inner, depth + 1)) is not None:
+            return found
+    return _os_error(exc.__cause__ or exc.__context__, depth + 1)
 
 
 def _save_error(exc: OSError, root: str, tmp: str, final: str, env: DistEnv) -> OSError:

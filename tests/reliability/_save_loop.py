@@ -1,0 +1,20 @@
+"""Child process of test_kill_during_save: trains the tiny run and saves over and over until killed."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from reliability._faults import tiny_config
+from rlbench.trainer import Trainer
+
+if __name__ == "__main__":
+    workdir, ckpt, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    torch.set_num_threads(1)
+    trainer = Trainer(tiny_config(workdir))
+    for _ in range(steps):
+        trainer.step()
+        for _ in range(3):  # re-saves of the same step too (the iter_N.old path)
+            trainer.save(ckpt)
+            print("saved", trainer.rollout_id, flush=True)
