@@ -161,7 +161,7 @@ def assert_same_curve(ray_history, local_history):
         assert ref["train/grad_norm"] > 0 and ref["rollout/advantages"] != 0  # a real training signal
         for k in keys:
             assert math.isclose(got[k], ref[k], rel_tol=1e-4, abs_tol=1e-6), f"step {step} {k}: ray {got[k]} local {ref[k]}"
-        assert got["weights/verified"] == 1.0 and got["weights/version"] == ref["weights/version"] == step + 1
+        assert got["weights/verified"] == 1.0 and got["weights/version"] == ref["weights/version"] == (step + 1) * ref["train/optimizer_steps"]
 
 
 def test_colocated_matches_single_process(ray_cluster, workdir, local_history):
@@ -189,25 +189,26 @@ def test_disaggregated_matches_single_process(disaggregated, local_history, tmp_
     assert_same_curve(history, local_history)
     # save / load fan out to every rank (sharded checkpoint), and the engine gets the restored weights
     path = disaggregated.save(str(tmp_path / "ckpt"))
-    assert disaggregated.load(path) == STEPS and disaggregated.version == STEPS
-    files = os.listdir(path)
-    assert "trainer_0000003.pt" in files and any(f.startswith("iter_") for f in files)
+    assert disaggregated.load(path) == STEPS and disaggregated.version == disaggregated.policy_version
+    files = os.listdir(path)  # one committed dir holds the loop state too (loop_state.pt)
+    assert "latest_checkpointed_iteration.txt" in files and any(f.startswith("iter_") for f in files)
 
 
 def test_async_rollout_trains(disaggregated):
     trainer = disaggregated
     trainer.async_rollout = True  # continue the same run one-step off-policy
-    start = trainer.rollout_id
+    start, v0 = trainer.rollout_id, trainer.version
     history = trainer.fit(start + 3)
+    k = history[start]["train/optimizer_steps"]  # policy versions count optimizer steps
     versions = [h["rollout/weight_version"] for h in history[start:]]
-    assert versions == [start, start, start + 1]  # the first async batch was generated before the step
-    assert [h["rollout/staleness_max"] for h in history[start:]] == [0.0, 1.0, 1.0]
-    assert all(s.metadata["staleness"] == 1 for s in trainer.last_rollout.samples)
+    assert versions == [v0, v0, v0 + k]  # the first async batch was generated before the step
+    assert [h["rollout/staleness_max"] for h in history[start:]] == [0.0, k, k]
+    assert all(s.metadata["staleness"] == k for s in trainer.last_rollout.samples)
     for h in history[start + 1 :]:
         assert h["train/grad_norm"] > 0 and math.isfinite(h["train/loss"]) and h["weights/verified"] == 1.0
         assert h["train/train_rollout_logprob_abs_diff"] > 1e-4  # off-policy: the trained policy moved on
         assert h["train/tis"] != 1.0  # TIS weights correct for it
-    assert history[-1]["weights/version"] == start + 3
+    assert history[-1]["weights/version"] == v0 + 3 * k
 
 
 def test_ref_update_interval_on_every_rank(ray_cluster, tmp_path):
