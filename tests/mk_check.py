@@ -36,7 +36,7 @@ def case_name(preset, prompt_len, tile_programs):
 @contextlib.contextmanager
 def constants(**values):
     """`layout`'s constants set to `values` (None: left as they are) inside the block (`DecodeMegakernel` reads
-    them at each call): to force a path the product's plan would not take, e.g. GLUON_MMA=False."""
+    them at each call): to force a path the product's plan would not take, e.g. MAX_SPINS=64."""
     values = {k: v for k, v in values.items() if v is not None}
     saved = {k: getattr(layout, k) for k in values}
     try:
@@ -241,7 +241,7 @@ def _compile_gluon(fn, args: dict, consts: dict, num_warps: int, name: str, alig
     return ptx_text, regs, spills, kernel.metadata.shared
 
 
-def compile_gluon_stage(preset: str, stage: int, programs: int = 132, mma: bool | None = None) -> dict:
+def compile_gluon_stage(preset: str, stage: int, programs: int = 132) -> dict:
     """Compile `gluon_gemv.gemv_stage` for one GEMV stage of a preset for sm_90 without a GPU, with the options
     `DecodeMegakernel` launches it with; returns registers per thread, spills, shared memory, threads, the TMA
     copies, PDL waits, and the global loads and stores before the wait in the PTX."""
@@ -252,22 +252,18 @@ def compile_gluon_stage(preset: str, stage: int, programs: int = 132, mma: bool 
 
     model = build_model(preset, meta=True, dtype=torch.bfloat16)
     mk = DecodeMegakernel(model, fuse_layers(model), 1536, torch.device("cpu"), programs=programs)
-    with constants(GLUON_MMA=mma):
-        mma = layout.GLUON_MMA
-        n, k, r, kcp = mk.gluon_plan()[stage]
-        consts = mk.gluon_stage_consts(stage)
-    if mma:
-        desc = (f"tensordesc<bf16[1, {mk_gluon.MMA_BOX_ROWS.value}, {mk_gluon.MMA_SLICES.value}, "
-                f"{mk_gluon.MMA_CHUNK.value}],{mk_gluon.mma_box_layout()!r}>")
-    else:
-        desc = f"tensordesc<bf16[{mk_gluon.BOX_ROWS.value}, {mk_gluon.BOX_K.value}],{mk_gluon.box_layout()!r}>"
+    n, k, r, kcp = mk.gluon_plan()[stage]
+    consts = mk.gluon_stage_consts(stage)
+    desc = (f"tensordesc<bf16[1, {mk_gluon.MMA_BOX_ROWS.value}, {mk_gluon.MMA_SLICES.value}, "
+            f"{mk_gluon.MMA_CHUNK.value}],{mk_gluon.mma_box_layout()!r}>")
     args = dict(desc=desc, inp="*bf16", norm="*bf16", bias="*bf16", out="*bf16", eps="fp32")
     ptx_text, regs, spills, shared = _compile_gluon(
         mk_gluon.gemv_stage, args, consts, consts["WARPS"],
-        f"rlbench_gluon_{preset}_stage{stage}{'_mma' if mma else ''}")
+        f"rlbench_gluon_{preset}_stage{stage}")
     before = ptx_text.partition("griddepcontrol.wait")[0]
+    block = mk_gluon.MMA_SLICES.value * mk_gluon.MMA_CHUNK.value  # a box: MMA_BOX_ROWS rows of a 512-wide K block
     return dict(regs=regs, spill_bytes=spills, shared=shared, threads=32 * consts["WARPS"],
-                boxes=(r // mk_gluon.BOX_ROWS.value) * (k // mk_gluon.BOX_K.value) * (2 if stage == 3 else 1),
+                boxes=(r // mk_gluon.MMA_BOX_ROWS.value) * (k // block) * (2 if stage == 3 else 1),
                 tma_copies=ptx_text.count("cp.async.bulk.tensor"), waits=ptx_text.count("griddepcontrol.wait"),
                 loads_before_wait=len(re.findall(r"ld\.global", before)),
                 stores_before_wait=len(re.findall(r"\b(?:st\.global|atom\.|red\.)", before)))

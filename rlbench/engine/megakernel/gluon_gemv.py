@@ -12,13 +12,12 @@ gate/up, 4 down). Program pid owns rows `[pid * R, pid * R + R)` (R a multiple o
 issues the TMA copies of its tile, paced (`_producer`: a few groups of boxes in flight, so that 132 programs do not
 queue a whole stage's megabytes in front of the latency-bound work of the stages on the critical path); after the
 wait it reads the stage input (RMSNorm'd for QKV and gate/up) into shared memory, waits for the rest of the tile,
-and multiplies it: on the tensor cores (`_consumer_mma`, MMA: the tile in 128-byte swizzled [4 rows, 8 chunks, 64]
-boxes, one m16n8k16 mma per 8 K chunks of 8 rows), or with FFMAs on [BOX_ROWS, BOX_K] boxes (`_consumer`). Each
-warp owns rows: the row sums stay inside a warp. When the next kernel may launch (before or after the wait) is a
-per-stage choice (`layout.GLUON_LATE_LAUNCH`): it decides how far ahead the next stage's tiles stream. Rounding as
-in `triton_stages`: every value HF holds in bf16 is rounded to bf16 at the same point (integer round-to-nearest-
-even). The sums run in another order than the Triton stages', so the two paths agree to bf16 rounding, not bit for
-bit. GPU only (no interpreter).
+and multiplies it on the tensor cores (`_consumer_mma`: the tile in 128-byte swizzled [4 rows, 8 chunks, 64]
+boxes, one m16n8k16 mma per 8 K chunks of 8 rows). Each warp owns rows: the row sums stay inside a warp. When
+the next kernel may launch (before or after the wait) is a per-stage choice (`layout.GLUON_LATE_LAUNCH`): it
+decides how far ahead the next stage's tiles stream. Rounding as in `triton_stages`: every value HF holds in
+bf16 is rounded to bf16 at the same point (integer round-to-nearest-even). The sums run in another order than the
+Triton stages', so the two paths agree to bf16 rounding, not bit for bit. GPU only (no interpreter).
 """
 
 from __future__ import annotations
@@ -31,17 +30,10 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from rlbench.engine.megakernel import layout
 
 BOX_ROWS = gl.constexpr(layout.BOX_ROWS)
-BOX_K = gl.constexpr(layout.BOX_K)
 MMA_CHUNK = gl.constexpr(layout.MMA_CHUNK)
 MMA_SLICES = gl.constexpr(layout.MMA_SLICES)
 MMA_BOX_ROWS = gl.constexpr(layout.MMA_BOX_ROWS)
 MMA_IN = gl.constexpr(layout.MMA_IN)
-
-
-def box_layout() -> gl.NVMMASharedLayout:
-    """The shared-memory layout of a weight box and of its TMA descriptor: unswizzled, so a warp reads a box row
-    (512 bytes) as 32 x 16 bytes without bank conflicts."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
 
 
 def mma_box_layout() -> gl.NVMMASharedLayout:
@@ -80,16 +72,6 @@ def _store_rows(out, bias, rows, rmask, o, up, GATED: gl.constexpr, HAS_BIAS: gl
 
 
 @gluon.jit
-def _box_coords(j, row0, N: gl.constexpr, NC: gl.constexpr, S: gl.constexpr):
-    """Box j of a program's tile, in the order the consumer reads them: (row group, K chunk, gate/up) ->
-    its [row, column] in the weight."""
-    u = j % S
-    c = (j // S) % NC
-    r = j // (S * NC)
-    return row0 + r * BOX_ROWS + u * N, c * BOX_K
-
-
-@gluon.jit
 def _mma_box_coords(j, row0, N: gl.constexpr, H: gl.constexpr, S: gl.constexpr):
     """Box j of a tensor-core tile, in the order the consumer reads them: (row group, gate/up, 512-wide K block,
     half of the 8 rows) -> its [block, row, 0, 0] in the weight's view `[K / 512, rows, 8, 64]`."""
@@ -113,7 +95,7 @@ def _chunk_rows(tile, tile_hi, c: gl.constexpr, n: gl.constexpr, LO: gl.constexp
 
 @gluon.jit
 def _producer(desc, tile, tile_hi, LO: gl.constexpr, bars, row0, live, N: gl.constexpr, NC: gl.constexpr, S: gl.constexpr,
-              NBOX: gl.constexpr, GROUP: gl.constexpr, IN_FLIGHT: gl.constexpr, MMA: gl.constexpr):
+              NBOX: gl.constexpr, GROUP: gl.constexpr, IN_FLIGHT: gl.constexpr):
     """Issue the tile's TMA boxes in groups of GROUP on one mbarrier each, at most IN_FLIGHT groups in flight
     (before the PDL wait): with a small window a paced stream instead of one burst of the whole tile from every
     SM at once, which queues the latency-bound accesses of the stages on the critical path behind it. (A producer
@@ -122,75 +104,14 @@ def _producer(desc, tile, tile_hi, LO: gl.constexpr, bars, row0, live, N: gl.con
     for g in gl.static_range((NBOX + GROUP - 1) // GROUP):
         if g >= IN_FLIGHT:
             mbarrier.wait(bars.index(g - IN_FLIGHT), 0, pred=live)
-        mbarrier.expect(bars.index(g), min(GROUP, NBOX - g * GROUP) * BOX_ROWS * BOX_K * 2, pred=live)
+        mbarrier.expect(bars.index(g), min(GROUP, NBOX - g * GROUP) * MMA_BOX_ROWS * MMA_SLICES * MMA_CHUNK * 2,
+                        pred=live)
         for jj in gl.static_range(min(GROUP, NBOX - g * GROUP)):
-            if MMA:
-                h, row = _mma_box_coords(g * GROUP + jj, row0, N, NC // MMA_SLICES, S)
-                dst = _chunk_rows(tile, tile_hi, (g * GROUP + jj) * MMA_BOX_ROWS, MMA_BOX_ROWS, LO)
-                tma.async_copy_global_to_shared(desc, [h, row, 0, 0], bars.index(g),
-                                                dst._reinterpret(gl.bfloat16, [1, MMA_BOX_ROWS, MMA_SLICES, MMA_CHUNK],
-                                                                 desc.layout), pred=live)
-            else:
-                row, col = _box_coords(g * GROUP + jj, row0, N, NC, S)
-                tma.async_copy_global_to_shared(desc, [row, col], bars.index(g), tile.index(g * GROUP + jj),
-                                                pred=live)
-
-
-@gluon.jit
-def _consumer(tile, bars, xs, inp, norm, bias, out, eps, row0, live,
-              N: gl.constexpr, K: gl.constexpr, R: gl.constexpr, KCP: gl.constexpr, STAGE: gl.constexpr,
-              HAS_BIAS: gl.constexpr, LATE_LAUNCH: gl.constexpr, NG: gl.constexpr, IN_FLIGHT: gl.constexpr,
-              WARPS: gl.constexpr):
-    NC: gl.constexpr = K // BOX_K
-    NRG: gl.constexpr = R // BOX_ROWS
-    GATED: gl.constexpr = STAGE == 3
-    NORMED: gl.constexpr = STAGE == 0 or STAGE == 3
-    RESIDUAL: gl.constexpr = STAGE == 2 or STAGE == 4
-    S: gl.constexpr = 2 if GATED else 1
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])  # [8, 256]: a warp owns rows
-    kr = gl.arange(0, KCP, layout=gl.SliceLayout(1, layout))
-    kc = gl.arange(0, BOX_K, layout=gl.SliceLayout(0, layout))
-    koff = kr[:, None] * BOX_K + kc[None, :]
-    kmask = koff < K
-    rs = gl.arange(0, BOX_ROWS, layout=gl.SliceLayout(1, layout))
-    if NORMED:  # token-independent: before the wait
-        s = gl.load(norm + koff, mask=kmask, other=0.0).to(gl.float32)
-    inline_ptx("griddepcontrol.wait; // $0")
-    if LATE_LAUNCH:
-        inline_ptx("griddepcontrol.launch_dependents; // $0")
-    # the stage input (RMSNorm'd for QKV and gate/up) and the first row group's residual in one round trip
-    v = gl.load(inp + koff, mask=kmask, other=0.0, cache_modifier=".cg").to(gl.float32)
-    if RESIDUAL:
-        res0 = gl.load(out + row0 + rs, mask=row0 + rs < N, other=0.0, cache_modifier=".cg").to(gl.float32)
-    if NORMED:
-        rstd = 1.0 / gl.sqrt(gl.sum(gl.sum(v * v, axis=1), axis=0) / K + eps)
-        v = _bf(s * _bf(v * rstd))
-    xs.store(v)
-    gl.thread_barrier()
-    # the same bytes, viewed so that .index(c) is the 1-D chunk c
-    xrow = xs._reinterpret(gl.float32, [KCP, BOX_K], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    for g in gl.static_range(max(0, NG - IN_FLIGHT), NG):  # the groups the producer did not wait for
-        mbarrier.wait(bars.index(g), 0, pred=live)
-    for r in gl.static_range(NRG):
-        acc = gl.zeros([BOX_ROWS, BOX_K], gl.float32, layout=layout)
-        acc_up = gl.zeros([BOX_ROWS, BOX_K], gl.float32, layout=layout)
-        for c in gl.static_range(NC):
-            xv = xrow.index(c).load(gl.SliceLayout(0, layout))
-            j = (r * NC + c) * S
-            acc += tile.index(j).load(layout).to(gl.float32) * xv[None, :]
-            if GATED:
-                acc_up += tile.index(j + 1).load(layout).to(gl.float32) * xv[None, :]
-        o = gl.sum(acc, axis=1)
-        rows = row0 + r * BOX_ROWS + rs
-        rmask = rows < N
-        if RESIDUAL:
-            if r == 0:
-                res = res0
-            else:
-                res = gl.load(out + rows, mask=rmask, other=0.0, cache_modifier=".cg").to(gl.float32)
-            gl.store(out + rows, _bf(res + _bf(o)).to(gl.bfloat16), mask=rmask)
-        else:
-            _store_rows(out, bias, rows, rmask, o, gl.sum(acc_up, axis=1), GATED, HAS_BIAS)
+            h, row = _mma_box_coords(g * GROUP + jj, row0, N, NC // MMA_SLICES, S)
+            dst = _chunk_rows(tile, tile_hi, (g * GROUP + jj) * MMA_BOX_ROWS, MMA_BOX_ROWS, LO)
+            tma.async_copy_global_to_shared(desc, [h, row, 0, 0], bars.index(g),
+                                            dst._reinterpret(gl.bfloat16, [1, MMA_BOX_ROWS, MMA_SLICES, MMA_CHUNK],
+                                                             desc.layout), pred=live)
 
 
 @gluon.jit
@@ -231,8 +152,9 @@ def _mma_rows(tile, tile_hi, LO: gl.constexpr, xs, b0, b1, rg: gl.constexpr, H: 
 def _consumer_mma(tile, tile_hi, LO: gl.constexpr, bars, xs, inp, norm, bias, out, eps, row0, live,
                   N: gl.constexpr, K: gl.constexpr, R: gl.constexpr, STAGE: gl.constexpr, HAS_BIAS: gl.constexpr,
                   LATE_LAUNCH: gl.constexpr, NG: gl.constexpr, IN_FLIGHT: gl.constexpr, WARPS: gl.constexpr):
-    """`_consumer` on the tensor cores (`_mma_rows`): the input goes to shared memory as bf16 (every stage input
-    is bf16-exact: HF rounds it there) as [K / 64, 64]."""
+    """After the PDL wait: the stage input (RMSNorm'd for QKV and gate/up) to shared memory as bf16 (every stage
+    input is bf16-exact: HF rounds it there) as [K / 64, 64], then the rest of the tile, multiplied on the tensor
+    cores (`_mma_rows`) row group by row group, and the results (+ bias, silu(gate) * up, or + the residual)."""
     NCH: gl.constexpr = K // MMA_CHUNK
     KC: gl.constexpr = NCH // MMA_IN
     H: gl.constexpr = NCH // MMA_SLICES
@@ -301,31 +223,27 @@ def _consumer_mma(tile, tile_hi, LO: gl.constexpr, bars, xs, inp, norm, bias, ou
 def gemv_stage(desc, inp, norm, bias, out, eps,
                N: gl.constexpr, K: gl.constexpr, R: gl.constexpr, KCP: gl.constexpr, STAGE: gl.constexpr,
                HAS_BIAS: gl.constexpr, LATE_LAUNCH: gl.constexpr, GROUP: gl.constexpr, IN_FLIGHT: gl.constexpr,
-               WARPS: gl.constexpr, MMA: gl.constexpr, LO: gl.constexpr):
-    """`desc`: TMA descriptor of this layer's `[rows, K]` weight (gate/up stacked `[2 N, K]`), boxes
-    [BOX_ROWS, BOX_K]. `inp`: the stage input `[K]` (bf16); `norm`: its RMSNorm weight (QKV, gate/up);
-    `bias`: QKV bias (HAS_BIAS); `out`: qkv (QKV), act (gate/up), or the residual x, read and written (o_proj,
-    down). KCP: K // BOX_K rounded up to a power of two. LATE_LAUNCH: let the next kernel launch only after this
-    one's wait (its programs then arrive one stage ahead, not as many as fit). GROUP, IN_FLIGHT: TMA boxes per
-    mbarrier and such groups in flight per program (`_producer`). MMA: on the tensor cores, the tile in two
-    buffers of which the first holds LO rows of [8 chunks, 64] (`host.mma_tile_split`)."""
-    NC: gl.constexpr = K // MMA_CHUNK if MMA else K // BOX_K
+               WARPS: gl.constexpr, LO: gl.constexpr):
+    """`desc`: TMA descriptor of this layer's `[rows, K]` weight (gate/up stacked `[2 N, K]`) viewed as
+    `[K / 512, rows, 8, 64]`, boxes [1, 4, 8, 64] (`DecodeMegakernel._gluon_descs`). `inp`: the stage input `[K]`
+    (bf16); `norm`: its RMSNorm weight (QKV, gate/up); `bias`: QKV bias (HAS_BIAS); `out`: qkv (QKV), act
+    (gate/up), or the residual x, read and written (o_proj, down). KCP: K // `layout.BOX_K` (256) rounded up to a
+    power of two (the input buffer: KCP // 4 loads of [16, 64]). LATE_LAUNCH: let the next kernel launch only
+    after this one's wait (its programs then arrive one stage ahead, not as many as fit). GROUP, IN_FLIGHT: TMA
+    boxes per mbarrier and such groups in flight per program (`_producer`). LO: the tile lives in two buffers of
+    which the first holds LO rows of [8 chunks, 64] (`host.mma_tile_split`)."""
+    NC: gl.constexpr = K // MMA_CHUNK
     S: gl.constexpr = 2 if STAGE == 3 else 1
-    NBOX: gl.constexpr = R * S * NC // MMA_SLICES // MMA_BOX_ROWS if MMA else (R // BOX_ROWS) * NC * S
-    if MMA:
-        blocks: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
-        tile = gl.allocate_shared_memory(gl.bfloat16, [LO, MMA_SLICES, MMA_CHUNK], blocks)
-        if LO == NBOX * MMA_BOX_ROWS:
-            tile_hi = tile
-        else:
-            tile_hi = gl.allocate_shared_memory(gl.bfloat16, [NBOX * MMA_BOX_ROWS - LO, MMA_SLICES, MMA_CHUNK],
-                                                blocks)
-        xs = gl.allocate_shared_memory(gl.bfloat16, [KCP // 4 * MMA_IN, MMA_CHUNK],
-                                       gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16))
-    else:
-        tile = gl.allocate_shared_memory(gl.bfloat16, [NBOX, BOX_ROWS, BOX_K], desc.layout)
+    NBOX: gl.constexpr = R * S * NC // MMA_SLICES // MMA_BOX_ROWS
+    blocks: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+    tile = gl.allocate_shared_memory(gl.bfloat16, [LO, MMA_SLICES, MMA_CHUNK], blocks)
+    if LO == NBOX * MMA_BOX_ROWS:
         tile_hi = tile
-        xs = gl.allocate_shared_memory(gl.float32, [KCP, BOX_K], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    else:
+        tile_hi = gl.allocate_shared_memory(gl.bfloat16, [NBOX * MMA_BOX_ROWS - LO, MMA_SLICES, MMA_CHUNK],
+                                            blocks)
+    xs = gl.allocate_shared_memory(gl.bfloat16, [KCP // 4 * MMA_IN, MMA_CHUNK],
+                                   gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16))
     NG: gl.constexpr = (NBOX + GROUP - 1) // GROUP
     bars = gl.allocate_shared_memory(gl.int64, [NG, 1], mbarrier.MBarrierLayout())
     for g in gl.static_range(NG):
@@ -335,12 +253,8 @@ def gemv_stage(desc, inp, norm, bias, out, eps,
     live = row0 < N
     if not LATE_LAUNCH:
         inline_ptx("griddepcontrol.launch_dependents; // $0")
-    _producer(desc, tile, tile_hi, LO, bars, row0, live, N, NC, S, NBOX, GROUP, IN_FLIGHT, MMA)
-    if MMA:
-        _consumer_mma(tile, tile_hi, LO, bars, xs, inp, norm, bias, out, eps, row0, live, N, K, R,
-                      STAGE, HAS_BIAS, LATE_LAUNCH, NG, IN_FLIGHT, WARPS)
-    else:
-        _consumer(tile, bars, xs, inp, norm, bias, out, eps, row0, live, N, K, R, KCP,
+    _producer(desc, tile, tile_hi, LO, bars, row0, live, N, NC, S, NBOX, GROUP, IN_FLIGHT)
+    _consumer_mma(tile, tile_hi, LO, bars, xs, inp, norm, bias, out, eps, row0, live, N, K, R,
                   STAGE, HAS_BIAS, LATE_LAUNCH, NG, IN_FLIGHT, WARPS)
     # (no mbarrier.inval: the barriers' shared memory is not reused before the program exits, and each
     # invalidation is a CTA barrier on the way to the grid's completion, which the next stage waits for)

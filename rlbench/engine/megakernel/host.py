@@ -186,31 +186,25 @@ class DecodeMegakernel:
         self._layers, self._descs, self._bound, self._caches = [], [], (), []
 
     def gluon_plan(self) -> dict[int, tuple[int, int, int, int]]:
-        """The GEMV stages `gluon_gemv.gemv_stage` can run: stage -> (N, K, rows per program, K boxes rounded up to
-        a power of two). A stage needs K a multiple of the box width (1,024 on the tensor cores, GLUON_MMA; 256
-        with FFMAs) and its tile (plus the input) within GLUON_TILE_BYTES; the others keep the Triton stage kernel."""
+        """The GEMV stages `gluon_gemv.gemv_stage` can run: stage -> (N, K, rows per program, KCP: K // BOX_K
+        rounded up to a power of two). A stage needs K a multiple of 1,024 (an input load of [16, 64]), its tile
+        (plus the input) within GLUON_TILE_BYTES and in two power-of-two buffers (`mma_tile_split`); the others
+        keep the Triton stage kernel."""
         dims = {0: ((self.h + 2 * self.n_kv) * self.hd, self.d, 1), 2: (self.d, self.h * self.hd, 1),
                 3: (self.i, self.d, 2), 4: (self.d, self.i, 1)}
         plan = {}
         for stage, (n, k, stacked) in dims.items():
             r = math.ceil(math.ceil(n / self.programs) / layout.BOX_ROWS) * layout.BOX_ROWS
             kcp = pow2(k // layout.BOX_K)
-            if layout.GLUON_MMA:
-                fits = (k % (layout.MMA_IN * layout.MMA_CHUNK) == 0
-                        and (stacked * r + 1) * k * 2 <= layout.GLUON_TILE_BYTES
-                        and mma_tile_split(_mma_tile_rows(stacked, r, k)) is not None)
-            else:
-                fits = (k % layout.BOX_K == 0
-                        and stacked * r * k * 2 + kcp * layout.BOX_K * 4 <= layout.GLUON_TILE_BYTES)
-            if fits:
+            if (k % (layout.MMA_IN * layout.MMA_CHUNK) == 0
+                    and (stacked * r + 1) * k * 2 <= layout.GLUON_TILE_BYTES
+                    and mma_tile_split(_mma_tile_rows(stacked, r, k)) is not None):
                 plan[stage] = (n, k, r, kcp)
         return plan
 
     def gluon_lo(self, stage: int, plan: tuple | None = None) -> int:
         """`gluon_gemv.gemv_stage`'s LO for a planned stage (`plan`: its `gluon_plan` entry): rows of [8 chunks, 64]
-        in the first tile buffer (`mma_tile_split`; 1, unused, with FFMAs)."""
-        if not layout.GLUON_MMA:
-            return 1
+        in the first tile buffer (`mma_tile_split`)."""
         n, k, r, _ = plan or self.gluon_plan()[stage]
         return mma_tile_split(_mma_tile_rows(2 if stage == 3 else 1, r, k))
 
@@ -232,13 +226,11 @@ class DecodeMegakernel:
         if not self._descs:
             from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-            from rlbench.engine.megakernel.gluon_gemv import box_layout, mma_box_layout
+            from rlbench.engine.megakernel.gluon_gemv import mma_box_layout
 
             names = {0: "qkv", 2: "o", 3: "gate_up", 4: "down"}
 
             def desc(weight: torch.Tensor):
-                if not layout.GLUON_MMA:
-                    return TensorDescriptor.from_tensor(weight, [layout.BOX_ROWS, layout.BOX_K], box_layout())
                 rows, k = weight.shape  # viewed as [K / 512 blocks, rows, 8 chunks, 64]
                 c, s = layout.MMA_CHUNK, layout.MMA_SLICES
                 return TensorDescriptor(weight, [k // (s * c), rows, s, c], [s * c, weight.stride(0), c, 1],
@@ -324,7 +316,7 @@ class DecodeMegakernel:
         group, in_flight = layout.GLUON_PACING[stage]
         return dict(N=n, K=k, R=r, KCP=kcp, STAGE=stage, HAS_BIAS=stage == 0 and self.has_bias,
                     LATE_LAUNCH=stage in layout.GLUON_LATE_LAUNCH, GROUP=group, IN_FLIGHT=in_flight,
-                    WARPS=layout.GLUON_WARPS, MMA=layout.GLUON_MMA, LO=self.gluon_lo(stage, plan))
+                    WARPS=layout.GLUON_WARPS, LO=self.gluon_lo(stage, plan))
 
     def gluon_attend_consts(self) -> dict:
         """`gluon_attend.attend_stage`'s constexprs (also used to compile it offline in tests)."""

@@ -39,9 +39,6 @@ GLUON_CARVEOUT = 100
 only hosts programs of different kernels side by side under one shared-memory split."""
 GLUON_WARPS = 4
 """Warps of a Gluon GEMV stage program (few registers, so that the next stage's program shares the SM)."""
-GLUON_MMA = True
-"""Gluon GEMV stages multiply on the tensor cores (tiles of [4 rows, 8 chunks, 64] boxes; K a multiple of 1,024);
-False: with FFMAs on [8, 256] boxes (K a multiple of 256)."""
 GLUON_LATE_LAUNCH = (0, 3)
 """Gluon stages that let the next kernel launch only after their wait (it then arrives one stage ahead); the others
 let it launch at once. QKV and gate/up launch late, so that the next stage's stream stays out of the latency-bound
@@ -50,8 +47,11 @@ GLUON_PACING = {0: (2, 2), 2: (2, 2), 3: (2, 2), 4: (4, 2)}
 """Per Gluon stage: (TMA boxes of 4 KB per mbarrier, such groups in flight per program). A burst of a whole stage's
 tiles queues the latency-bound accesses of the stages on the critical path behind it; a few groups pace it."""
 BOX_ROWS = 8
+"""Weight rows of a Gluon tile's row group, multiplied together on the tensor cores (`gluon_gemv._mma_rows`); a
+program's rows are a multiple of it."""
 BOX_K = 256
-"""An FFMA Gluon tile's TMA box: [BOX_ROWS, BOX_K] bf16 (4 KB)."""
+"""The unit of a Gluon stage's KCP (`DecodeMegakernel.gluon_plan`: K // BOX_K rounded up to a power of two; its
+input buffer holds KCP // 4 loads of [MMA_IN, MMA_CHUNK])."""
 MMA_CHUNK = 64
 """K elements of one 128-byte swizzled row of a tensor-core tile."""
 MMA_SLICES = 8
