@@ -84,6 +84,7 @@ class Trainer:
         self._phase = "train"
         self._engine_stale = False  # a sync was interrupted: the engine may hold a mix; resynced before use
         self._inflight: _InFlight | None = None  # a step() interrupted after its first optimizer step
+        self._eval_rollout_id: int | None = None  # step()'s eval runs for the rollout it is finishing
         self.skipped_streak = 0  # optimizer steps skipped in a row (non-finite loss / grad norm)
         self.sync_weights()  # the engine always starts from the trainer's weights (version 0)
         if cfg.checkpoint.load_dir:
@@ -131,15 +132,20 @@ class Trainer:
                 m |= self.update_ref()
             elif stage == "sync":
                 m |= self.sync_weights()
+            elif stage == "eval":
+                if self._eval_on and (self.rollout_id + 1) % self.cfg.eval.interval == 0:
+                    if fl.eval_mark is None:
+                        fl.eval_mark = len(self.eval_history)
+                    if len(self.eval_history) == fl.eval_mark:
+                        self._eval_rollout_id = self.rollout_id + 1  # the policy after this step
+                        try:
+                            self.evaluate()  # appends to eval_history last: a rerun is never doubled
+                        finally:
+                            self._eval_rollout_id = None
+                    m |= {k: v for k, v in self.eval_history[fl.eval_mark].items() if k.startswith(("eval/", "perf/"))}
+            elif stage == "record":  # rollout_id and history change together
                 with defer_sigint():
                     self.rollout_id += 1
-                    fl.stage = "eval"
-                continue
-            elif stage == "eval":
-                if self._eval_on and self.rollout_id % self.cfg.eval.interval == 0:
-                    m |= self.evaluate()
-            elif stage == "record":
-                with defer_sigint():
                     m |= self._perf(fl.batch, m, time.perf_counter() - fl.start)
                     self.history.append(m)
                     self.logger.log(m, step=self.rollout_id)
@@ -272,7 +278,8 @@ class Trainer:
         self._resync_if_stale()
         self._enter("rollout")
         metrics = self.rollouts.evaluate(self.eval_items, self.cfg.eval)
-        self.eval_history.append({"rollout/id": float(self.rollout_id), "weights/version": float(self.version)} | metrics)
+        rid = self.rollout_id if self._eval_rollout_id is None else self._eval_rollout_id
+        self.eval_history.append({"rollout/id": float(rid), "weights/version": float(self.version)} | metrics)
         return metrics
 
     # ------------------------------------------------------------------ state
@@ -418,6 +425,7 @@ class _InFlight:
     batch: RolloutBatch | None = None
     progress: TrainProgress = field(default_factory=TrainProgress)
     stage: str = _STAGES[0]
+    eval_mark: int | None = None  # len(eval_history) before this step's eval
 
 
 def find_checkpoint(path: str, rollout_id: int | None = None) -> tuple[int, dict]:

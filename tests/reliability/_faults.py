@@ -16,7 +16,8 @@ def text_reward(response: str, label) -> float:
     return (sum(map(ord, response)) % 7) / 7.0
 
 
-def tiny_config(workdir: str, *, save_dir: str | None = None, save_interval: int | None = None, ref: bool = False):
+def tiny_config(workdir: str, *, save_dir: str | None = None, save_interval: int | None = None, ref: bool = False,
+                eval_interval: int | None = None):
     """The `tiny` preset, float32 on CPU: 2 prompts x 4 samples, 2 optimizer steps per rollout, 2+ micro-batches
     each (a small token budget), weights synced in several buckets."""
     cfg = presets.cpu_test(model="tiny", workdir=workdir, level=1, n_eval=8)
@@ -33,7 +34,8 @@ def tiny_config(workdir: str, *, save_dir: str | None = None, save_interval: int
         batch=dc.replace(cfg.batch, global_batch_size=4, max_tokens_per_gpu=48, num_rollout=100),
         backend=backend,
         weights=dc.replace(cfg.weights, bucket_bytes=64 << 10),
-        eval=dc.replace(cfg.eval, interval=None),
+        eval=dc.replace(cfg.eval, interval=eval_interval, data_path=data, max_prompts=2, n_samples_per_prompt=2,
+                        pass_k=(1, 2)),
         checkpoint=dc.replace(cfg.checkpoint, save_dir=save_dir, save_interval=save_interval),
     )
 
@@ -55,13 +57,13 @@ def state(trainer) -> dict:
             "counters": (trainer.rollout_id, trainer.policy_version, trainer.version, trainer.engine.weight_version,
                          b.step),
             "data": trainer.dataset.state_dict(), "rollouts": trainer.rollouts.state_dict(),
-            "history": comparable(trainer.history)}
+            "history": comparable(trainer.history), "evals": comparable(trainer.eval_history)}
 
 
 def assert_same(a: dict, b: dict) -> None:
     assert a["counters"] == b["counters"]
     assert a["data"] == b["data"] and a["rollouts"] == b["rollouts"] and a["sched"] == b["sched"]
-    assert a["history"] == b["history"]  # exact floats
+    assert a["history"] == b["history"] and a["evals"] == b["evals"]  # exact floats
     for key in ("params", "engine"):
         assert a[key].keys() == b[key].keys()
         bad = [n for n in a[key] if not torch.equal(a[key][n], b[key][n])]

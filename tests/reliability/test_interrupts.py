@@ -73,6 +73,7 @@ POINTS = {
     "train, between optimizer steps": lambda t: _once(t.backend, "train", after=True),
     "train, 2nd optimizer step, last micro-batch": lambda t: _once(t.rank_step, "loss", after=True, nth=8),
     "update_ref": lambda t: _once(t.backend, "update_ref", after=True),
+    "eval (after the sync)": lambda t: _once(t.rollouts, "evaluate", after=True),
     "sync_weights, mid-bucket": _mid_bucket,
     "save (before commit)": lambda t: _once(ckpt, "_commit", before=True),
 }
@@ -82,7 +83,8 @@ POINTS = {
 def run(tmp_path_factory):
     torch.set_num_threads(1)
     work = tmp_path_factory.mktemp("interrupts")
-    trainer = Trainer(tiny_config(str(work), save_dir=str(work / "ckpt"), save_interval=1, ref=True))
+    trainer = Trainer(tiny_config(str(work), save_dir=str(work / "ckpt"), save_interval=1, ref=True,
+                                  eval_interval=STEPS))
     start = str(work / "start")
     trainer.save(start)  # every case starts from here
     trainer.load(start)
@@ -91,6 +93,7 @@ def run(tmp_path_factory):
     reference = state(trainer)
     assert reference["counters"][1] == 2 * STEPS  # one policy version per optimizer step
     assert all(h["train/grad_norm"] > 0 for h in trainer.history)  # the weights really move
+    assert "eval/pass@1" in trainer.history[-1] and len(trainer.eval_history) == 2  # before training, after step 2
     return trainer, start, reference
 
 
