@@ -13,8 +13,9 @@ if __name__ == "__main__":
     workdir, ckpt, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     torch.set_num_threads(1)
     trainer = Trainer(tiny_config(workdir))
-    for _ in range(steps):
-        trainer.step()
-        for _ in range(3):  # re-saves of the same step too (the iter_N.old path)
+    while True:  # until killed: train `steps` steps, then keep re-saving the last one (the iter_N.old path)
+        if trainer.rollout_id < steps:
+            trainer.step()
+        for _ in range(2):
             trainer.save(ckpt)
             print("saved", trainer.rollout_id, flush=True)

@@ -122,3 +122,24 @@ def test_interrupt_then_step_again_is_the_uninterrupted_step(run, point):
     assert trainer._inflight is None and not trainer._engine_stale
     assert trainer.load(trainer.cfg.checkpoint.save_dir) == STEPS  # the step's checkpoint was written
     assert_same(state(trainer), reference)
+
+
+def test_notebook_interrupt_kernel_then_step_button(run):
+    """The notebook flow: `controller.step()` in a cell, "interrupt kernel" mid-train, run the cell again. (The
+    Step *button* runs in a worker thread, which SIGINT never reaches: its Stop button ends a run between steps.)"""
+    from rlbench.viz.controller import StepController
+
+    trainer, start, reference = run
+    trainer.load(start)
+    controller = StepController(trainer)
+    controller.step()
+    undo = POINTS["train, between optimizer steps"](trainer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            controller.step()
+    finally:
+        undo()
+    assert controller.steps_done == 1
+    controller.step()
+    assert controller.steps_done == STEPS
+    assert_same(state(trainer), reference)

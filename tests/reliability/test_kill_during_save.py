@@ -22,26 +22,33 @@ TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_kill_9_during_save_loses_nothing(tmp_path):
     torch.set_num_threads(1)
-    trainer = Trainer(tiny_config(str(tmp_path / "ref")))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
+    children = [subprocess.Popen([sys.executable, "-m", "reliability._save_loop", str(tmp_path / f"child{i}"),
+                                  str(tmp_path / f"ckpt{i}"), str(STEPS)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.DEVNULL, text=True, env=env) for i in range(2)]
+    try:
+        _check_kills(tmp_path, children)
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+
+
+def _check_kills(tmp_path, children):
+    trainer = Trainer(tiny_config(str(tmp_path / "ref")))  # the uninterrupted run, while the children start
     start = str(tmp_path / "start")
     trainer.save(start)
     for _ in range(STEPS):
         trainer.step()
     reference = state(trainer)
     rng = random.Random(int(time.time()))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
-    for trial in range(2):
+    for trial, child in enumerate(children):
         ckpt = str(tmp_path / f"ckpt{trial}")
-        child = subprocess.Popen([sys.executable, "-m", "reliability._save_loop", str(tmp_path / f"child{trial}"), ckpt,
-                                  str(STEPS)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-        try:
-            assert child.stdout.readline().startswith("saved"), "the child never saved"
-            delay = rng.uniform(0.0, 1.2)  # the child spends most of this time inside Trainer.save
-            time.sleep(delay)
-            os.kill(child.pid, signal.SIGKILL)
-        finally:
-            child.kill()
-            child.wait()
+        assert child.stdout.readline().startswith("saved"), "the child never saved"
+        delay = rng.uniform(0.0, 1.0)  # the child spends most of its time inside Trainer.save
+        time.sleep(delay)
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
         trainer.load(start)
         rid = trainer.load(ckpt)  # the tracker's checkpoint
         assert 1 <= rid <= STEPS, (delay, rid)
