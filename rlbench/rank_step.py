@@ -184,8 +184,8 @@ class RankStep:
             for i, p in enumerate(packs)
         ]
         local = global_norm(self.loss_cfg, mbs)
-        n_samples, n_tokens = self.reduce.sum([local.n_samples, local.n_tokens])
-        norm = GlobalNorm(int(round(n_samples)), n_tokens, local.constant)
+        n_samples, n_tokens, n_nonempty = self.reduce.sum([local.n_samples, local.n_tokens, local.n_nonempty])
+        norm = GlobalNorm(int(round(n_samples)), n_tokens, local.constant, int(round(n_nonempty)))
         stats = is_batch_stats(self.loss_cfg, mbs)
         if stats is not None:
             stats = torch.tensor(self.reduce.sum(stats.double().tolist()), dtype=stats.dtype)
