@@ -225,7 +225,7 @@ class FSDPBackend:
             if not isinstance(module, FSDPModule):
                 continue
             module.reshard()  # an interrupted forward may leave the unsharded params registered
-            for group in module._get_fsdp_state()._fsdp_param_groups:
+            for group in _param_groups(module._get_fsdp_state()):
                 for fsdp_param in group.fsdp_params:
                     fsdp_param.unsharded_accumulated_grad = None
                     unsharded = getattr(fsdp_param, "_unsharded_param", None)
@@ -308,3 +308,13 @@ class FSDPBackend:
 
     def _allocated(self) -> int | None:
         return torch.cuda.memory_allocated(self.env.device) if self.env.device.type == "cuda" else None
+
+
+def _param_groups(state) -> list:
+    """An FSDP2 state's parameter groups: a list in newer torch (`_fsdp_param_groups`), one group or None in
+    torch <= 2.11 (`_fsdp_param_group`)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
