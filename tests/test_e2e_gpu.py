@@ -41,4 +41,5 @@ def test_qwen3_0p6b_colocated_loop(tmp_path):
     last = history[-1]
     assert last["weights/verified"] == 1.0 and last["weights/bytes"] < 1.3e9  # bf16 on the wire
     assert all(h["train/ppo_kl_first_mb"] < 1e-3 for h in history)
-    assert [h["rollout/weight_version"] for h in history] == [0, 1, 2]
+    per = cfg.optimizer_steps_per_rollout  # the policy version counts optimizer steps applied
+    assert [h["rollout/weight_version"] for h in history] == [0, per, 2 * per]
