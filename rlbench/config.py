@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -40,18 +41,20 @@ def check_rm_type(rm_type) -> None:
         return
     if not isinstance(rm_type, str):
         raise ValueError(f"rm_type={rm_type!r} must be a registry name, 'module.path:function' or a callable")
-    if rm_type in REWARD_NAMES:
+    rewards = sys.modules.get("rlbench.rewards")  # once loaded, its registry (names registered at run time too)
+    names = list(rewards.REWARDS) if rewards is not None else list(REWARD_NAMES)
+    if rm_type in names:
         return
     if ":" not in rm_type:
         raise ValueError(
-            f"unknown reward {rm_type!r} (rm_type){did_you_mean(rm_type, REWARD_NAMES)}; choose one of "
-            f"{sorted(REWARD_NAMES)} or pass 'module.path:function'"
+            f"unknown reward {rm_type!r} (rm_type){did_you_mean(rm_type, names)}; choose one of "
+            f"{sorted(names)} or pass 'module.path:function'"
         )
     module_name, _, attr = rm_type.partition(":")
     if not (all(p.isidentifier() for p in module_name.split(".")) and attr.isidentifier()):
         raise ValueError(
             f"rm_type={rm_type!r} is not 'module.path:function' (e.g. 'my_pkg.rewards:score'); "
-            f"or use a registry name: {sorted(REWARD_NAMES)}"
+            f"or use a registry name: {sorted(names)}"
         )
 
 

@@ -79,6 +79,15 @@ POINTS = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def sigint_raises():
+    """Python's own SIGINT handler, as in a notebook kernel: a process started in the background by a
+    non-interactive shell (a CI runner, `make test &`) inherits SIGINT ignored, and the signal would do nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     torch.set_num_threads(1)
