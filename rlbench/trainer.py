@@ -196,8 +196,10 @@ class Trainer:
                              timeout=self.cfg.rollout.reward_timeout, indices=missing)
         for i, r in zip(missing, scored):
             batch.samples[i].reward = r
+        scored_here = set(missing)  # score_batch checked these already
         for i, s in enumerate(batch.samples):  # rewards set elsewhere (a custom rollout) are checked too
-            s.reward = check_reward(s.reward, f"the reward of {describe_sample(s, i)} (rm_type={self.cfg.rollout.rm_type!r})")
+            if i not in scored_here:
+                s.reward = check_reward(s.reward, f"the reward of {describe_sample(s, i)} (rm_type={self.cfg.rollout.rm_type!r})")
         lengths = [s.response_length for s in batch.samples]
         mask = torch.tensor([m for s in batch.samples for m in s.loss_mask], dtype=torch.float32)  # [R]
         rewards = torch.tensor(batch.rewards, dtype=torch.float32)  # [N]
