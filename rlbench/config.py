@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -341,8 +342,13 @@ class RunConfig:
     during training (None: on for CUDA, off on CPU)."""
     seed: int = 1234
     """Global seed (torch/numpy/python RNG at start)."""
+    true_on_policy_mode: bool = False
+    """Engine and trainer run the same batch-invariant numerics (`rlbench.numerics`), so the rollout log-probs
+    equal the trainer's recompute bit for bit (`train/train_rollout_logprob_abs_diff == 0`). Sets
+    `engine.batch_invariant` and `backend.batch_invariant`; docs/true_on_policy.md says what it costs."""
 
     def __post_init__(self) -> None:
+        self._check_on_policy()
         self._check_batch()
         self._check_algorithm()
         if self.eval.interval is not None and self.eval.data_path is None and self.task is None:
@@ -354,6 +360,28 @@ class RunConfig:
             )
         if self.cluster.backend == "ray":
             check_batch_layout(self, self.cluster)  # global_batch_size must split over the DP ranks
+
+    def _check_on_policy(self) -> None:
+        if not self.true_on_policy_mode:
+            if self.backend.batch_invariant != self.engine.batch_invariant:
+                warnings.warn(
+                    f"backend.batch_invariant={self.backend.batch_invariant} but engine.batch_invariant="
+                    f"{self.engine.batch_invariant}: rollout and trainer log-probs will differ; set "
+                    "true_on_policy_mode=True (--true-on-policy-mode) to run both batch-invariant", stacklevel=3)
+            return
+        dtype = self.engine.dtype or self.backend.param_dtype
+        weights = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(self.weights.dtype, dtype)
+        if dtype != self.backend.param_dtype or weights != dtype:
+            raise ValueError(
+                f"true_on_policy_mode needs the engine to compute in the trainer's dtype (backend.param_dtype="
+                f"{self.backend.param_dtype!r}); got engine.dtype={self.engine.dtype!r}, weights.dtype="
+                f"{self.weights.dtype!r}: leave both None")
+        if self.backend.cp_size > 1:
+            raise ValueError(
+                f"true_on_policy_mode with context_parallel_size={self.backend.cp_size}: ring attention merges "
+                "partial softmaxes in another order than the engine; use context_parallel_size=1")
+        self.engine = dataclasses.replace(self.engine, batch_invariant=True)
+        self.backend = dataclasses.replace(self.backend, batch_invariant=True)
 
     def _check_batch(self) -> None:
         r, b = self.rollout, self.batch

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 DECODE_ATTENTION = ("auto", "split", "sdpa")
 """Decode attention names (`rlbench.engine.attention.DECODE_ATTENTION` maps them to implementations)."""
 STAGE_SYNC = ("pdl", "barrier", "launch")
+ENGINE_DTYPES = ("bf16", "fp16", "fp32")
+"""`TorchEngineConfig.dtype` names (the backend's `param_dtype` names)."""
 """How the megakernel's stages wait for each other (`MegakernelConfig.sync`)."""
 
 
@@ -75,6 +77,14 @@ class TorchEngineConfig:
     layer compile); otherwise the smallest compiled batch bucket is 2."""
     megakernel: MegakernelConfig = field(default_factory=MegakernelConfig)
     """The batch-1 decode megakernel; a bool or None is short for `MegakernelConfig(enabled=...)`."""
+    dtype: str | None = None
+    """The engine's weights and compute dtype: "bf16", "fp16" or "fp32"; None: the trainer's compute dtype
+    (`backend.param_dtype`). A lower precision than the trainer's is a train/rollout mismatch by design."""
+    batch_invariant: bool = False
+    """Batch-invariant numerics (`rlbench.numerics`): a token's log-prob does not depend on the batch it was
+    decoded in, and equals the trainer's recompute bit for bit when the trainer runs them too
+    (`RunConfig.true_on_policy_mode` sets both). Runs the HF layers eagerly (no compile, no megakernel, no
+    fused weights); CUDA graphs stay on."""
 
     def __post_init__(self) -> None:
         if self.max_seq_len < 2:
@@ -90,6 +100,8 @@ class TorchEngineConfig:
             raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens} must be >= 1")
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention={self.decode_attention!r} must be one of {DECODE_ATTENTION}")
+        if self.dtype is not None and self.dtype not in ENGINE_DTYPES:
+            raise ValueError(f"engine dtype={self.dtype!r} must be None (the trainer's) or one of {ENGINE_DTYPES}")
         if self.megakernel is None or isinstance(self.megakernel, (bool, int)):
             self.megakernel = MegakernelConfig(enabled=self.megakernel)
         elif isinstance(self.megakernel, dict):

@@ -71,12 +71,15 @@ def hf_config_for(model: str, overrides: dict) -> PretrainedConfig:
 
 
 def build_engine(cfg: RunConfig, device: torch.device, tokenizer):
-    """The torch engine with a freshly initialised copy of the architecture, in the backend's param dtype."""
+    """The torch engine with a freshly initialised copy of the architecture, in `engine.dtype` (None: the
+    backend's param dtype)."""
+    from rlbench.backends.fsdp.config import PARAM_DTYPES
     from rlbench.engine.torch_engine import TorchEngine
 
     hf_config = hf_config_for(cfg.backend.model, cfg.backend.model_overrides)
+    dtype = getattr(torch, PARAM_DTYPES[cfg.engine.dtype]) if cfg.engine.dtype else cfg.backend.torch_param_dtype
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=cfg.backend.torch_param_dtype)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     return TorchEngine(model, cfg.engine, tokenizer=tokenizer)
 
 

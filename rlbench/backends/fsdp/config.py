@@ -111,6 +111,9 @@ class FSDPConfig:
     """where save()/load() write/read iter_XXXXXXX directories"""
     checkpoint_format: str = "sharded"
     """"sharded" (torch.distributed.checkpoint) or "full" (rank-0 torch.save of full state dicts)"""
+    batch_invariant: bool = False
+    """batch-invariant forward numerics (`rlbench.numerics`), the engine's (true on-policy mode); runs the
+    layers eagerly (no `compile`)"""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """optimizer and LR schedule"""
     model_overrides: dict = field(default_factory=dict)
