@@ -25,9 +25,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _chunk_forward(z, targets, with_entropy: bool):
+def _chunk_forward(z, targets, with_entropy: bool, lse_fn=None):
     """Rows of tempered logits z `[C, V]` (modified in place) -> (lse [C], logp [C], entropy [C] | None)."""
-    lse = torch.logsumexp(z, dim=-1)  # [C]
+    lse = torch.logsumexp(z, dim=-1) if lse_fn is None else lse_fn(z)  # [C]
     logp = z.gather(1, targets[:, None]).squeeze(1) - lse
     if not with_entropy:
         return lse, logp, None
@@ -64,13 +64,15 @@ def _empty_outputs(T, cdt, device, with_entropy):
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, inv_temp: float, chunk_size: int, with_entropy: bool):
+    def forward(ctx, logits, targets, inv_temp: float, chunk_size: int, with_entropy: bool, lse_fn=None):
         T, cdt = logits.shape[0], _compute_dtype(logits.dtype)
         logp, lse, ent = _empty_outputs(T, cdt, logits.device, with_entropy)
+        # With `lse_fn` (batch-invariant numerics): z = logits / T by a device tensor, as the engine's sampler.
+        temp = torch.tensor(1.0 / inv_temp, dtype=cdt, device=logits.device) if lse_fn is not None else None
         for s in range(0, T, chunk_size):
             e = min(s + chunk_size, T)
-            z = logits[s:e].to(cdt) * inv_temp  # [C, V]
-            lse[s:e], logp[s:e], ent_c = _chunk_forward(z, targets[s:e], with_entropy)
+            z = logits[s:e].to(cdt) * inv_temp if temp is None else logits[s:e].to(cdt) / temp  # [C, V]
+            lse[s:e], logp[s:e], ent_c = _chunk_forward(z, targets[s:e], with_entropy, lse_fn)
             if ent is not None:
                 ent[s:e] = ent_c
         ctx.inv_temp, ctx.chunk_size, ctx.with_entropy = inv_temp, chunk_size, with_entropy
@@ -87,7 +89,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             z = logits[s:e].to(lse.dtype) * ctx.inv_temp  # [C, V]
             g = _chunk_grad(z, targets[s:e], lse[s:e], ent[s:e], _rows(g_logp, s, e), _rows(g_ent, s, e), ctx.inv_temp)
             grad[s:e] = g.to(logits.dtype)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def _rows(t, s, e):
@@ -141,6 +143,7 @@ def token_logprobs(
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     with_entropy: bool = True,
+    lse_fn=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each target token and the entropy of the tempered distribution, row by row.
 
@@ -150,13 +153,17 @@ def token_logprobs(
         temperature: the sampling temperature; both outputs use `softmax(logits / temperature)`.
         chunk_size: rows processed at once; peak extra memory is a few `[chunk_size, V]` fp32 tensors.
         with_entropy: also return the per-row entropy (differentiable).
+        lse_fn: the per-row logsumexp `[C, V] -> [C]` (None: `torch.logsumexp`); given, the tempered logits are
+            `logits / temperature` (the engine's order) instead of `logits * (1 / temperature)`. The true
+            on-policy mode passes `rlbench.numerics.logsumexp_rows`, the engine sampler's own.
     Returns:
         `(logp [T], entropy [T] | None)` in fp32 (fp64 for fp64 logits).
     """
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"expected logits [T, V] and targets [T], got {tuple(logits.shape)} and {tuple(targets.shape)}")
     _check_options(temperature, chunk_size)
-    return _ChunkedLogProbs.apply(logits, targets.long(), 1.0 / temperature, int(chunk_size), bool(with_entropy))
+    return _ChunkedLogProbs.apply(logits, targets.long(), 1.0 / temperature, int(chunk_size), bool(with_entropy),
+                                  lse_fn)
 
 
 def linear_token_logprobs(

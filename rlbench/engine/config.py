@@ -108,5 +108,9 @@ class TorchEngineConfig:
             self.megakernel = MegakernelConfig(**self.megakernel)
 
     def on_device(self, is_cuda: bool) -> TorchEngineConfig:
-        """This config as it runs on a CUDA (True) or CPU (False) device: compile and CUDA graphs only on CUDA."""
-        return dataclasses.replace(self, compile=self.compile and is_cuda, cuda_graphs=self.cuda_graphs and is_cuda)
+        """This config as it runs on a CUDA (True) or CPU (False) device: compile and CUDA graphs only on CUDA;
+        batch-invariant: the HF layers eagerly (no compile, fused weights or megakernel)."""
+        cfg = dataclasses.replace(self, compile=self.compile and is_cuda, cuda_graphs=self.cuda_graphs and is_cuda)
+        if self.batch_invariant:
+            cfg = dataclasses.replace(cfg, compile=False, fused_weights=False, megakernel=MegakernelConfig(enabled=False))
+        return cfg

@@ -32,7 +32,7 @@ from rlbench.engine.attention import DECODE_ATTENTION, KVContext, decode_mask, s
 from rlbench.engine.config import TorchEngineConfig
 from rlbench.engine.fused import fuse_layers, fused_layer_forward, hf_layer_forward
 from rlbench.engine.kv_cache import KVCache
-from rlbench.engine.sampling import greedy_tokens, sample_tokens, token_hash
+from rlbench.engine.sampling import greedy_tokens, logsumexp_rows, sample_tokens, token_hash
 
 SAMPLE_MODES = ("greedy", "sample", "truncate")
 """Decode-step variants, chosen once per `SamplingParams`: argmax only; Gumbel noise; noise + top-k/top-p."""
@@ -101,6 +101,12 @@ class ModelRunner:
         self.state = SlotState(cache.shape.num_slots, model.config.vocab_size, self.device)
         torch._dynamo.mark_static(self.state.vocab_hash)
         self.cuda_graphs = opts.cuda_graphs and self.device.type == "cuda"
+        self.lse = logsumexp_rows
+        """The log-probs' per-row logsumexp (batch-invariant: `rlbench.numerics.logsumexp_rows`, the trainer's)."""
+        if opts.batch_invariant:
+            from rlbench import numerics
+
+            self.lse = numerics.logsumexp_rows
         self.layers: list = []
         self.bind_weights()
         self.megakernel = megakernel.build(model, self.base, self.layers if self.fused else None,
@@ -181,8 +187,9 @@ class ModelRunner:
         """Final norm, lm_head and sampling: hidden `[B, 1, D]` -> (tokens `[B]`, log_probs `[B]`)."""
         logits = self.model.lm_head(self.base.norm(hidden[:, -1]))  # [B, V]
         if mode == "greedy":
-            return greedy_tokens(logits)
-        return sample_tokens(logits, temperature, top_k, top_p, seeds, steps, vocab_hash, mode == "truncate")
+            return greedy_tokens(logits, self.lse)
+        return sample_tokens(logits, temperature, top_k, top_p, seeds, steps, vocab_hash, mode == "truncate",
+                             self.lse)
 
     def _layer_stack(self, hidden, cos, sin, positions, mask, kv_len: int):
         """Every decoder layer for slots `[0, B)`, one layer graph call each: hidden `[B, 1, D]` -> `[B, 1, D]`."""

@@ -97,16 +97,17 @@ def truncate_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     return torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_vals)
 
 
-def log_prob_at(scaled: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """`log_softmax(scaled)[b, tokens[b]]` `[B]` without writing the `[B, V]` log-softmax (one logsumexp)."""
-    return scaled.gather(1, tokens[:, None])[:, 0] - logsumexp_rows(scaled)
+def log_prob_at(scaled: torch.Tensor, tokens: torch.Tensor, lse=logsumexp_rows) -> torch.Tensor:
+    """`log_softmax(scaled)[b, tokens[b]]` `[B]` without writing the `[B, V]` log-softmax (one logsumexp, by
+    `lse`: `[B, V] -> [B]`)."""
+    return scaled.gather(1, tokens[:, None])[:, 0] - lse(scaled)
 
 
-def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_tokens(logits: torch.Tensor, lse=logsumexp_rows) -> tuple[torch.Tensor, torch.Tensor]:
     """Argmax per row `[B, V]` -> tokens `[B]`, log-probs `[B]` at T = 1 (no noise: every row is greedy)."""
     logits = logits.float()
     tokens = argmax_rows(logits)
-    return tokens, log_prob_at(logits, tokens)
+    return tokens, log_prob_at(logits, tokens, lse)
 
 
 def sample_tokens(
@@ -118,6 +119,7 @@ def sample_tokens(
     steps: torch.Tensor,
     vocab_hash: torch.Tensor,
     truncate: bool,
+    lse=logsumexp_rows,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row.
 
@@ -128,6 +130,8 @@ def sample_tokens(
         seeds, steps: `[B]` long; the noise of row b depends only on (seeds[b], steps[b]).
         vocab_hash: `[V]` from `token_hash`.
         truncate: apply top-k/top-p (a full-vocab sort; skip it when no row needs it).
+        lse: the per-row logsumexp of the log-probs (`rlbench.numerics.logsumexp_rows` in true on-policy mode,
+            the trainer's too).
 
     Returns:
         tokens `[B]` long, log_probs `[B]` float32 = log_softmax(logits / T)[token] (T = 1 for greedy rows).
@@ -140,4 +144,4 @@ def sample_tokens(
     gumbel = -torch.log(-torch.log(uniform_noise(seeds, steps, vocab_hash)))
     sampled = argmax_rows(candidates + gumbel)
     tokens = torch.where(greedy, argmax_rows(scaled), sampled)  # T = 1 on greedy rows: scaled == logits
-    return tokens, log_prob_at(scaled, tokens)
+    return tokens, log_prob_at(scaled, tokens, lse)

@@ -71,6 +71,11 @@ class TorchEngine:
         self.dtype = next(model.parameters()).dtype
         self._released: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self._abort = False
+        if self.cfg.batch_invariant:  # the trainer's numerics (`rlbench.numerics`): checked on this machine first
+            from rlbench.numerics import make_batch_invariant, self_test
+
+            self_test(self.device, self.dtype)
+            make_batch_invariant(self.model)
         self.cache = KVCache(self._cache_shape(), self.dtype, self.device)
         self.runner = ModelRunner(model, self.cache, self.cfg.on_device(self.device.type == "cuda"))
 
@@ -184,7 +189,7 @@ class TorchEngine:
         seeds = torch.tensor([s.seed for s in seqs], device=self.device)
         steps = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
         return sample_tokens(logits, temp, top_k, top_p, seeds, steps, self.runner.state.vocab_hash,
-                             _truncates(sampling))
+                             _truncates(sampling), self.runner.lse)
 
     def _start_slots(self, seqs: list[_Seq], first: torch.Tensor, sampling: SamplingParams) -> None:
         """Write the new sequences' decode state into their slots."""

@@ -76,6 +76,13 @@ class FSDPBackend:
             # Same precision policy and kernels as the actor, params streamed from CPU per layer.
             self.ref, _ = build_sharded_model(cfg.ref_model, cfg, self.env, offload=True)
             self.ref.requires_grad_(False)
+        if cfg.batch_invariant:  # the engine's numerics (true on-policy mode), checked on this machine first
+            from rlbench import numerics
+
+            numerics.self_test(self.env.device, cfg.torch_param_dtype)
+            for net in (self.model, self.ref):
+                if net is not None:
+                    numerics.make_batch_invariant(net)
         fused = self.env.device.type == "cuda" and not cfg.cpu_offload
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, fused=fused)
         init_optimizer_state(self.optimizer)
@@ -93,13 +100,14 @@ class FSDPBackend:
         positions = pack.position_ids.to(dev, non_blocking=True)  # [T]
         # flex on CUDA: our document BlockMask. On CPU (inductor's CPU flex template fails to compile a
         # captured-tensor mask_mod) transformers builds the BlockMask from position_ids itself.
-        use_mask = self.cfg.attn_implementation == "flex_attention" and positions.is_cuda
+        use_mask = self.cfg.attn_implementation == "flex_attention" and positions.is_cuda and not self.cfg.batch_invariant
         mask = document_block_mask(positions) if use_mask else None
         out = model(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask, use_cache=False)
         logits = out.logits[0]  # [T, V]
         targets = torch.roll(tokens, -1)  # [T]: logp[t] scores tokens[t+1]; the last position is unused
         logp, ent = token_logprobs(
-            logits, targets, self.temperature, chunk_size=self.cfg.logprob_chunk_size, with_entropy=with_entropy
+            logits, targets, self.temperature, chunk_size=self.cfg.logprob_chunk_size, with_entropy=with_entropy,
+            lse_fn=_engine_lse() if self.cfg.batch_invariant else None,
         )
         index = pack.response_index.to(dev, non_blocking=True)  # [R]
         return logp[index], (ent[index] if ent is not None else None)
@@ -308,6 +316,13 @@ class FSDPBackend:
 
     def _allocated(self) -> int | None:
         return torch.cuda.memory_allocated(self.env.device) if self.env.device.type == "cuda" else None
+
+
+def _engine_lse():
+    """The engine sampler's per-row logsumexp in batch-invariant mode."""
+    from rlbench import numerics
+
+    return numerics.logsumexp_rows
 
 
 def _param_groups(state) -> list:

@@ -135,6 +135,8 @@ class FSDPConfig:
             raise ValueError(f"cp_size={self.cp_size} must be >= 1")
         if self.checkpoint_every < 1:
             raise ValueError(f"checkpoint_every={self.checkpoint_every} must be >= 1 (1 = every layer)")
+        if self.batch_invariant and self.compile:
+            raise ValueError("batch_invariant=True runs the decoder layers eagerly; set compile=False (--no-compile)")
         if self.logprob_chunk_size < 1:
             raise ValueError(f"logprob_chunk_size={self.logprob_chunk_size} must be >= 1")
 

@@ -1,0 +1,61 @@
+"""The start-up self-test of the batch-invariant ops: a few rows through each op in differently shaped calls,
+compared bit for bit. Exactness rests on the BLAS/Triton kernels giving one result per call shape, which
+nothing guarantees on every machine and torch version; this says so at start-up, naming the op."""
+
+from __future__ import annotations
+
+import torch
+
+from rlbench.numerics import ops
+from rlbench.numerics.layout import decode_tiles, document_tiles
+
+_passed: set[tuple[str, torch.dtype]] = set()
+
+
+def _fail(op: str, device: torch.device, dtype: torch.dtype, what: str) -> None:
+    raise RuntimeError(
+        f"batch-invariant {op} is not bitwise invariant on this machine ({device}, {dtype}, torch "
+        f"{torch.__version__}): {what}. True on-policy mode cannot hold here; report it with this message, "
+        "or run without true_on_policy_mode (TIS/MIS correct the mismatch instead)"
+    )
+
+
+def self_test(device: torch.device | str, dtype: torch.dtype, head_dim: int = 64, group: int = 2) -> None:
+    """Raise `RuntimeError` naming the first op whose rows change with the batch; once per (device, dtype)."""
+    device = torch.device(device)
+    if (device.type, dtype) in _passed:
+        return
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    x, w, bias = rand(37, 96), rand(80, 96), rand(80)
+    full = ops.linear(x, w, bias)
+    for rows in ([0], [3, 4], list(range(5, 22))):
+        if not torch.equal(ops.linear(x[rows], w, bias), full[rows]):
+            _fail("linear", device, dtype, f"rows {rows[:3]}... differ between a {len(rows)}-row and a 37-row call")
+    norm_w = rand(96)
+    normed = ops.rms_norm(x, norm_w, 1e-6)
+    if not torch.equal(ops.rms_norm(x[:1], norm_w, 1e-6), normed[:1]):
+        _fail("rms_norm", device, dtype, "row 0 differs between a 1-row and a 37-row call")
+    z = torch.randn(9, 3000, generator=gen).to(device) * 4
+    if not torch.equal(ops.logsumexp_rows(z[2:3]), ops.logsumexp_rows(z)[2:3]):
+        _fail("logsumexp_rows", device, dtype, "row 2 differs between a 1-row and a 9-row call")
+    _check_attention(device, dtype, head_dim, group, rand)
+    _passed.add((device.type, dtype))
+
+
+def _check_attention(device, dtype, head_dim: int, group: int, rand) -> None:
+    """A 40-token sequence packed after a 7-token one vs the same tokens decoded one at a time from a cache."""
+    n_kv, lengths = 2, (7, 40)
+    t = sum(lengths)
+    q, k, v = rand(1, t, n_kv * group, head_dim), rand(1, t, n_kv, head_dim), rand(1, t, n_kv, head_dim)
+    positions = torch.cat([torch.arange(n) for n in lengths]).to(device)[None]
+    packed = ops.attention(q, k, v, document_tiles(positions, ops.tokens_per_tile(device, group)), head_dim**-0.5)  # [1, T, H, hd]
+    cache_k, cache_v = k[:, lengths[0]:], v[:, lengths[0]:]  # [1, 40, n_kv, hd]: slot 0 holds the second sequence
+    pos = torch.tensor([0, 13, 16, 39], device=device)
+    one = torch.zeros(len(pos), dtype=torch.long, device=device)
+    decoded = ops.attention(q[0, lengths[0] + pos][:, None], cache_k, cache_v, decode_tiles(pos, one), head_dim**-0.5)
+    if not torch.equal(decoded[:, 0], packed[0, lengths[0] + pos]):
+        _fail("attention", device, dtype, "decode rows against a cache differ from the same rows of a packed call")

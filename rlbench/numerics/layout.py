@@ -1,0 +1,100 @@
+"""Which keys each query row reads: the tile layout shared by the CPU and GPU batch-invariant attention.
+
+Every caller (engine prefill, engine decode against the KV cache, packed training, padded training)
+describes its queries the same way, so one attention routine serves them all:
+
+- queries `q [B, T, H, hd]`, flat token index n = b*T + t, with `positions[n]` = the token's position in its
+  sequence;
+- keys/values `[KB, L, n_kv, hd]`: the keys of a query's sequence are `k[kb, kstart + j]` for j = 0..position;
+- tiles: runs of consecutive query tokens of ONE sequence (`tok0`, `ntok`, `kb`, `kstart` per tile), each
+  attended by one program per KV head whose rows are (token, query head of the group) pairs.
+
+A row's result depends only on its query, its position and its sequence's keys, never on the tile it sits
+in: keys are consumed in fixed blocks of absolute positions from 0, and a block past a row's position is
+an exact no-op for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Documents:
+    """The sequences of a `[B, T]` batch of queries whose keys are the batch's own tokens (prefill, training)."""
+
+    row: torch.Tensor
+    """`[D]` long: the batch row of each sequence."""
+    start: torch.Tensor
+    """`[D]` long: index in the row of the sequence's first token (position 0)."""
+    length: torch.Tensor
+    """`[D]` long: tokens in the sequence."""
+
+
+@dataclass
+class Tiles:
+    """Query tiles and positions for one attention call (see the module docstring)."""
+
+    positions: torch.Tensor
+    """`[B*T]` long: each query token's position in its sequence."""
+    tok0: torch.Tensor
+    """`[NT]` int32: first flat query token of the tile."""
+    ntok: torch.Tensor
+    """`[NT]` int32: consecutive query tokens in the tile."""
+    kb: torch.Tensor
+    """`[NT]` int32: key batch index of the tile's sequence."""
+    kstart: torch.Tensor
+    """`[NT]` int32: index in the key tensor's L dimension of the sequence's position 0."""
+    documents: Documents | None = None
+    """The sequences (prefill/training calls); None for decode against a cache."""
+
+
+def documents(position_ids: torch.Tensor) -> Documents:
+    """The sequences of `[B, T]` position ids: a new sequence wherever the position does not step by 1.
+
+    Every sequence must start at position 0 (packed streams and right-padded batches do); a row whose first
+    token has another position would need keys the batch does not hold.
+    """
+    pos = position_ids.detach().to("cpu", torch.long)
+    b, t = pos.shape
+    step = torch.diff(pos, dim=1, prepend=pos[:, :1] - 1)  # [B, T]
+    first = step != 1  # [B, T]: a sequence starts here
+    first[:, 0] = True
+    rows, starts = first.nonzero(as_tuple=True)
+    if (pos[rows, starts] != 0).any():
+        bad = int((pos[rows, starts] != 0).nonzero()[0, 0])
+        raise ValueError(
+            f"position_ids row {int(rows[bad])} starts a sequence at index {int(starts[bad])} with position "
+            f"{int(pos[rows[bad], starts[bad]])}; batch-invariant attention needs every sequence to start at "
+            "position 0 (pack sequences or right-pad them)"
+        )
+    flat = rows * t + starts  # [D] flat index of each sequence start
+    ends = torch.cat([flat[1:], torch.tensor([b * t])])
+    ends = torch.minimum(ends, (rows + 1) * t)  # a sequence never crosses its row
+    return Documents(rows, starts, ends - flat)
+
+
+def document_tiles(position_ids: torch.Tensor, tokens_per_tile: int) -> Tiles:
+    """Tiles for queries whose keys are their own batch's tokens (`k`/`v` shaped `[B, T, n_kv, hd]`)."""
+    docs = documents(position_ids)
+    b, t = position_ids.shape
+    per_doc = (docs.length + tokens_per_tile - 1) // tokens_per_tile  # [D]
+    doc = torch.repeat_interleave(torch.arange(len(per_doc)), per_doc)  # [NT]
+    first_tile = torch.cumsum(per_doc, 0) - per_doc  # [D]
+    offset = (torch.arange(len(doc)) - first_tile[doc]) * tokens_per_tile  # [NT] tokens into the doc
+    tok0 = docs.row[doc] * t + docs.start[doc] + offset
+    ntok = torch.clamp(docs.length[doc] - offset, max=tokens_per_tile)
+    dev = position_ids.device
+    i32 = dict(dtype=torch.int32, device=dev)
+    return Tiles(position_ids.reshape(-1).to(torch.long), tok0.to(**i32), ntok.to(**i32),
+                 docs.row[doc].to(**i32), docs.start[doc].to(**i32), docs)
+
+
+def decode_tiles(positions: torch.Tensor, slots: torch.Tensor) -> Tiles:
+    """Tiles for one new token per sequence (`q [B, 1, H, hd]`) against a cache `[S, L, n_kv, hd]`: tile i is
+    token i, keys in cache row `slots[i]` from index 0. Device ops only (no host sync: CUDA-graph safe)."""
+    n = positions.shape[0]
+    tok = torch.arange(n, dtype=torch.int32, device=positions.device)
+    return Tiles(positions.to(torch.long), tok, torch.ones_like(tok), slots.to(torch.int32), torch.zeros_like(tok))

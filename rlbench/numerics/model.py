@@ -1,0 +1,133 @@
+"""Switch a HF causal LM to the batch-invariant ops, in place: the engine's copy and the trainer's FSDP model run
+the same module code with the same ops, so a token's forward values are the same bits on both sides.
+
+`make_batch_invariant(model)` re-points, per module instance:
+- every `nn.Linear` (all projections and `lm_head`) to `ops.linear`;
+- every RMSNorm (a module with `weight` and `variance_epsilon`, HF's Qwen/Llama norms) to `ops.rms_norm`;
+- every SiLU activation (`act_fn`) to `ops.silu`;
+- the attention to "rlbench_bi" (`batch_invariant_attention`): the engine's calls carry its `KVContext`
+  (`rl_kv=`: prefill or decode against the slot cache), all others (training, a plain forward) are
+  described by their `position_ids`.
+Embeddings, RoPE and residual adds are elementwise or gathers: row-local as they are.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from rlbench.numerics import ops
+from rlbench.numerics.layout import Tiles, decode_tiles, document_tiles
+
+ATTN_NAME = "rlbench_bi"
+
+_tile_cache: list = [None, None, None]  # [position_ids tensor, its _version, Tiles]: one forward, every layer
+
+
+def _tiles_for(position_ids: torch.Tensor, group: int) -> Tiles:
+    """`document_tiles` of a forward's position ids, computed once per forward (the tensor is shared by every
+    layer; holding it keeps its identity from being reused by another tensor)."""
+    per = ops.tokens_per_tile(position_ids.device, group)
+    if position_ids.is_inference():  # no version counter: not cached
+        return document_tiles(position_ids, per)
+    held, version, tiles = _tile_cache
+    if held is not position_ids or version != position_ids._version or tiles.per != per:
+        tiles = document_tiles(position_ids, per)
+        tiles.per = per
+        _tile_cache[:] = [position_ids, position_ids._version, tiles]
+    return tiles
+
+
+@functools.lru_cache(maxsize=64)
+def _prefill_tiles(b: int, t: int, device: torch.device, group: int) -> Tiles:
+    """Tiles of the engine's right-padded prefill `[B, T]`: each row one sequence from position 0."""
+    with torch.inference_mode(False):
+        positions = torch.arange(t, device=device).expand(b, t)
+        return document_tiles(positions, ops.tokens_per_tile(device, group))
+
+
+def _write_cache(ctx, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Store this call's keys/values (`[B, n_kv, T, hd]`) in the engine's slots before attending."""
+    if ctx.decode:
+        ctx.k_cache[ctx.slots, :, ctx.positions] = key[:, :, 0].to(ctx.k_cache.dtype)
+        ctx.v_cache[ctx.slots, :, ctx.positions] = value[:, :, 0].to(ctx.v_cache.dtype)
+    else:
+        t = key.shape[2]
+        ctx.k_cache[ctx.slots, :, :t] = key.to(ctx.k_cache.dtype)
+        ctx.v_cache[ctx.slots, :, :t] = value.to(ctx.v_cache.dtype)
+
+
+def batch_invariant_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """`AttentionInterface` entry: query `[B, H, T, hd]`, key/value `[B, n_kv, T, hd]` -> (`[B, T, H, hd]`, None)."""
+    if dropout:
+        raise ValueError(f"attention dropout={dropout}: batch-invariant attention has none; set attention_dropout=0")
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError("batch-invariant attention does not support sliding-window layers")
+    b, h, t, hd = query.shape
+    group = h // key.shape[1]
+    scale = scaling if scaling is not None else hd**-0.5
+    q = query.transpose(1, 2)  # [B, T, H, hd]
+    ctx = kwargs.get("rl_kv")
+    if ctx is not None:
+        _write_cache(ctx, key, value)
+    if ctx is not None and ctx.decode:
+        tiles = decode_tiles(ctx.positions, ctx.slots)
+        keys, values = ctx.k_cache.transpose(1, 2), ctx.v_cache.transpose(1, 2)  # [S, L, n_kv, hd] views
+        return ops.attention(q, keys, values, tiles, scale), None
+    positions = kwargs.get("position_ids") if ctx is None else None
+    if positions is None:  # engine prefill (right-padded rows from position 0) or a forward without positions
+        tiles = _prefill_tiles(b, t, q.device, group)
+    else:
+        tiles = _tiles_for(positions.expand(b, t) if positions.shape[0] == 1 else positions, group)
+    return ops.attention(q, key.transpose(1, 2), value.transpose(1, 2), tiles, scale), None
+
+
+def _no_mask(*args, **kwargs):
+    return None  # sequences are read off position_ids (or the engine's context), never off a mask
+
+
+AttentionInterface.register(ATTN_NAME, batch_invariant_attention)
+AttentionMaskInterface.register(ATTN_NAME, _no_mask)
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return ops.linear(x, self.weight, self.bias)
+
+
+def _norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return ops.rms_norm(x, self.weight, self.variance_epsilon)
+
+
+class SiLU(nn.Module):
+    """`ops.silu` as a module (HF's `act_fn`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.silu(x)
+
+
+def _is_rms_norm(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
+
+
+def make_batch_invariant(model: nn.Module) -> nn.Module:
+    """Switch `model` (a HF Qwen3/Qwen2/Llama-style causal LM, FSDP-wrapped or not) to the batch-invariant ops in
+    place; returns it. Raises for modules it cannot make invariant (another activation, another norm)."""
+    config = model.config
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"batch-invariant numerics support hidden_act='silu', the model has {act!r}")
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.forward = _linear_forward.__get__(module)
+        elif _is_rms_norm(module):
+            module.forward = _norm_forward.__get__(module)
+        elif "Norm" in type(module).__name__:
+            raise ValueError(f"batch-invariant numerics do not cover {type(module).__name__}; only RMSNorm")
+        if isinstance(getattr(module, "act_fn", None), nn.Module):
+            module.act_fn = SiLU()
+    config._attn_implementation = ATTN_NAME
+    return model

@@ -1,0 +1,141 @@
+"""The batch-invariant ops as the model calls them: device dispatch (Triton on CUDA, `torch_ops` elsewhere) and
+autograd. Only forward values must match between the engine and the trainer, so every backward is the
+ordinary one (cuBLAS GEMMs, the HF RMSNorm formula, SDPA per sequence), recomputed where needed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rlbench.numerics import torch_ops
+from rlbench.numerics.layout import Tiles
+
+
+def _triton():
+    try:
+        from rlbench.numerics import triton_ops
+    except ImportError as err:  # triton missing or too old
+        raise RuntimeError(
+            f"batch-invariant numerics on CUDA need Triton ({err}); install triton (pip install triton) or run "
+            "without true_on_policy_mode / batch_invariant"
+        ) from err
+    return triton_ops
+
+
+def _impl(t: torch.Tensor):
+    return _triton() if t.is_cuda else torch_ops
+
+
+def tokens_per_tile(device: torch.device, group: int) -> int:
+    """Query tokens per attention tile on `device` for `group` query heads per KV head."""
+    block = _triton().BLOCK_M if device.type == "cuda" else torch_ops.BLOCK_M
+    if group > block or block % group:
+        raise ValueError(f"{group} query heads per KV head do not divide the attention tile of {block} rows")
+    return block // group
+
+
+# ---------------------------------------------------------------- linear
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        flat = x.reshape(-1, x.shape[-1])
+        return _impl(x).matmul(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        gx = (g @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        gw = g.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        gb = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` whose forward rows do not depend on the other rows."""
+    return _Linear.apply(x, weight, bias)
+
+
+# ---------------------------------------------------------------- RMSNorm
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's (Qwen3/Llama) RMSNorm, op for op: normalise in float32, cast back, then scale."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        out = _triton().rms_norm(x.reshape(-1, x.shape[-1]), weight, eps)
+        return out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            xr, wr = x.detach().requires_grad_(), weight.detach().requires_grad_()
+            gx, gw = torch.autograd.grad(hf_rms_norm(xr, wr, ctx.eps), (xr, wr), grad)
+        return gx, gw, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm with HF's cast order; one program per row on CUDA (torch's reductions pick their split from the
+    number of rows there), HF's own formula on the CPU (row-local already)."""
+    return _RMSNorm.apply(x, weight, eps) if x.is_cuda else hf_rms_norm(x, weight, eps)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU: torch's elementwise kernel on CUDA (one formula per element), `torch_ops.silu` on the CPU."""
+    return F.silu(x) if x.is_cuda else torch_ops.silu(x)
+
+
+def logsumexp_rows(z: torch.Tensor) -> torch.Tensor:
+    """`logsumexp(z, -1)` of `[M, V]` float32, each row reduced in one fixed order."""
+    return _impl(z).logsumexp_rows(z.contiguous())
+
+
+# ---------------------------------------------------------------- attention
+def _reference(q, k, v, tiles: Tiles, scale: float) -> torch.Tensor:
+    """Differentiable causal attention per sequence (SDPA), for the backward: q `[B, T, H, hd]`, k/v
+    `[B, T, n_kv, hd]` -> `[B, T, H, hd]`."""
+    docs = tiles.documents
+    group = q.shape[2] // k.shape[2]
+    out = torch.zeros_like(q)
+    for row, start, length in zip(docs.row.tolist(), docs.start.tolist(), docs.length.tolist()):
+        span = slice(start, start + length)
+        qd = q[row, span].transpose(0, 1)[None]  # [1, H, n, hd]
+        kd = k[row, span].transpose(0, 1).repeat_interleave(group, dim=0)[None]
+        vd = v[row, span].transpose(0, 1).repeat_interleave(group, dim=0)[None]
+        o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)
+        out = out.index_put((torch.tensor([row]), torch.arange(start, start + length)), o[0].transpose(0, 1))
+    return out
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, tiles: Tiles, scale: float):
+        ctx.save_for_backward(q, k, v)
+        ctx.tiles, ctx.scale = tiles, scale
+        return _impl(q).attention(q, k, v, tiles, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = ctx.saved_tensors
+        if ctx.tiles.documents is None:
+            raise RuntimeError("batch-invariant attention against a KV cache has no backward (decode is inference)")
+        with torch.enable_grad():
+            qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
+            out = _reference(qr, kr, vr, ctx.tiles, ctx.scale)
+            gq, gk, gv = torch.autograd.grad(out, (qr, kr, vr), grad)
+        return gq, gk, gv, None, None
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: Tiles, scale: float) -> torch.Tensor:
+    """Fixed-block causal attention (`rlbench.numerics.layout`): q `[B, T, H, hd]`, k/v `[KB, L, n_kv, hd]`
+    -> `[B, T, H, hd]`. Differentiable when the keys are the queries' own tokens (`tiles.documents`)."""
+    return _Attention.apply(q, k, v, tiles, scale)

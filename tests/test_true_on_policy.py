@@ -1,0 +1,206 @@
+"""True on-policy mode on the CPU: the engine's log-probs equal the trainer's recompute BIT FOR BIT.
+
+The engine decodes with continuous batching (3 slots for 6 prompts x 2 samples: sequences are admitted and
+evicted mid-generation, samples share a prefilled prefix); the trainer side recomputes the same tokens
+packed, padded and split into micro-batches. Every comparison is `torch.equal` (max |diff| == 0.0), and a
+negative control shows the comparison can fail.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from rlbench import numerics
+from rlbench.algorithms import token_logprobs
+from rlbench.engine import TorchEngine, TorchEngineConfig
+from rlbench.models import build_model
+from rlbench.numerics import torch_ops
+from rlbench.rollout import SamplingParams
+
+LENGTHS = [3, 9, 17, 5, 12, 1]
+TEMPERATURE = 0.7
+
+
+def _prompts(seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def _engine_and_trainer_model(dtype: torch.dtype, invariant: bool = True, **engine_kw):
+    """An engine in the mode and the trainer's own copy of the same weights (batch-invariant too)."""
+    model = _scaled_tiny(dtype)
+    trainer_model = copy.deepcopy(model)
+    cfg = TorchEngineConfig(**{"max_seq_len": 96, "num_slots": 3, "steps_per_sync": 4, "batch_invariant": invariant,
+                               **engine_kw})
+    engine = TorchEngine(model, cfg)
+    if invariant:
+        numerics.make_batch_invariant(trainer_model)
+    return engine, trainer_model.eval()
+
+
+def _scaled_tiny(dtype: torch.dtype):
+    """The tiny Qwen3 with its matrices x4: logits far from uniform, so rounding differences show in log-probs."""
+    model = build_model("tiny", seed=0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4)
+    return model.to(dtype)
+
+
+def _generate(engine, n: int = 2, max_new: int = 20, **kw):
+    prompts = _prompts()
+    params = SamplingParams(temperature=TEMPERATURE, max_new_tokens=max_new, n=n, seed=5, **kw)
+    return prompts, engine.generate(prompts, params)
+
+
+def _lse(invariant: bool):
+    return numerics.logsumexp_rows if invariant else None
+
+
+def packed_logprobs(model, seqs: list[tuple[list[int], list[int]]], invariant: bool = True) -> list[torch.Tensor]:
+    """The trainer's recompute: one packed forward (positions restart per sequence), response log-probs each."""
+    tokens = torch.tensor([t for p, r in seqs for t in p + r])
+    positions = torch.cat([torch.arange(len(p) + len(r)) for p, r in seqs])
+    with torch.no_grad():
+        logits = model(input_ids=tokens[None], position_ids=positions[None], use_cache=False).logits[0]
+    logp, _ = token_logprobs(logits, torch.roll(tokens, -1), TEMPERATURE, with_entropy=False,
+                             lse_fn=_lse(invariant))
+    out, start = [], 0
+    for p, r in seqs:
+        out.append(logp[start + len(p) - 1 : start + len(p) + len(r) - 1])
+        start += len(p) + len(r)
+    return out
+
+
+def padded_logprobs(model, seqs: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
+    """The same, as one right-padded batch `[B, L]` (pads after the real tokens)."""
+    width = max(len(p) + len(r) for p, r in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, (p, r) in enumerate(seqs):
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+    positions = torch.arange(width).expand(len(seqs), width)
+    with torch.no_grad():
+        logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    out = []
+    for i, (p, r) in enumerate(seqs):
+        logp, _ = token_logprobs(logits[i], torch.roll(ids[i], -1), TEMPERATURE, with_entropy=False,
+                                 lse_fn=numerics.logsumexp_rows)
+        out.append(logp[len(p) - 1 : len(p) + len(r) - 1])
+    return out
+
+
+def _seqs(prompts, gens):
+    return [(prompts[g.prompt_index], g.token_ids) for g in gens]
+
+
+def _assert_bitwise(gens, recomputed):
+    for g, lp in zip(gens, recomputed):
+        rollout = torch.tensor(g.log_probs, dtype=torch.float32)
+        assert torch.equal(rollout, lp.float()), f"sample {g.prompt_index}/{g.sample_index}: max |diff| " \
+                                                 f"{(rollout - lp.float()).abs().max():.3e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engine_logprobs_equal_packed_padded_and_split_recompute(dtype):
+    """Continuous batching (admit/evict mid-generation), n=2 sharing a prefix; packed, padded, micro-batches."""
+    engine, trainer = _engine_and_trainer_model(dtype)
+    prompts, gens = _generate(engine)
+    seqs = _seqs(prompts, gens)
+    assert len(gens) == 12 and sum(len(g.token_ids) for g in gens) == 240
+    _assert_bitwise(gens, packed_logprobs(trainer, seqs))
+    _assert_bitwise(gens, padded_logprobs(trainer, seqs))
+    split = packed_logprobs(trainer, seqs[:5]) + packed_logprobs(trainer, seqs[5:9]) + packed_logprobs(trainer, seqs[9:])
+    _assert_bitwise(gens, split)
+    alone = [lp for s in seqs for lp in packed_logprobs(trainer, [s])]
+    _assert_bitwise(gens, alone)
+
+
+def test_stop_tokens_top_p_and_many_slots_still_bitwise():
+    """Samples that stop at different lengths (stop token), top-p sampling, and a batch of 8 slots."""
+    engine, trainer = _engine_and_trainer_model(torch.float32, num_slots=8)
+    prompts, gens = _generate(engine, n=3, max_new=24, top_p=0.9, stop_token_ids=[7, 11])
+    assert len({len(g.token_ids) for g in gens}) > 1  # some stopped early
+    _assert_bitwise(gens, packed_logprobs(trainer, _seqs(prompts, gens)))
+
+
+def test_without_the_mode_logprobs_differ():
+    """Negative control: default kernels (fused engine, SDPA trainer) do not give bitwise-equal log-probs."""
+    engine, trainer = _engine_and_trainer_model(torch.float32, invariant=False)
+    prompts, gens = _generate(engine)
+    recomputed = packed_logprobs(trainer, _seqs(prompts, gens), invariant=False)
+    diffs = torch.cat([torch.tensor(g.log_probs) - lp for g, lp in zip(gens, recomputed)]).abs()
+    assert (diffs > 0).sum() > 0.05 * diffs.numel()
+    assert diffs.max() < 1e-4  # the same model, only rounding apart
+
+
+def test_batch_invariant_forward_matches_default_and_grads_agree():
+    """The mode computes the same function: logits within fp32 rounding of SDPA, gradients of a packed loss too."""
+    base = _scaled_tiny(torch.float32).train()
+    inv = numerics.make_batch_invariant(copy.deepcopy(base))
+    tokens = torch.randint(0, 128, (1, 40))
+    positions = torch.cat([torch.arange(15), torch.arange(25)])[None]
+    losses = []
+    for model in (base, inv):
+        logits = model(input_ids=tokens, position_ids=positions, use_cache=False).logits[0]
+        logp, ent = token_logprobs(logits, torch.roll(tokens[0], -1), 1.0, with_entropy=True)
+        loss = -(logp.sum() + 0.1 * ent.sum())
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch.allclose(losses[0], losses[1], rtol=1e-5)
+    for (name, a), b in zip(base.named_parameters(), inv.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-3, atol=1e-5), name
+
+
+def test_self_test_names_the_op_that_is_not_invariant(monkeypatch):
+    """A GEMM whose rows depend on the batch size fails the start-up self-test with the op's name."""
+    from rlbench.numerics import check
+
+    real = torch_ops.matmul
+    monkeypatch.setattr(torch_ops, "matmul", lambda x, w, b: real(x, w, b) * (1 + 1e-6 * (x.shape[0] > 1)))
+    monkeypatch.setattr(check, "_passed", set())
+    with pytest.raises(RuntimeError, match="batch-invariant linear is not bitwise invariant"):
+        numerics.self_test("cpu", torch.float32)
+
+
+def test_attention_layout_rejects_sequences_not_starting_at_zero():
+    model = numerics.make_batch_invariant(_scaled_tiny(torch.float32))
+    with pytest.raises(ValueError, match="start at position 0"):
+        model(input_ids=torch.zeros(1, 6, dtype=torch.long), position_ids=torch.tensor([[3, 4, 5, 0, 1, 2]]))
+
+
+def _char_reward(response: str, label) -> float:
+    """A reward that differs between samples of a group (so advantages, gradients and weights are not zero)."""
+    return (sum(map(ord, response)) % 7) / 6
+
+
+@pytest.mark.parametrize("bypass", [False, True], ids=["recompute", "rollout-logprobs"])
+def test_trainer_steps_log_exactly_zero_mismatch(tmp_path, monkeypatch, bypass):
+    """`Trainer.step()` in the mode: the diff is 0.0 at every step (the engine follows every weight sync), and
+    the very first micro-batch's PPO KL is 0.0 even when old = the rollout's log-probs (no recompute)."""
+    from dataclasses import replace
+
+    from rlbench import presets
+    from rlbench.config import EvalConfig
+    from rlbench.rewards import REWARDS
+    from rlbench.trainer import Trainer
+
+    monkeypatch.setitem(REWARDS, "chars", _char_reward)
+    cfg = presets.cpu_test(model="tiny", workdir=str(tmp_path), level=1, n_eval=16)
+    cfg = cfg.replace(
+        true_on_policy_mode=True, eval=EvalConfig(), data=replace(cfg.data, metadata_key=None),
+        rollout=replace(cfg.rollout, rm_type="chars", rollout_batch_size=4, max_response_len=10),
+        batch=replace(cfg.batch, global_batch_size=16, num_rollout=3),
+        loss=replace(cfg.loss, use_rollout_logprobs=bypass))
+    trainer = Trainer(cfg)
+    weights = [p.detach().clone() for p in trainer.engine.model.parameters()][:3]
+    for _ in range(3):
+        m = trainer.step()
+        assert m["train/ppo_kl_first_mb"] == 0.0
+        if not bypass:
+            assert m["train/train_rollout_logprob_abs_diff"] == 0.0 and m["train/mismatch_k3_kl"] == 0.0
+    assert m["train/grad_norm"] > 0
+    assert any(not torch.equal(w, p) for w, p in zip(weights, trainer.engine.model.parameters()))
