@@ -1,0 +1,264 @@
+"""The batch-invariant Triton kernels on CUDA (`pytest -m gpu -s tests/test_numerics_gpu.py`).
+
+The CPU tests interpret the kernels, where `tl.dot` is a numpy matmul; here the real instructions run, so
+these equalities are the ones that matter: a row's bits across batch sizes and positions (matmul across the
+configs of `MATMUL_CONFIGS`, whose small and large tiles lower to different tensor-core instructions), and
+attention's decode, packed and padded paths (and decode replayed from a CUDA graph) against each other.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from rlbench.numerics import triton_ops as ops  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+DTYPES = [torch.bfloat16, torch.float32]
+M_VALUES = [1, 2, 7, 64, 128, 129, 511, 4096]
+MATMUL_SHAPES = [(2048, 1024), (1024, 3072), (9728, 2560), (151936, 1024)]
+"""(N, K): Qwen3-0.6B q_proj and down_proj, Qwen3-4B gate/up, the 0.6B lm_head."""
+
+DIFFER = "small-M and large-M configs disagree: use one config (a single-entry MATMUL_CONFIGS)"
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def _sites(m: int) -> list[int]:
+    """Row indices to watch in a batch of m: both ends, tile edges of both configs, the middle."""
+    return sorted({i for i in (0, 1, 31, 32, 63, 64, 127, 128, m // 2, m - 1) if 0 <= i < m})
+
+
+def _rows_in_batches(fn, probe: torch.Tensor, seed: int):
+    """Yield `(m, site, out_row, ref_row)`: each probe row computed inside a random batch of m rows at each
+    watched site, against that row computed alone (`fn` of a one-row batch)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    alone = [fn(probe[i : i + 1])[0] for i in range(probe.shape[0])]
+    for m in M_VALUES:
+        sites = _sites(m)
+        x = torch.randn(m, probe.shape[1], device="cuda", generator=gen).to(probe.dtype)
+        which = [j % probe.shape[0] for j in range(len(sites))]
+        x[sites] = probe[which]
+        out = fn(x)
+        for site, j in zip(sites, which):
+            yield m, site, out[site], alone[j]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", MATMUL_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_matmul_rows_invariant_across_m(dtype, shape):
+    n, k = shape
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    w = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).to(dtype)
+    b = torch.randn(n, device="cuda", generator=gen).to(dtype)
+    probe = torch.randn(4, k, device="cuda", generator=gen).to(dtype)
+    small = ops.matmul_config(1)
+    for m, site, row, ref in _rows_in_batches(lambda x: ops.matmul(x, w, b), probe, seed=k):
+        if not torch.equal(row, ref):
+            cfg = ops.matmul_config(m)
+            where = DIFFER if cfg != small else f"rows depend on the batch within config {cfg}"
+            pytest.fail(f"{where}: M={m}, row {site}, max |diff| {(row.float() - ref.float()).abs().max():.3e}")
+    x = probe.repeat(32, 1)
+    torch.testing.assert_close(ops.matmul(x, w, b).float(), F.linear(x, w, b).float(),
+                               **(dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_matmul_table_configs_agree(monkeypatch, dtype):
+    """Every config of the table computes the same M = 512 batch: all elements bitwise equal."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(512, 2560, device="cuda", generator=gen).to(dtype)
+    w = (torch.randn(4096, 2560, device="cuda", generator=gen) * 0.02).to(dtype)
+    outs = {}
+    for _, cfg in ops.MATMUL_CONFIGS:
+        monkeypatch.setattr(ops, "MATMUL_CONFIGS", ((0, cfg),))
+        outs[cfg] = ops.matmul(x, w, None)
+    first, *rest = outs.items()
+    for cfg, out in rest:
+        diff = (out.float() - first[1].float()).abs()
+        assert torch.equal(out, first[1]), (f"{DIFFER}: {cfg} vs {first[0]} differ in {(diff > 0).sum().item()} "
+                                            f"of {diff.numel()} elements (max {diff.max():.3e}) in {dtype}")
+
+
+CANDIDATES = [
+    ops.MatmulConfig(16, 32, 4, 4, 16),  # mma.sync
+    ops.MatmulConfig(32, 64, 4, 4, 16),  # mma.sync
+    ops.MatmulConfig(64, 32, 4, 4, 16),  # wgmma m64n32
+    ops.MatmulConfig(64, 64, 4, 4, 16),  # wgmma m64n64
+    ops.MatmulConfig(128, 64, 4, 4, 8),
+    ops.MatmulConfig(128, 128, 8, 4, 8),  # wgmma m64n128 x 2 warpgroups
+    ops.MatmulConfig(128, 256, 8, 3, 8),
+]
+
+
+def test_matmul_candidate_configs_report(monkeypatch):
+    """Informational (run with -s): which candidate configs give the same bits as MATMUL_LARGE, per dtype.
+    Fails only if a config of the current table is among the disagreeing ones."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    table = {cfg for _, cfg in ops.MATMUL_CONFIGS}
+    bad = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.randn(300, 1024, device="cuda", generator=gen).to(dtype)
+        w = (torch.randn(1000, 1024, device="cuda", generator=gen) * 0.03).to(dtype)
+        monkeypatch.setattr(ops, "MATMUL_CONFIGS", ((0, ops.MATMUL_LARGE),))
+        ref = ops.matmul(x, w, None)
+        for cfg in CANDIDATES:
+            monkeypatch.setattr(ops, "MATMUL_CONFIGS", ((0, cfg),))
+            same = torch.equal(ops.matmul(x, w, None), ref)
+            print(f"\n{str(dtype):15} {cfg}: {'same bits as' if same else 'DIFFERS from'} MATMUL_LARGE", end="")
+            if not same and cfg in table:
+                bad.append((dtype, cfg))
+    assert not bad, f"{DIFFER}: {bad}"
+
+
+# ---------------------------------------------------------------------------------- rms_norm, logsumexp
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [128, 1024, 2560])
+def test_rms_norm_rows_invariant_across_m(dtype, d):
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    w = (1 + 0.1 * torch.randn(d, device="cuda", generator=gen)).to(dtype)
+    probe = torch.randn(4, d, device="cuda", generator=gen).to(dtype)
+    for m, site, row, ref in _rows_in_batches(lambda x: ops.rms_norm(x, w, 1e-6), probe, seed=d):
+        assert torch.equal(row, ref), f"rms_norm D={d}: M={m}, row {site}"
+    xf = probe.float()
+    hf = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    torch.testing.assert_close(ops.rms_norm(probe, w, 1e-6), hf, **({} if dtype == torch.float32 else
+                                                                      dict(rtol=1.6e-2, atol=1.6e-2)))
+
+
+def test_logsumexp_rows_invariant_across_m():
+    v = 151936
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    probe = torch.randn(4, v, device="cuda", generator=gen) * 3
+    probe[1, :100000] = float("-inf")
+    for m, site, row, ref in _rows_in_batches(ops.logsumexp_rows, probe, seed=1):
+        assert torch.equal(row, ref), f"logsumexp_rows: M={m}, row {site}"
+    torch.testing.assert_close(ops.logsumexp_rows(probe), torch.logsumexp(probe, -1))
+
+
+# ------------------------------------------------------------------------------------------- attention
+
+LENGTHS = [2048, 700, 129, 64, 1]
+"""Up to 2k positions; 64 and 129 end just after a block boundary, 1 is a lone token."""
+
+
+def _docs(lengths, heads, n_kv, hd, dtype, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return [tuple(torch.randn(n, c, hd, device="cuda", generator=gen).to(dtype) for c in (heads, n_kv, n_kv))
+            for n in lengths]
+
+
+def _packed(docs, group, scale):
+    lengths = [d[0].shape[0] for d in docs]
+    q, k, v = (torch.cat([d[i] for d in docs])[None] for i in range(3))
+    starts = torch.tensor([0, *lengths]).cumsum(0)[:-1]
+    positions = torch.cat([torch.arange(n) for n in lengths]).cuda()
+    tiles = ops.tiles_for_documents(starts, torch.tensor(lengths), torch.zeros(len(docs)), starts, group, "cuda")
+    out = ops.attention(q, k, v, positions, *tiles, scale)[0]
+    return [out[s : s + n] for s, n in zip(starts.tolist(), lengths)]
+
+
+def _padded(docs, group, scale):
+    lengths = [d[0].shape[0] for d in docs]
+    t = max(lengths) + 5
+    q, k, v = (torch.full((len(docs), t, *docs[0][i].shape[1:]), float("nan"), dtype=docs[0][i].dtype,
+                          device="cuda") for i in range(3))
+    for b, doc in enumerate(docs):
+        for dst, src in zip((q, k, v), doc):
+            dst[b, : src.shape[0]] = src
+    b = torch.arange(len(docs))
+    tiles = ops.tiles_for_documents(b * t, torch.tensor(lengths), b, torch.zeros_like(b), group, "cuda")
+    out = ops.attention(q, k, v, torch.arange(t, device="cuda").repeat(len(docs)), *tiles, scale)
+    return [out[i, :n] for i, n in enumerate(lengths)]
+
+
+def _decode_positions(n: int) -> list[int]:
+    """Both sides of every block boundary (p % BLOCK_N in {0, BLOCK_N - 1}), a few others, the last."""
+    bn = ops.ATTN_BLOCK_N
+    return sorted({p for p in range(n) if p % bn in (0, bn - 1, 17)} | {n - 1})
+
+
+def _decode_inputs(docs):
+    """Each `_decode_positions` query as its own T = 1 token against a cache slot `[S, n_kv, L, hd]` holding
+    its document's keys up to its position and NaN after (never read)."""
+    lengths = [d[0].shape[0] for d in docs]
+    n_kv, hd = docs[0][1].shape[1:]
+    picked = [_decode_positions(n) for n in lengths]
+    slots = sum(map(len, picked))
+    dtype = docs[0][0].dtype
+    kc, vc = (torch.full((slots, n_kv, max(lengths) + 64, hd), float("nan"), dtype=dtype, device="cuda")
+              for _ in range(2))
+    queries, positions = [], []
+    for (q, k, v), ps in zip(docs, picked):
+        for p in ps:
+            s = len(queries)
+            kc[s, :, : p + 1] = k[: p + 1].transpose(0, 1)
+            vc[s, :, : p + 1] = v[: p + 1].transpose(0, 1)
+            queries.append(q[p])
+            positions.append(p)
+    q = torch.stack(queries)[:, None]
+    return picked, q, kc.transpose(1, 2), vc.transpose(1, 2), torch.tensor(positions, device="cuda")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [2, 4])
+def test_attention_decode_packed_padded_agree(dtype, group):
+    n_kv, hd = 4, 128
+    scale = hd**-0.5
+    docs = _docs(LENGTHS, n_kv * group, n_kv, hd, dtype, seed=group)
+    packed, padded = _packed(docs, group, scale), _padded(docs, group, scale)
+    picked, q, kc, vc, positions = _decode_inputs(docs)
+    decode = ops.attention(q, kc, vc, positions, *ops.tiles_for_decode(torch.arange(q.shape[0], device="cuda")),
+                           scale)[:, 0].split(list(map(len, picked)))
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for i, (doc, ps) in enumerate(zip(docs, picked)):
+        assert torch.equal(packed[i], padded[i]), f"document {i} (length {LENGTHS[i]}): packed != padded"
+        bad = (packed[i][ps] != decode[i]).flatten(1).any(1)
+        assert not bad.any(), f"document {i}: packed != decode at positions {torch.tensor(ps)[bad.cpu()].tolist()}"
+        qd, kd, vd = (t.transpose(0, 1)[None].float() for t in doc)
+        ref = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=True)
+        torch.testing.assert_close(packed[i].float(), ref[0].transpose(0, 1), **tol)
+
+
+def test_attention_decode_cuda_graph_matches_eager():
+    """Decode captured in a CUDA graph (the loop bound is read in the kernel): replays with new positions and
+    queries give the eager bits."""
+    b, n_kv, group, hd, length = 64, 8, 2, 128, 1536
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    kc, vc = (torch.randn(b, n_kv, length, hd, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
+    k, v = kc.transpose(1, 2), vc.transpose(1, 2)
+    q = torch.empty(b, 1, n_kv * group, hd, device="cuda", dtype=torch.bfloat16)
+    positions = torch.empty(b, dtype=torch.long, device="cuda")
+    tiles = ops.tiles_for_decode(torch.randperm(b, device="cuda", generator=gen))
+
+    def step():
+        return ops.attention(q, k, v, positions, *tiles, 0.088)
+
+    q.normal_(generator=gen)
+    positions.random_(0, length, generator=gen)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        q.normal_(generator=gen)
+        positions.random_(0, length, generator=gen)
+        positions[:4] = torch.tensor([0, 63, 64, length - 1])
+        graph.replay()
+        assert torch.equal(out, step())
