@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from rlbench.numerics import layout
+
 
 def _load_ops():
     path = Path(__file__).resolve().parents[1] / "rlbench" / "numerics" / "triton_ops.py"
@@ -91,7 +93,7 @@ def bench_attention(rows, t_values, batches, iters, dtype, heads=16, kv_heads=8,
         n = t // docs
         starts = torch.arange(docs) * n
         positions = torch.arange(n, device="cuda").repeat(docs)
-        tiles = ops.tiles_for_documents(starts, torch.full((docs,), n), torch.zeros(docs), starts, group, "cuda")
+        tiles = layout.tiles_for_documents(starts, torch.full((docs,), n), torch.zeros(docs), starts, ops.tokens_per_tile(group), "cuda")
         # SDPA on the same documents as a [docs, H, n, hd] batch, K/V expanded to H heads beforehand (flash path)
         qs = q.view(docs, n, heads, hd).transpose(1, 2)
         ks, vs = (x.view(docs, n, kv_heads, hd).transpose(1, 2).repeat_interleave(group, 1) for x in (k, v))
@@ -105,7 +107,7 @@ def bench_attention(rows, t_values, batches, iters, dtype, heads=16, kv_heads=8,
         kc, vc = (torch.randn(b, kv_heads, length, hd, device="cuda", dtype=dtype) for _ in range(2))
         q = torch.randn(b, 1, heads, hd, device="cuda", dtype=dtype)
         positions = torch.full((b,), length - 1, device="cuda")
-        tiles = ops.tiles_for_decode(torch.arange(b, device="cuda"))
+        tiles = layout.tiles_for_decode(torch.arange(b, device="cuda"))
         mask = (torch.arange(length, device="cuda")[None, :] <= positions[:, None])[:, None, None, :]
         qd = q.view(b, kv_heads, group, hd)
         ours = timed(iters, ops.attention, q, kc.transpose(1, 2), vc.transpose(1, 2), positions, *tiles, scale)

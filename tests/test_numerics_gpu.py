@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rlbench.numerics import layout
+
 pytest.importorskip("triton")
 
 from rlbench.numerics import triton_ops as ops  # noqa: E402
@@ -165,7 +167,7 @@ def _packed(docs, group, scale):
     q, k, v = (torch.cat([d[i] for d in docs])[None] for i in range(3))
     starts = torch.tensor([0, *lengths]).cumsum(0)[:-1]
     positions = torch.cat([torch.arange(n) for n in lengths]).cuda()
-    tiles = ops.tiles_for_documents(starts, torch.tensor(lengths), torch.zeros(len(docs)), starts, group, "cuda")
+    tiles = layout.tiles_for_documents(starts, torch.tensor(lengths), torch.zeros(len(docs)), starts, ops.tokens_per_tile(group), "cuda")
     out = ops.attention(q, k, v, positions, *tiles, scale)[0]
     return [out[s : s + n] for s, n in zip(starts.tolist(), lengths)]
 
@@ -179,7 +181,7 @@ def _padded(docs, group, scale):
         for dst, src in zip((q, k, v), doc):
             dst[b, : src.shape[0]] = src
     b = torch.arange(len(docs))
-    tiles = ops.tiles_for_documents(b * t, torch.tensor(lengths), b, torch.zeros_like(b), group, "cuda")
+    tiles = layout.tiles_for_documents(b * t, torch.tensor(lengths), b, torch.zeros_like(b), ops.tokens_per_tile(group), "cuda")
     out = ops.attention(q, k, v, torch.arange(t, device="cuda").repeat(len(docs)), *tiles, scale)
     return [out[i, :n] for i, n in enumerate(lengths)]
 
@@ -220,7 +222,7 @@ def test_attention_decode_packed_padded_agree(dtype, group):
     docs = _docs(LENGTHS, n_kv * group, n_kv, hd, dtype, seed=group)
     packed, padded = _packed(docs, group, scale), _padded(docs, group, scale)
     picked, q, kc, vc, positions = _decode_inputs(docs)
-    decode = ops.attention(q, kc, vc, positions, *ops.tiles_for_decode(torch.arange(q.shape[0], device="cuda")),
+    decode = ops.attention(q, kc, vc, positions, *layout.tiles_for_decode(torch.arange(q.shape[0], device="cuda")),
                            scale)[:, 0].split(list(map(len, picked)))
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for i, (doc, ps) in enumerate(zip(docs, picked)):
@@ -241,7 +243,7 @@ def test_attention_decode_cuda_graph_matches_eager():
     k, v = kc.transpose(1, 2), vc.transpose(1, 2)
     q = torch.empty(b, 1, n_kv * group, hd, device="cuda", dtype=torch.bfloat16)
     positions = torch.empty(b, dtype=torch.long, device="cuda")
-    tiles = ops.tiles_for_decode(torch.randperm(b, device="cuda", generator=gen))
+    tiles = layout.tiles_for_decode(torch.randperm(b, device="cuda", generator=gen))
 
     def step():
         return ops.attention(q, k, v, positions, *tiles, 0.088)

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlbench.numerics import layout
+
 pytest.importorskip("triton")
 
 _PATH = Path(__file__).resolve().parents[1] / "rlbench" / "numerics" / "triton_ops.py"
@@ -201,7 +203,7 @@ def _packed(docs, group, scale, extra=5):
                for i in range(3))
     starts = torch.tensor([0, *lengths]).cumsum(0)[:-1]
     positions = torch.cat([torch.arange(n) for n in lengths] + [torch.zeros(extra, dtype=torch.long)])
-    tiles = ops.tiles_for_documents(starts, torch.tensor(lengths), torch.zeros(len(docs)), starts, group, "cpu")
+    tiles = layout.tiles_for_documents(starts, torch.tensor(lengths), torch.zeros(len(docs)), starts, ops.tokens_per_tile(group), "cpu")
     out = ops.attention(q, k, v, positions, *tiles, scale)[0]
     return [out[s : s + n] for s, n in zip(starts.tolist(), lengths)]
 
@@ -217,7 +219,7 @@ def _padded(docs, group, scale):
             dst[b, : src.shape[0]] = src
     positions = torch.arange(t, dtype=torch.int32).repeat(len(docs))
     b = torch.arange(len(docs))
-    tiles = ops.tiles_for_documents(b * t, torch.tensor(lengths), b, torch.zeros_like(b), group, "cpu")
+    tiles = layout.tiles_for_documents(b * t, torch.tensor(lengths), b, torch.zeros_like(b), ops.tokens_per_tile(group), "cpu")
     out = ops.attention(q, k, v, positions, *tiles, scale)
     return [out[i, :n] for i, n in enumerate(lengths)]
 
@@ -246,7 +248,7 @@ def _decode(docs, scale):
             queries.append(q[p])
             positions.append(p)
     q = torch.stack(queries)[:, None]  # [S, 1, H, hd]
-    tiles = ops.tiles_for_decode(torch.arange(slots))
+    tiles = layout.tiles_for_decode(torch.arange(slots))
     out = ops.attention(q, kc.transpose(1, 2), vc.transpose(1, 2), torch.tensor(positions), *tiles, scale)[:, 0]
     return list(zip(picked, out.split(list(map(len, picked)))))
 
@@ -268,7 +270,7 @@ def test_attention_paths_agree_bitwise_and_match_f64(one_thread, dtype, group):
 
 
 def test_tiles_for_documents():
-    tiles = ops.tiles_for_documents([0, 20, 30], [20, 0, 9], [0, 0, 1], [0, 20, 5], group=2, device="cpu")
+    tiles = layout.tiles_for_documents([0, 20, 30], [20, 0, 9], [0, 0, 1], [0, 20, 5], ops.tokens_per_tile(2), 'cpu')
     per = ops.tokens_per_tile(2)
     assert per == ops.TOKENS_PER_TILE(2) == ops.ATTN_BLOCK_M // 2
     assert [t.tolist() for t in tiles] == [[0, 8, 16, 30, 38], [8, 8, 4, 8, 1], [0, 0, 0, 1, 1], [0, 0, 0, 5, 5]]
@@ -279,7 +281,7 @@ def test_tiles_for_documents():
 
 def test_attention_tokens_outside_tiles_are_zero(one_thread):
     q, k, v = (torch.randn(1, 10, 2, 64) for _ in range(3))
-    tiles = ops.tiles_for_documents([0], [4], [0], [0], 2, "cpu")
+    tiles = layout.tiles_for_documents([0], [4], [0], [0], ops.tokens_per_tile(2), "cpu")
     out = ops.attention(q, k, v, torch.arange(10), *tiles, 0.125)
     assert out[0, 4:].eq(0).all() and out[0, :4].ne(0).any()
 

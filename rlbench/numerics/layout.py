@@ -76,25 +76,38 @@ def documents(position_ids: torch.Tensor) -> Documents:
     return Documents(rows, starts, ends - flat)
 
 
+def tiles_for_documents(tok0, lengths, kb, kstart, tokens_per_tile: int, device) -> tuple[torch.Tensor, ...]:
+    """Tile metadata for documents given one entry each (1-D, any int dtype): the flat query token of its
+    position 0 (`tok0`), its length, and where its keys live (`kb`, `kstart`). A document of length n gets
+    ceil(n / tokens_per_tile) tiles. Returns `(tok0, ntok, kb, kstart)` per tile, int32 (host sync: the tile
+    count). Packed stream: kb = 0, kstart = tok0; padded batch `[B, T]`: tok0 = b T, kb = b, kstart = 0."""
+    per = tokens_per_tile
+    tok0, lengths, kb, kstart = (torch.as_tensor(t, device=device).to(torch.int64).reshape(-1)
+                                 for t in (tok0, lengths, kb, kstart))
+    n_tiles = (lengths + per - 1) // per
+    doc = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), n_tiles)
+    j = torch.arange(doc.numel(), device=device) - (torch.cumsum(n_tiles, 0) - n_tiles)[doc]
+    ntok = torch.clamp(lengths[doc] - j * per, max=per)
+    return tuple(t.to(torch.int32) for t in (tok0[doc] + j * per, ntok, kb[doc], kstart[doc]))
+
+
+def tiles_for_decode(slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Decode tiles (no host sync): token b attends to cache slot `slots[b]` from position 0."""
+    b = slots.numel()
+    tok0 = torch.arange(b, device=slots.device, dtype=torch.int32)
+    return tok0, torch.ones_like(tok0), slots.reshape(-1).to(torch.int32), torch.zeros_like(tok0)
+
+
 def document_tiles(position_ids: torch.Tensor, tokens_per_tile: int) -> Tiles:
     """Tiles for queries whose keys are their own batch's tokens (`k`/`v` shaped `[B, T, n_kv, hd]`)."""
     docs = documents(position_ids)
-    b, t = position_ids.shape
-    per_doc = (docs.length + tokens_per_tile - 1) // tokens_per_tile  # [D]
-    doc = torch.repeat_interleave(torch.arange(len(per_doc)), per_doc)  # [NT]
-    first_tile = torch.cumsum(per_doc, 0) - per_doc  # [D]
-    offset = (torch.arange(len(doc)) - first_tile[doc]) * tokens_per_tile  # [NT] tokens into the doc
-    tok0 = docs.row[doc] * t + docs.start[doc] + offset
-    ntok = torch.clamp(docs.length[doc] - offset, max=tokens_per_tile)
-    dev = position_ids.device
-    i32 = dict(dtype=torch.int32, device=dev)
-    return Tiles(position_ids.reshape(-1).to(torch.long), tok0.to(**i32), ntok.to(**i32),
-                 docs.row[doc].to(**i32), docs.start[doc].to(**i32), docs)
+    t = position_ids.shape[1]
+    tiles = tiles_for_documents(docs.row * t + docs.start, docs.length, docs.row, docs.start, tokens_per_tile,
+                                position_ids.device)
+    return Tiles(position_ids.reshape(-1).to(torch.long), *tiles, documents=docs)
 
 
 def decode_tiles(positions: torch.Tensor, slots: torch.Tensor) -> Tiles:
     """Tiles for one new token per sequence (`q [B, 1, H, hd]`) against a cache `[S, L, n_kv, hd]`: tile i is
     token i, keys in cache row `slots[i]` from index 0. Device ops only (no host sync: CUDA-graph safe)."""
-    n = positions.shape[0]
-    tok = torch.arange(n, dtype=torch.int32, device=positions.device)
-    return Tiles(positions.to(torch.long), tok, torch.ones_like(tok), slots.to(torch.int32), torch.zeros_like(tok))
+    return Tiles(positions.to(torch.long), *tiles_for_decode(slots))

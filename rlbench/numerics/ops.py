@@ -29,10 +29,7 @@ def _impl(t: torch.Tensor):
 
 def tokens_per_tile(device: torch.device, group: int) -> int:
     """Query tokens per attention tile on `device` for `group` query heads per KV head."""
-    block = _triton().BLOCK_M if device.type == "cuda" else torch_ops.BLOCK_M
-    if group > block or block % group:
-        raise ValueError(f"{group} query heads per KV head do not divide the attention tile of {block} rows")
-    return block // group
+    return (_triton() if device.type == "cuda" else torch_ops).tokens_per_tile(group)
 
 
 # ---------------------------------------------------------------- linear
@@ -41,8 +38,9 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        flat = x.reshape(-1, x.shape[-1])
-        return _impl(x).matmul(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
+        out = x.new_empty(*x.shape[:-1], weight.shape[0])  # written through a 2-D view: the output is no view
+        _impl(x).matmul(x.reshape(-1, x.shape[-1]), weight, bias, out=out.view(-1, weight.shape[0]))
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -121,7 +119,8 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, tiles: Tiles, scale: float):
         ctx.save_for_backward(q, k, v)
         ctx.tiles, ctx.scale = tiles, scale
-        return _impl(q).attention(q, k, v, tiles, scale)
+        t = tiles
+        return _impl(q).attention(q, k, v, t.positions, t.tok0, t.ntok, t.kb, t.kstart, scale)
 
     @staticmethod
     def backward(ctx, grad):

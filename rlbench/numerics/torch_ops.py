@@ -34,14 +34,22 @@ VOCAB_CHUNK = 1024
 """Columns per first-stage chunk of `logsumexp_rows`."""
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x [M, K] @ weight[N, K].T + bias` with every GEMM call `ROW_CHUNK` rows tall."""
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """`x [M, K] @ weight[N, K].T + bias` with every GEMM call `ROW_CHUNK` rows tall (into `out` if given)."""
     m = x.shape[0]
     pad = -m % ROW_CHUNK
     if pad:
         x = F.pad(x, (0, 0, 0, pad))
-    out = torch.cat([F.linear(x[i : i + ROW_CHUNK], weight, bias) for i in range(0, m + pad, ROW_CHUNK)])
-    return out[:m]
+    y = torch.cat([F.linear(x[i : i + ROW_CHUNK], weight, bias) for i in range(0, m + pad, ROW_CHUNK)])[:m]
+    return y if out is None else out.copy_(y)
+
+
+def tokens_per_tile(group: int) -> int:
+    """Query tokens per attention tile for `group` query heads per KV head."""
+    if group > BLOCK_M or BLOCK_M % group:
+        raise ValueError(f"attention: {group} query heads per KV head do not divide the tile of {BLOCK_M} rows")
+    return BLOCK_M // group
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
@@ -60,11 +68,13 @@ def logsumexp_rows(z: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(torch.logsumexp(padded, dim=-1), dim=-1)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: Tiles, scale: float) -> torch.Tensor:
-    """Fixed-block causal attention. q `[B, T, H, hd]`, k/v `[KB, L, n_kv, hd]` -> `[B, T, H, hd]` in q's dtype.
+def attention(q, k, v, positions, tile_tok0, tile_ntok, tile_kb, tile_kstart, scale: float) -> torch.Tensor:
+    """Fixed-block causal attention. q `[B, T, H, hd]`, k/v `[KB, L, n_kv, hd]` -> `[B, T, H, hd]` in q's dtype;
+    positions `[B*T]` and the per-tile int32 metadata as `rlbench.numerics.layout.Tiles` holds them.
 
     Math in float32 whatever the input dtype (the bf16 path thus matches SDPA's fp32 accumulation).
     """
+    tiles = Tiles(positions, tile_tok0, tile_ntok, tile_kb, tile_kstart)
     b, t, h, hd = q.shape
     n_kv = k.shape[2]
     group = h // n_kv

@@ -158,7 +158,8 @@ def matmul_config(m: int) -> MatmulConfig:
     return chosen
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T + bias` `[M, K] x [N, K] -> [M, N]` in x's dtype (bf16, fp16 or fp32; any strides).
 
     Batch-invariant: output (m, n) is one fp32 accumulator over K in `MATMUL_BLOCK_K` chunks from k = 0 (no
@@ -172,7 +173,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"matmul: x is {x.dtype}, weight is {weight.dtype}")
     m, k = x.shape
     n = weight.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out  # out: contiguous [M, N]
     if m == 0 or n == 0:
         return y
     if bias is not None:
@@ -339,29 +340,6 @@ def tokens_per_tile(group: int) -> int:
 
 
 TOKENS_PER_TILE = tokens_per_tile
-
-
-def tiles_for_documents(tok0, lengths, kb, kstart, group: int, device) -> tuple[torch.Tensor, ...]:
-    """Tile metadata for documents given per document (1-D, any int dtype): the flat query token of its
-    position 0 (`tok0`), its length, and where its keys live (`kb`, `kstart`). A document of length n gets
-    ceil(n / tokens_per_tile(group)) tiles. Returns `(tile_tok0, tile_ntok, tile_kb, tile_kstart)` int32
-    (host sync: the tile count). Packed stream: kb = 0, kstart = tok0; padded batch [B, T]: tok0 = b T,
-    kb = b, kstart = 0."""
-    per = tokens_per_tile(group)
-    tok0, lengths, kb, kstart = (torch.as_tensor(t, device=device).to(torch.int64).reshape(-1)
-                                 for t in (tok0, lengths, kb, kstart))
-    n_tiles = (lengths + per - 1) // per
-    doc = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), n_tiles)
-    j = torch.arange(doc.numel(), device=device) - (torch.cumsum(n_tiles, 0) - n_tiles)[doc]
-    ntok = torch.clamp(lengths[doc] - j * per, max=per)
-    return tuple(t.to(torch.int32) for t in (tok0[doc] + j * per, ntok, kb[doc], kstart[doc]))
-
-
-def tiles_for_decode(slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Decode tiles (no host sync): token b attends to cache slot `slots[b]` from position 0."""
-    b = slots.numel()
-    tok0 = torch.arange(b, device=slots.device, dtype=torch.int32)
-    return tok0, torch.ones_like(tok0), slots.reshape(-1).to(torch.int32), torch.zeros_like(tok0)
 
 
 def attention(q, k, v, positions, tile_tok0, tile_ntok, tile_kb, tile_kstart, scale: float) -> torch.Tensor:
