@@ -71,7 +71,7 @@ def documents(position_ids: torch.Tensor) -> Documents:
             "position 0 (pack sequences or right-pad them)"
         )
     flat = rows * t + starts  # [D] flat index of each sequence start
-    ends = torch.cat([flat[1:], torch.tensor([b * t])])
+    ends = torch.cat([flat[1:], torch.tensor([b * t], device="cpu")])
     ends = torch.minimum(ends, (rows + 1) * t)  # a sequence never crosses its row
     return Documents(rows, starts, ends - flat)
 
