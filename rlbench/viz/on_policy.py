@@ -1,0 +1,406 @@
+"""True on-policy views: per-token rollout-vs-recompute log-prob diffs, runs side by side, the cost table.
+
+    diffs = logprob_diffs(batch)                 # after trainer.compute_log_probs(batch): |old - rollout| per token
+    diff_histogram({"default": d0, "mode": d1})  # decade bins with an exact-zero bin (a symlog histogram)
+    group = TrainerGroup({"default": t0, "mode": t1})
+    view = RunsView(keys=DIFF_KEYS)              # one metric at a time, a ToggleButtons picks it
+    StepController(group, on_step=view.update_all)
+    cost_table(json.load(f))                     # benchmarks/results/true_on_policy_*.json -> rows with ratios
+
+The data functions (`logprob_diffs`, `diff_decades`, `step_series`, `mismatch_runs`, `mismatch_summary`,
+`history_row`, `cost_table`, `table_html`) are pure and tested without a browser; the figures return a `go.Figure`.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import re
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ipywidgets as widgets
+import plotly.graph_objects as go
+import torch
+from plotly.subplots import make_subplots
+
+from rlbench.viz._display import FigureView, WidgetMixin
+from rlbench.viz.dashboard import first_value
+
+DIFF_KEYS = ("train/train_rollout_logprob_abs_diff", "train/ppo_kl_first_mb", "train/mismatch_k3_kl", "train/ppo_kl")
+"""The per-step mismatch metrics `RunsView` offers by default."""
+MODES = ("default", "true_on_policy", "true_on_policy_rollout_logprobs")
+"""The `mode` names of `benchmarks/true_on_policy.py` rows."""
+PERF_KEYS = {"rollout_tokens_per_s": "perf/rollout_tokens_per_sec", "rollout_time_s": "perf/rollout_time",
+             "logprob_time_s": "perf/log_probs_time", "train_time_s": "perf/train_time",
+             "step_time_s": "perf/step_time",
+             "train_rollout_logprob_abs_diff": "train/train_rollout_logprob_abs_diff",
+             "ppo_kl_first_mb": "train/ppo_kl_first_mb"}
+"""Cost-table column -> the trainer's metric key (the same columns as `benchmarks/true_on_policy.py`)."""
+RATIO_KEYS = ("rollout_tokens_per_s", "rollout_time_s", "logprob_time_s", "train_time_s", "step_time_s")
+"""Columns `cost_table` divides by the baseline row's (`<key>_x`)."""
+COST_COLUMNS = (
+    ("preset", "preset"), ("mode", "mode"), ("steps", "steps"),
+    ("rollout_tokens_per_s", "rollout tok/s"), ("rollout_tokens_per_s_x", "tok/s × default"),
+    ("rollout_time_s", "rollout s"), ("logprob_time_s", "log-prob s"), ("train_time_s", "train s"),
+    ("step_time_s", "step s"), ("step_time_s_x", "step × default"),
+    ("train_rollout_logprob_abs_diff", "|rollout − recompute|"), ("ppo_kl_first_mb", "ppo_kl first mb"),
+)
+"""`(row key, header)` of the cost table, in order."""
+COLORS = ("#4c78a8", "#e45756", "#54a24b", "#f58518", "#b279a2", "#72b7b2", "#9d755d", "#bab0ac")
+
+
+# ---------------------------------------------------------------------------------------------- per-token diffs
+def logprob_diffs(batch: Any, *, signed: bool = False) -> torch.Tensor:
+    """|recomputed old − rollout| log-prob of every trained response token of a `RolloutBatch` (float64, CPU).
+
+    Reads `batch.old_log_probs` (`[step][micro-batch] -> [R]`, set by `Trainer.compute_log_probs`) against the
+    packs' `rollout_log_probs` where `loss_mask` is set, in pack order. The difference is taken in float64, so it
+    is 0.0 exactly when the two values are the same bits. `signed=True` returns old − rollout.
+
+    Raises:
+        ValueError: the batch has no packs or no recomputed log-probs (bypass mode: `use_rollout_logprobs=True`
+            computes none), or the engine reported no rollout log-probs.
+    """
+    packs, old = getattr(batch, "packs", None), getattr(batch, "old_log_probs", None)
+    if packs is None or old is None:
+        raise ValueError("the batch has no recomputed log-probs: call trainer.compute_log_probs(batch) first (with "
+                         "loss.use_rollout_logprobs=True there is no recompute to compare with)")
+    out = []
+    for step_packs, step_old in zip(packs, old):
+        for pack, lp in zip(step_packs, step_old):
+            if pack.rollout_log_probs is None:
+                raise ValueError("a pack has no rollout_log_probs: the engine returned no log-probs for its samples")
+            mask = pack.loss_mask.detach().cpu() > 0
+            delta = lp.detach().cpu().double() - pack.rollout_log_probs.detach().cpu().double()
+            out.append((delta if signed else delta.abs())[mask])
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+def diff_decades(diffs: torch.Tensor | Sequence[float], *, lo: int = -10, hi: int = 1) -> dict[str, int]:
+    """Token counts of |diff| per bin: exactly "0", "<1e{lo}", one bin per decade [1e{d}, 1e{d+1}), "≥1e{hi}".
+
+    Every bin is present (zero counts too), in increasing order; the counts sum to the number of values.
+    """
+    d = torch.as_tensor(diffs, dtype=torch.float64).abs().flatten()
+    out = {"0": int((d == 0).sum())}
+    out[f"<1e{lo}"] = int(((d > 0) & (d < 10.0 ** lo)).sum())
+    for e in range(lo, hi):
+        out[f"1e{e}–1e{e + 1}"] = int(((d >= 10.0 ** e) & (d < 10.0 ** (e + 1))).sum())
+    out[f"≥1e{hi}"] = int((d >= 10.0 ** hi).sum())
+    return out
+
+
+def diff_histogram(diffs_by_run: Mapping[str, torch.Tensor | Sequence[float]], *, lo: int = -10,
+                   hi: int = 1) -> go.Figure:
+    """Grouped bars of `diff_decades` per run: a histogram on a symlog axis (an exact-zero bin, then decades).
+
+    Bins empty in every run are dropped; the title gives each run's count of non-zero tokens.
+    """
+    counts = {name: diff_decades(d, lo=lo, hi=hi) for name, d in diffs_by_run.items()}
+    labels = [b for b in next(iter(counts.values()), {}) if any(c[b] for c in counts.values())]
+    fig = go.Figure()
+    for i, (name, c) in enumerate(counts.items()):
+        fig.add_trace(go.Bar(x=labels, y=[c[b] for b in labels], name=name, marker_color=COLORS[i % len(COLORS)],
+                             text=[c[b] or "" for b in labels], textposition="outside"))
+    nonzero = ", ".join(f"{name}: {sum(c.values()) - c['0']} of {sum(c.values())} tokens non-zero"
+                        for name, c in counts.items())
+    fig.update_layout(height=340, template="plotly_white", barmode="group", margin=dict(l=50, r=10, t=50, b=50),
+                      title=dict(text=f"|rollout − recomputed| log-prob per token<br><sup>{nonzero}</sup>"),
+                      xaxis_title="|diff| (exact 0, then decades)", yaxis_title="tokens")
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------- per-step curves
+def step_series(history: Iterable[Mapping[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    """`(steps, values)` of one metric over a run's per-step dicts; steps missing the metric are skipped.
+
+    The x value is `step` when present, else `rollout/id` + 1 (the trainer's step number), else the position + 1.
+    """
+    xs, ys = [], []
+    for i, m in enumerate(history):
+        y = first_value(m, (key,))
+        if y is None:
+            continue
+        x = first_value(m, ("step",))
+        if x is None:
+            rid = first_value(m, ("rollout/id",))
+            x = rid + 1 if rid is not None else float(i + 1)
+        xs.append(x)
+        ys.append(y)
+    return xs, ys
+
+
+def metric_curves(runs: Mapping[str, Iterable[Mapping[str, Any]]], keys: Sequence[str], *, cols: int = 2,
+                  height: int = 260) -> go.Figure:
+    """One subplot per metric key, one line per run (same colour in every subplot); a run without the key has
+    no line there."""
+    runs = {name: list(h) for name, h in runs.items()}
+    rows = math.ceil(len(keys) / cols)
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=list(keys), vertical_spacing=0.18 if rows > 1 else 0.1,
+                        horizontal_spacing=0.1)
+    for j, key in enumerate(keys):
+        r, c = divmod(j, cols)
+        for i, (name, history) in enumerate(runs.items()):
+            xs, ys = step_series(history, key)
+            if xs:
+                fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines+markers", name=name, legendgroup=name,
+                                         showlegend=j == 0, line=dict(color=COLORS[i % len(COLORS)])),
+                              row=r + 1, col=c + 1)
+    fig.update_layout(height=height * rows, template="plotly_white", margin=dict(l=50, r=10, t=40, b=30))
+    fig.update_xaxes(title_text="step")
+    return fig
+
+
+@dataclass
+class GroupRollout:
+    """The rollouts of every run of a `TrainerGroup` (`samples`: all of them, for counting)."""
+
+    batches: dict[str, Any]
+    samples: list = field(default_factory=list)
+
+
+class TrainerGroup:
+    """Several trainers driven as one (duck-typed for `StepController`): `step()` steps each in turn.
+
+    `step()` returns `{run name: that trainer's step metrics}`; `RunsView.update_all` takes that dict.
+    """
+
+    def __init__(self, trainers: Mapping[str, Any]) -> None:
+        if not trainers:
+            raise ValueError("TrainerGroup needs at least one trainer: {name: trainer}")
+        self.trainers = dict(trainers)
+
+    def step(self) -> dict[str, dict]:
+        return {name: dict(t.step()) for name, t in self.trainers.items()}
+
+    def rollout(self) -> GroupRollout:
+        batches = {name: t.rollout() for name, t in self.trainers.items()}
+        return GroupRollout(batches, [s for b in batches.values() for s in getattr(b, "samples", [])])
+
+    @property
+    def last_rollout(self) -> GroupRollout | None:
+        batches = {name: t.last_rollout for name, t in self.trainers.items()}
+        if any(b is None for b in batches.values()):
+            return None
+        return GroupRollout(batches, [s for b in batches.values() for s in getattr(b, "samples", [])])
+
+    def train_step(self, rollout: GroupRollout) -> dict[str, dict]:
+        return {name: dict(t.train_step(rollout.batches[name]) or {}) for name, t in self.trainers.items()}
+
+    def sync_weights(self) -> dict[str, dict]:
+        return {name: dict(t.sync_weights() or {}) for name, t in self.trainers.items()}
+
+    @property
+    def history(self) -> dict[str, list[dict]]:
+        return {name: list(getattr(t, "history", [])) for name, t in self.trainers.items()}
+
+
+class RunsView(WidgetMixin):
+    """Per-step curves of several runs, one metric at a time (a ToggleButtons picks it), and a summary line.
+
+    Args:
+        runs: `{run name: per-step metric dicts}` to show right away (e.g. `TrainerGroup.history`).
+        keys: the metrics offered, first shown first.
+        backend: plotting backend of the `FigureView`.
+    """
+
+    def __init__(self, runs: Mapping[str, Iterable[Mapping]] | None = None, *, keys: Sequence[str] = DIFF_KEYS,
+                 backend: str = "auto") -> None:
+        if not keys:
+            raise ValueError("RunsView needs at least one metric key")
+        self.keys = tuple(keys)
+        self.runs: dict[str, list[dict]] = {}
+        self._lock = threading.Lock()
+        self.toggle = widgets.ToggleButtons(options=[(k.split("/", 1)[-1], k) for k in self.keys], value=self.keys[0],
+                                            style={"button_width": "auto"})
+        self.toggle.observe(lambda _: self.redraw(), names="value")
+        self.summary = widgets.HTML()
+        self.view = FigureView(go.Figure(), backend=backend)
+        self.widget = widgets.VBox([self.toggle, self.view.widget, self.summary])
+        for name, history in (runs or {}).items():
+            self.runs[name] = [dict(m) for m in history]
+        self.redraw()
+
+    @property
+    def key(self) -> str:
+        """The metric shown."""
+        return self.toggle.value
+
+    def update(self, name: str, metrics: Mapping[str, Any]) -> None:
+        """Appends one step of run `name` and redraws."""
+        with self._lock:
+            self.runs.setdefault(name, []).append(dict(metrics))
+        self.redraw()
+
+    def update_all(self, metrics_by_run: Mapping[str, Mapping[str, Any]]) -> None:
+        """Appends one step of every run (`TrainerGroup.step()`'s dict) and redraws once."""
+        with self._lock:
+            for name, metrics in metrics_by_run.items():
+                self.runs.setdefault(name, []).append(dict(metrics))
+        self.redraw()
+
+    def series(self, name: str, key: str | None = None) -> tuple[list[float], list[float]]:
+        """`step_series` of run `name` for `key` (default: the metric shown)."""
+        return step_series(self.runs.get(name, []), key or self.key)
+
+    def summary_text(self, key: str | None = None) -> str:
+        """Per run: steps with the metric, its max |value|, and whether every value is exactly 0.0."""
+        key = key or self.key
+        parts = []
+        for name in self.runs:
+            _, ys = self.series(name, key)
+            if not ys:
+                parts.append(f"{name}: no {key}")
+                continue
+            exact = all(y == 0.0 for y in ys)
+            parts.append(f"{name}: {len(ys)} steps, max {max(abs(y) for y in ys):.3g}"
+                         f"{' (all exactly 0.0)' if exact else ''}")
+        return "; ".join(parts)
+
+    def redraw(self) -> None:
+        with self._lock:
+            key = self.key
+            fig = go.Figure()
+            for i, name in enumerate(self.runs):
+                xs, ys = self.series(name, key)
+                fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines+markers", name=name,
+                                         line=dict(color=COLORS[i % len(COLORS)])))
+            fig.update_layout(height=320, template="plotly_white", margin=dict(l=60, r=10, t=40, b=40),
+                              title=key, xaxis_title="step", yaxis=dict(exponentformat="e"))
+            self.view.figure = fig
+            self.summary.value = f"<span class='rlbench-runs-summary'>{html.escape(self.summary_text(key))}</span>"
+        self.view.refresh()
+
+
+# ---------------------------------------------------------------------------------------------- results files
+def newest_result(directory: str | Path, prefix: str) -> Path | None:
+    """The newest `<prefix><YYYY-MM-DD>.json` in `directory` (what the benchmarks write by default), or None.
+
+    Variants with a suffix (`<prefix><date>_seed1.json`, written with `--out`) count only when there is no plain
+    dated file; among them the last by name wins.
+    """
+    files = sorted(Path(directory).glob(f"{prefix}*.json"))
+    dated = [f for f in files if re.fullmatch(rf"{re.escape(prefix)}\d{{4}}-\d{{2}}-\d{{2}}\.json", f.name)]
+    return (dated or files or [None])[-1]
+
+
+def mismatch_runs(result: Mapping[str, Any]) -> dict[str, list[dict]]:
+    """`{setting: per-step metric dicts}` from a `benchmarks/mismatch.py` result.
+
+    Accepts `{"settings": {name: {"steps": [...]}}}` (the script's layout), `{"settings": {name: [...]}}` and a
+    plain `{name: [...]}`; entries that are neither are skipped.
+    """
+    settings = result.get("settings", result)
+    out = {}
+    for name, value in settings.items():
+        steps = value.get("steps") if isinstance(value, Mapping) else value
+        if isinstance(steps, list) and all(isinstance(s, Mapping) for s in steps):
+            out[name] = [dict(s) for s in steps]
+    return out
+
+
+MISMATCH_COLUMNS = (
+    ("setting", "setting"), ("engine", "engine"), ("loss", "loss mode"), ("steps", "steps"),
+    ("reward_first", "reward (first steps)"), ("reward_last", "reward (last steps)"),
+    ("pass@1_first", "eval pass@1 (start)"), ("pass@1_last", "eval pass@1 (end)"),
+    ("abs_diff", "mean |rollout − recompute|"), ("k3_kl", "mean mismatch k3 KL"), ("ppo_kl", "mean ppo_kl"),
+    ("grad_norm", "mean grad norm"),
+)
+"""`(row key, header)` of `mismatch_summary`'s table."""
+
+
+def _mean_of(rows: Sequence[Mapping[str, Any]], key: str) -> float | None:
+    values = step_series(rows, key)[1]
+    return sum(values) / len(values) if values else None
+
+
+def mismatch_summary(result: Mapping[str, Any], *, window: int | None = None) -> list[dict]:
+    """One row per setting of a `benchmarks/mismatch.py` result, computed from its per-step metrics.
+
+    Reward means over the first and last `window` steps (default: a quarter of the run, 1 to 10 steps), eval
+    pass@1 at the first and last eval (when the setting has an `eval` list), and the mean per step of the
+    mismatch diagnostics; the engine dtype and loss mode come from the setting's `config` when it has one.
+    """
+    settings = result.get("settings", result)
+    out = []
+    for name, steps in mismatch_runs(result).items():
+        meta = settings.get(name) if isinstance(settings.get(name), Mapping) else {}
+        config, evals = meta.get("config") or {}, [e for e in meta.get("eval") or [] if "eval/pass@1" in e]
+        w = window or max(1, min(10, len(steps) // 4))
+        out.append({
+            "setting": name, "engine": config.get("engine_dtype"), "loss": config.get("loss_mode"),
+            "steps": len(steps), "reward_first": _mean_of(steps[:w], "rollout/raw_reward"),
+            "reward_last": _mean_of(steps[-w:], "rollout/raw_reward"),
+            "pass@1_first": evals[0]["eval/pass@1"] if evals else None,
+            "pass@1_last": evals[-1]["eval/pass@1"] if evals else None,
+            "abs_diff": _mean_of(steps, "train/train_rollout_logprob_abs_diff"),
+            "k3_kl": _mean_of(steps, "train/mismatch_k3_kl"), "ppo_kl": _mean_of(steps, "train/ppo_kl"),
+            "grad_norm": _mean_of(steps, "train/grad_norm"),
+        })
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- cost table
+def history_row(history: Sequence[Mapping[str, Any]], *, preset: str, mode: str, skip: int = 1) -> dict:
+    """A cost-table row (the `benchmarks/true_on_policy.py` columns) from a trainer's `history`.
+
+    Means over the steps after the first `skip` (warm-up); with no more steps than that, over all of them.
+    A metric no step logged (log-prob time without a recompute) is None.
+    """
+    steps = list(history[skip:]) if len(history) > skip else list(history)
+    row: dict[str, Any] = {"preset": preset, "mode": mode, "steps": len(steps)}
+    for col, key in PERF_KEYS.items():
+        values = [v for v in (first_value(m, (key,)) for m in steps) if v is not None]
+        row[col] = sum(values) / len(values) if values else None
+    return row
+
+
+def cost_table(result: Mapping[str, Any] | Sequence[Mapping[str, Any]], *, baseline: str = "default",
+               ratio_keys: Sequence[str] = RATIO_KEYS) -> list[dict]:
+    """Rows with `<key>_x` = value / the value of the same preset's `baseline` row (None when either is missing,
+    or the preset has no baseline row); `result` is the JSON dict (its `rows`) or the rows themselves."""
+    rows = [dict(r) for r in (result["rows"] if isinstance(result, Mapping) else result)]
+    base = {}
+    for r in rows:
+        if r.get("mode") == baseline:
+            base.setdefault(r.get("preset"), r)
+    for r in rows:
+        ref = base.get(r.get("preset"))
+        for k in ratio_keys:
+            v, b = r.get(k), ref.get(k) if ref else None
+            r[f"{k}_x"] = v / b if isinstance(v, (int, float)) and isinstance(b, (int, float)) and b else None
+    return rows
+
+
+def format_value(value: Any, key: str = "") -> str:
+    """Table cell text: "–" for None, ×ratio for `*_x`, "0" for exact zero, 3 significant digits otherwise."""
+    if value is None:
+        return "–"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if key.endswith("_x"):
+        return f"×{value:.2f}"
+    if value == 0:
+        return "0"
+    if isinstance(value, int):
+        return str(value)
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    if abs(value) < 1e-3:
+        return f"{value:.2e}"
+    return f"{value:.3g}"
+
+
+def table_html(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str]] = COST_COLUMNS) -> str:
+    """An HTML table of `rows` with the `(key, header)` columns; columns no row has are left out."""
+    cols = [(k, h) for k, h in columns if any(k in r for r in rows)]
+    head = "".join(f"<th style='text-align:right;padding:2px 8px'>{html.escape(h)}</th>" for _, h in cols)
+    body = "".join(
+        "<tr>" + "".join(f"<td style='text-align:right;padding:2px 8px'>{html.escape(format_value(r.get(k), k))}</td>"
+                         for k, _ in cols) + "</tr>"
+        for r in rows)
+    return f"<table class='rlbench-table'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
