@@ -1,0 +1,227 @@
+"""Train-inference mismatch on the CPU demo: the same seed and config under several loss settings, with a rollout
+engine less precise than the trainer (`TorchEngineConfig.dtype`, e.g. a bf16 engine for an fp32 trainer), plus
+matched-precision references.
+
+    python benchmarks/mismatch.py                       # 60 steps per setting, bf16 engine, eval every 20
+    python benchmarks/mismatch.py --quick               # smoke run: 2 steps per setting, no eval (runs/mismatch/quick.json)
+    python benchmarks/mismatch.py --engine-dtype fp16 --steps 30 --out /tmp/m.json
+
+Settings (all GRPO from `rlbench.presets.cpu_demo`, only `loss` and `engine.dtype` differ):
+
+| name | engine | loss |
+|---|---|---|
+| standard | --engine-dtype | plain PPO: old = recomputed by the trainer, no IS |
+| tis | --engine-dtype | `use_tis=True`: token-level TIS, weight min(pi_old/pi_rollout, tis_clip=2) |
+| mis | --engine-dtype | `use_tis=True, mis=MISConfig()`: slime's mis.yaml (token truncate [0.5, 2], token rejection, veto 1e-4, batch-normalised) |
+| bypass | --engine-dtype | `use_rollout_logprobs=True`: old = the engine's log-probs |
+| matched_standard | trainer's dtype | plain PPO, engine == trainer precision (the reference) |
+| matched_standard_seed1 | trainer's dtype | the same with another rollout/data seed: the seed-to-seed noise floor |
+
+`--settings standard mis --seed-offset 1` repeats a subset with other rollout/data seeds (a second sample of a
+difference between settings: one seed per setting cannot tell an effect from trajectory noise).
+
+Writes one JSON: per setting and step the raw reward, eval metrics (when due), the mismatch diagnostics
+(`train/train_rollout_logprob_abs_diff`, `train/mismatch_*`), TIS/MIS weights, `ppo_kl`, clip fraction, grad
+norm (and entropy when the loss computes it), plus a per-setting summary and the run's provenance.
+Missing warm start: the demo's SFT (`presets.DEMO_SFT`, ~40 s) is trained first, as `make run` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses as dc
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+
+from rlbench import presets
+from rlbench.algorithms import MISConfig
+from rlbench.config import LoggingConfig
+from rlbench.sft import SFTConfig, run_sft
+from rlbench.trainer import Trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+KEEP_PREFIXES = (
+    "rollout/raw_reward", "rollout/response_len", "rollout/truncated", "eval/",
+    "train/train_rollout_logprob_abs_diff", "train/mismatch_", "train/tis", "train/mis_",
+    "train/ppo_kl", "train/pg_clipfrac", "train/grad_norm", "train/entropy", "train/loss", "train/pg_loss",
+    "train/skipped", "perf/step_time",
+)
+"""Metric keys kept per step (prefix match)."""
+
+
+def settings(engine_dtype: str, names: list[str] | None = None) -> dict[str, dict]:
+    """name -> {"engine_dtype": str | None, "loss": dict of LossConfig overrides, "seed_offset": int}."""
+    all_settings = {
+        "standard": dict(engine_dtype=engine_dtype, loss={}),
+        "tis": dict(engine_dtype=engine_dtype, loss=dict(use_tis=True, tis_clip=2.0)),
+        "mis": dict(engine_dtype=engine_dtype, loss=dict(use_tis=True, mis=MISConfig())),
+        "bypass": dict(engine_dtype=engine_dtype, loss=dict(use_rollout_logprobs=True)),
+        "matched_standard": dict(engine_dtype=None, loss={}),
+        "matched_standard_seed1": dict(engine_dtype=None, loss={}, seed_offset=1),
+    }
+    if names:
+        unknown = sorted(set(names) - set(all_settings))
+        if unknown:
+            raise SystemExit(f"unknown settings {unknown}; choose from {list(all_settings)}")
+        all_settings = {n: all_settings[n] for n in names}
+    return all_settings
+
+
+def build_config(model: str, workdir: str, setting: dict, *, steps: int, eval_interval: int | None,
+                 lr: float | None, seed_offset: int = 0):
+    """cpu_demo with the setting's engine dtype and loss; the trainer stays fp32 (`backend.param_dtype`)."""
+    cfg = presets.cpu_demo(model=model, workdir=workdir)
+    loss = dc.replace(cfg.loss, **setting["loss"])
+    optim = cfg.backend.optim if lr is None else dc.replace(cfg.backend.optim, lr=lr)
+    sections = dict(
+        loss=loss,
+        engine=dc.replace(cfg.engine, dtype=setting["engine_dtype"]),
+        backend=dc.replace(cfg.backend, optim=optim),
+        batch=dc.replace(cfg.batch, num_rollout=steps),
+        eval=dc.replace(cfg.eval, interval=eval_interval),
+        logging=LoggingConfig(console=False, jsonl_path=os.path.join(workdir, "metrics.jsonl")),
+    )
+    offset = setting.get("seed_offset", 0) + seed_offset
+    if offset:
+        seed = cfg.rollout.seed + offset
+        sections |= dict(rollout=dc.replace(cfg.rollout, seed=seed), data=dc.replace(cfg.data, seed=seed))
+    return cfg.replace(**sections)
+
+
+def _keep(metrics: dict) -> dict:
+    return {k: float(v) for k, v in metrics.items() if k.startswith(KEEP_PREFIXES)}
+
+
+def _mean(rows: list[dict], key: str, sl: slice = slice(None)) -> float | None:
+    vals = [r[key] for r in rows[sl] if key in r]
+    return sum(vals) / len(vals) if vals else None
+
+
+def summarize(steps: list[dict], evals: list[dict], window: int) -> dict:
+    """Reward at start/end (mean of the first/last `window` steps), eval start/end, mean mismatch diagnostics."""
+    out = {
+        "reward_start": _mean(steps, "rollout/raw_reward", slice(0, window)),
+        "reward_end": _mean(steps, "rollout/raw_reward", slice(-window, None)),
+        "reward_mean": _mean(steps, "rollout/raw_reward"),
+    }
+    for key in ("train/train_rollout_logprob_abs_diff", "train/mismatch_kl", "train/mismatch_k3_kl",
+                "train/mismatch_ppl_ratio", "train/mismatch_log_ppl_abs_diff", "train/tis_abs", "train/tis_clipfrac",
+                "train/mis_rs_mask_fraction_low", "train/mis_rs_mask_fraction_high",
+                "train/mis_rs_catastrophic_seq_fraction", "train/ppo_kl", "train/pg_clipfrac", "train/grad_norm"):
+        value = _mean(steps, key)
+        if value is not None:
+            out[f"mean {key}"] = value
+    diffs = [r["train/train_rollout_logprob_abs_diff"] for r in steps if "train/train_rollout_logprob_abs_diff" in r]
+    if diffs:
+        out["max_step train/train_rollout_logprob_abs_diff"] = max(diffs)
+    if evals:
+        for key in [k for k in evals[0] if k.startswith("eval/pass@") or k == "eval/reward"]:
+            out[f"{key} start"], out[f"{key} end"] = evals[0][key], evals[-1][key]
+    return out
+
+
+def run_setting(name: str, cfg, steps: int) -> dict:
+    start = time.perf_counter()
+    trainer = Trainer(cfg)
+    rows = []
+    for i in range(steps):
+        m = trainer.step()
+        rows.append({"step": i + 1, **_keep(m)})
+        line = " ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in rows[-1].items()
+                        if k in ("rollout/raw_reward", "eval/pass@1", "train/train_rollout_logprob_abs_diff",
+                                 "train/mismatch_kl", "train/ppo_kl", "train/grad_norm"))
+        print(f"[{name}] step {i + 1}/{steps} {line}", flush=True)
+    evals = [{"rollout/id": float(e.get("rollout/id", -1)), **{k: float(v) for k, v in e.items() if k.startswith("eval/")}}
+             for e in trainer.eval_history]
+    trainer.close()
+    return {"steps": rows, "eval": evals, "wall_s": time.perf_counter() - start}
+
+
+def provenance(argv: list[str]) -> dict:
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return ""
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([os.path.relpath(sys.argv[0], ROOT) if sys.argv else "benchmarks/mismatch.py", *argv]),
+        "git_head": git("rev-parse", "HEAD"),
+        "git_dirty_files": git("status", "--porcelain", "--untracked-files=no").splitlines(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}",
+    }
+
+
+def ensure_model(model: str) -> str:
+    if model == presets.DEMO_SFT_DIR and not os.path.isfile(os.path.join(model, "config.json")):
+        print(f"[mismatch] SFT warm start -> {model} (presets.DEMO_SFT)", flush=True)
+        run_sft(SFTConfig(**presets.DEMO_SFT, out=model))
+    return model
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--steps", type=int, default=60, help="RL steps per setting (default 60, the demo's)")
+    p.add_argument("--engine-dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
+                   help="the less precise engine's dtype (the trainer computes in fp32)")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/mismatch_<date>.json)")
+    p.add_argument("--quick", action="store_true", help="smoke run: 2 steps per setting, no eval, no seed-noise run")
+    p.add_argument("--settings", nargs="*", default=None, help="subset of the settings (default: all)")
+    p.add_argument("--eval-interval", type=int, default=20, help="eval every N steps and before training (0: off)")
+    p.add_argument("--seed-offset", type=int, default=0,
+                   help="add N to every setting's rollout/data seed (another sample of the same comparison)")
+    p.add_argument("--lr", type=float, default=None, help="override the preset's learning rate (2e-4)")
+    p.add_argument("--model", default=presets.DEMO_SFT_DIR, help="HF dir or model preset (default: the demo's SFT)")
+    p.add_argument("--workdir", default=os.path.join("runs", "mismatch"))
+    p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    args = p.parse_args(argv)
+    if args.quick:  # the five settings (not the seed-noise run), 2 steps each, no eval
+        args.steps, args.eval_interval = 2, 0
+        args.settings = args.settings or [n for n in settings("bf16") if not n.endswith("_seed1")]
+    torch.set_num_threads(args.threads)
+    date = datetime.date.today().isoformat()
+    default_out = (os.path.join(args.workdir, "quick.json") if args.quick  # never overwrite a committed result
+                   else os.path.join(ROOT, "benchmarks", "results", f"mismatch_{date}.json"))
+    out_path = args.out or default_out
+    model = ensure_model(args.model)
+    eval_interval = args.eval_interval or None
+    result = {
+        "what": "train-inference mismatch: cpu_demo GRPO, fp32 trainer, engine in --engine-dtype vs matched",
+        "provenance": provenance(argv),
+        "args": vars(args),
+        "trainer_param_dtype": presets.cpu_demo(model=model).backend.param_dtype,
+        "settings": {},
+    }
+    window = max(1, min(10, args.steps // 4))
+    for name, setting in settings(args.engine_dtype, args.settings).items():
+        cfg = build_config(model, os.path.join(args.workdir, name), setting, steps=args.steps,
+                           eval_interval=eval_interval, lr=args.lr, seed_offset=args.seed_offset)
+        run = run_setting(name, cfg, args.steps)
+        run["config"] = {"engine_dtype": cfg.engine.dtype or f"{cfg.backend.param_dtype} (matched)",
+                         "loss_mode": cfg.loss.mode, "loss_overrides": {k: str(v) for k, v in setting["loss"].items()},
+                         "rollout_seed": cfg.rollout.seed, "lr": cfg.backend.optim.lr}
+        run["summary"] = summarize(run["steps"], run["eval"], window)
+        run["summary"]["window_steps"] = window
+        result["settings"][name] = run
+        print(f"[mismatch] {name}: {json.dumps(run['summary'])} ({run['wall_s']:.0f} s)", flush=True)
+        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+        with open(out_path, "w") as f:  # rewritten after every setting: a stopped run keeps what it finished
+            json.dump(result, f, indent=1)
+    print(f"[mismatch] wrote {out_path}", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

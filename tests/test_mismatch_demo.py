@@ -1,0 +1,72 @@
+"""A less precise rollout engine (`TorchEngineConfig.dtype`) is a measurable train-inference mismatch, and the
+TIS correction acts in proportion to it (benchmarks/mismatch.py runs the curves).
+
+One rollout of the untrained `tiny` model per engine dtype, rewarded by a fixed rule (every third sample) so
+the advantages are non-zero; then the same batch trains under plain PPO and under TIS. Measured here
+(2026-12-02): fp32 trainer with an fp32 engine |old - rollout| ~8e-8 (fp32 rounding of two kernel paths),
+bf16 engine ~8e-4, fp16 engine ~1e-4; the TIS-vs-PPO loss difference on the same batch ~8e-9 matched, ~3e-5
+with bf16 (the loss itself is ~-6e-4).
+"""
+
+from __future__ import annotations
+
+import dataclasses as dc
+
+import pytest
+import torch
+
+from rlbench import presets
+from rlbench.trainer import Trainer
+
+
+def _one_step(tmp_path, engine_dtype: str | None, use_tis: bool) -> dict:
+    cfg = presets.cpu_test(model="tiny", workdir=str(tmp_path / f"{engine_dtype}-{use_tis}"), level=1)
+    cfg = cfg.replace(engine=dc.replace(cfg.engine, dtype=engine_dtype), eval=dc.replace(cfg.eval, interval=None),
+                      loss=dc.replace(cfg.loss, use_tis=use_tis))
+    assert cfg.backend.param_dtype == "fp32"
+    trainer = Trainer(cfg)
+    try:
+        batch = trainer.rollout()
+        for i, s in enumerate(batch.samples):
+            s.reward = float(i % 3 == 0)  # not all equal within a group: non-zero GRPO advantages
+        trainer.score(batch)
+        trainer.pack(batch)
+        metrics = trainer.compute_log_probs(batch)
+        metrics |= trainer.train_step(batch)
+    finally:
+        trainer.close()
+    return metrics
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    tmp = tmp_path_factory.mktemp("mismatch")
+    try:
+        return {(dt, tis): _one_step(tmp, dt, tis) for dt in (None, "bf16") for tis in (False, True)}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_bf16_engine_is_a_mismatch_a_matched_one_is_not(runs):
+    matched, low = runs[(None, False)], runs[("bf16", False)]
+    diff_matched = matched["train/train_rollout_logprob_abs_diff"]
+    diff_low = low["train/train_rollout_logprob_abs_diff"]
+    assert diff_matched < 1e-5, diff_matched  # same dtype: only fp32 rounding of two kernel paths
+    assert diff_low > 1e-4, diff_low  # bf16 engine: ~8e-4 measured
+    assert diff_low > 100 * diff_matched, (diff_low, diff_matched)
+    assert abs(low["train/mismatch_kl"]) > 100 * abs(matched["train/mismatch_kl"])
+    assert low["train/mismatch_k3_kl"] > 0
+
+
+def test_tis_weights_leave_one_only_with_the_mismatch(runs):
+    tis_matched, tis_low = runs[(None, True)], runs[("bf16", True)]
+    assert tis_matched["train/tis_abs"] < 1e-5  # |w - 1|: weights ~1 when engine == trainer
+    assert tis_low["train/tis_abs"] > 1e-4
+    # The IS weights enter the loss: on the same batch, TIS moves the loss ~100x more with the bf16 engine.
+    effect_matched = abs(tis_matched["train/loss"] - runs[(None, False)]["train/loss"])
+    effect_low = abs(tis_low["train/loss"] - runs[("bf16", False)]["train/loss"])
+    assert effect_low > 10 * effect_matched, (effect_low, effect_matched)
+    # Rollout is identical under both losses (the loss does not change sampling).
+    assert tis_low["train/train_rollout_logprob_abs_diff"] == runs[("bf16", False)]["train/train_rollout_logprob_abs_diff"]
