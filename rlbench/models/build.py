@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 
 import torch
+from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from rlbench.models.presets import build_config
@@ -88,3 +90,37 @@ def save_pretrained(model: PreTrainedModel, tokenizer, path: str | os.PathLike) 
     model.save_pretrained(path, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
+
+
+@contextlib.contextmanager
+def params_on_meta():
+    """Inside, parameters are created on the meta device and buffers (rotary `inv_freq`, ...) on the CPU with their
+    real values: a model of any size is built at once, and every copy of it computes its buffers the same way
+    (on the CPU: a CUDA `pow` can round `inv_freq` differently, which moves RoPE, K/V and every log-prob)."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            p = module._parameters[name]
+            module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """A `params_on_meta` model on `device`: parameters allocated uninitialised (tied ones tied again), buffers
+    keeping their values."""
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    model.to_empty(device=device)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # meta -> device makes new Parameters: `lm_head` would no longer share the embedding
+    for full_name, value in buffers.items():
+        owner, _, leaf = full_name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        module._buffers[leaf] = value.to(device)
+    return model

@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from rlbench.config import RunConfig, TaskConfig
 from rlbench.data import PromptDataset, build_tokenizer, write_jsonl
 from rlbench.models import build_config, load_tokenizer
+from rlbench.models.build import materialize, params_on_meta
 
 
 @dataclass
@@ -71,15 +72,17 @@ def hf_config_for(model: str, overrides: dict) -> PretrainedConfig:
 
 
 def build_engine(cfg: RunConfig, device: torch.device, tokenizer):
-    """The torch engine with a freshly initialised copy of the architecture, in `engine.dtype` (None: the
-    backend's param dtype)."""
+    """The torch engine over an uninitialised copy of the architecture (the Trainer's first weight sync fills it),
+    in `engine.dtype` (None: the backend's param dtype). Its buffers (rotary `inv_freq`) are computed on the CPU,
+    like the trainer's, so both sides apply the same RoPE."""
     from rlbench.backends.fsdp.config import PARAM_DTYPES
     from rlbench.engine.torch_engine import TorchEngine
 
     hf_config = hf_config_for(cfg.backend.model, cfg.backend.model_overrides)
     dtype = getattr(torch, PARAM_DTYPES[cfg.engine.dtype]) if cfg.engine.dtype else cfg.backend.torch_param_dtype
-    with torch.device(device):
+    with params_on_meta():
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    model = materialize(model, device)
     return TorchEngine(model, cfg.engine, tokenizer=tokenizer)
 
 

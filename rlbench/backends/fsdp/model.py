@@ -24,6 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from rlbench.backends.fsdp.config import FSDPConfig
 from rlbench.distributed.mesh import DistEnv
+from rlbench.models.build import params_on_meta
 from rlbench.models.presets import build_config
 
 _RECOMPILE_LIMIT = 64  # compiled variants kept per decoder-layer code object (grad modes x pack lengths)
@@ -35,24 +36,6 @@ def model_config(name: str, overrides: dict | None = None) -> PretrainedConfig:
     if os.path.isdir(name):
         return AutoConfig.from_pretrained(name)
     return build_config(name, **(overrides or {}))
-
-
-@contextlib.contextmanager
-def _params_on_meta():
-    """Parameters are created on meta, buffers (rotary inv_freq, ...) on CPU with their real values."""
-    register = nn.Module.register_parameter
-
-    def register_on_meta(module, name, param):
-        register(module, name, param)
-        if param is not None and param.device.type != "meta":
-            p = module._parameters[name]
-            module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
-
-    nn.Module.register_parameter = register_on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
 
 
 def decoder_layers(model: PreTrainedModel) -> list[nn.Module]:
@@ -91,11 +74,11 @@ def build_sharded_model(
     hf_config = model_config(name, cfg.model_overrides)
     hf_config._attn_implementation = cfg.attn_implementation
     hf_config.use_cache = False
-    with _params_on_meta():
+    with params_on_meta():
         model = AutoModelForCausalLM.from_config(
             hf_config, dtype=torch.float32, attn_implementation=cfg.attn_implementation
         )
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}  # FSDP does not manage buffers
     mp = MixedPrecisionPolicy(param_dtype=cfg.torch_param_dtype, reduce_dtype=torch.float32)
     policy = CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if offload else None
     kwargs = dict(mesh=env.shard_mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
@@ -117,20 +100,14 @@ def build_sharded_model(
     # The root (embeddings, final norm, lm_head) is needed again right at the start of backward: keep it gathered.
     fully_shard(model, **(kwargs | {"reshard_after_forward": False}))
     model.to_empty(device="cpu" if offload else env.device)
-    _restore_buffers(model, buffers, env.device)
+    for full_name, value in buffers.items():  # on the compute device even with CPU offload
+        owner, _, leaf = full_name.rpartition(".")
+        (model.get_submodule(owner) if owner else model)._buffers[leaf] = value.to(env.device)
     if os.path.isdir(name):
         load_hf_weights(model, name)
     else:
         random_init(model, hf_config, cfg.seed, env.device)
     return model, hf_config
-
-
-def _restore_buffers(model: nn.Module, buffers: dict[str, torch.Tensor], device: torch.device) -> None:
-    # FSDP does not manage buffers: they live on the compute device even with CPU offload.
-    for full_name, value in buffers.items():
-        owner, _, leaf = full_name.rpartition(".")
-        module = model.get_submodule(owner) if owner else model
-        module._buffers[leaf] = value.to(device)
 
 
 def local_slice(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
