@@ -138,12 +138,65 @@ def bench_logsumexp(rows, iters):
         row(rows, "logsumexp", f"M={m} V={VOCAB} fp32", ours, ref, z.numel() * 4, "GB/s")
 
 
+# Tile configs the GPU test (tests/test_numerics_gpu.py, CANDIDATES) found bit-identical to MATMUL_LARGE.
+SWEEP = [ops.MatmulConfig(16, 32, 4, 4, 16), ops.MatmulConfig(32, 64, 4, 4, 16), ops.MatmulConfig(64, 32, 4, 4, 16),
+         ops.MatmulConfig(64, 64, 4, 4, 16), ops.MatmulConfig(128, 64, 4, 4, 8), ops.MatmulConfig(128, 128, 8, 4, 8),
+         ops.MatmulConfig(128, 256, 8, 3, 8)]
+
+
+def graph_timed(iters: int, fn) -> float:
+    """ms per call of `fn`, `iters` calls captured in one CUDA graph and replayed (launch cost excluded, as in the
+    engine's decode graphs)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def sweep_matmul(dtype, out: str) -> None:
+    """Time every SWEEP config at the models' layer shapes, per M; write the fastest small-M (M <= 512) and
+    large-M config as `{"small": [...], "large": [...]}` (MatmulConfig fields) to `out`."""
+    best = {}
+    for group, ms in (("small", (64, 256)), ("large", (8192, 16384))):
+        totals = {}
+        for cfg in SWEEP:
+            ops.MATMUL_CONFIGS = ((0, cfg),)
+            times = []
+            for c in MODELS.values():
+                h = c["hidden"]
+                for n, k in ((c["q"], h), (c["kv"], h), (h, c["q"]), (c["ffn"], h), (h, c["ffn"]), (VOCAB, h)):
+                    for m in ms:
+                        x = torch.randn(m, k, device="cuda", dtype=dtype)
+                        w = torch.randn(n, k, device="cuda", dtype=dtype) * k**-0.5
+                        iters = 20 if m * n < 2**28 else 3
+                        times.append(graph_timed(iters, lambda x=x, w=w: ops.matmul(x, w)))
+                        torch_ms = graph_timed(iters, lambda x=x, w=w: F.linear(x, w))
+                        times[-1] = times[-1] / torch_ms  # time relative to cuBLAS at this shape
+            totals[cfg] = statistics.geometric_mean(times)
+            print(f"sweep {group:5} {cfg}: {totals[cfg]:.3f}x cuBLAS (geometric mean over {len(times)} shapes)",
+                  flush=True)
+        best[group] = list(min(totals, key=totals.get))
+    Path(out).write_text(json.dumps(best))
+    print("best", best)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="Qwen3-0.6B only, fewer shapes and iterations")
     ap.add_argument("--iters", type=int, default=0, help="timed calls per case (default 30, --quick 10)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--out", default="", help="also write the rows as JSON to this file")
+    ap.add_argument("--sweep", default="", help="time the bit-identical matmul tile configs, write the best to this file")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
@@ -151,6 +204,11 @@ def main() -> None:
     iters = args.iters or (10 if args.quick else 30)
     torch.backends.cuda.matmul.allow_tf32 = False
     import triton
+
+    if args.sweep:
+        with torch.no_grad():
+            sweep_matmul(dtype, args.sweep)
+        return
 
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  {args.dtype}")
     print(f"MATMUL_CONFIGS {ops.MATMUL_CONFIGS}  BLOCK_K {ops.MATMUL_BLOCK_K}")

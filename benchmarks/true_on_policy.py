@@ -64,6 +64,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2, help="measured steps after one warm-up step")
     p.add_argument("--max-tokens-per-gpu", type=int, default=16384, help="token budget of a packed micro-batch")
     p.add_argument("--ac", action="store_true", help="activation checkpointing (the 4B shape needs it at 8k+)")
+    p.add_argument("--matmul-configs", default=None,
+                   help="JSON {small: [...], large: [...]} from `numerics.py --sweep`: the GEMM tiles to run (all "
+                        "bit-identical on the H200, tests/test_numerics_gpu.py)")
     p.add_argument("--out", default=None, help="JSON file for the results")
     return p.parse_args()
 
@@ -115,8 +118,19 @@ def run(args, preset: str, mode: str) -> dict:
     return row
 
 
+def use_matmul_configs(path: str) -> None:
+    from rlbench.numerics import triton_ops
+
+    best = json.load(open(path))
+    small, large = triton_ops.MatmulConfig(*best["small"]), triton_ops.MatmulConfig(*best["large"])
+    triton_ops.MATMUL_CONFIGS = ((0, small), (1024, large))
+    print("MATMUL_CONFIGS", triton_ops.MATMUL_CONFIGS, flush=True)
+
+
 def main() -> None:
     args = parse_args()
+    if args.matmul_configs:
+        use_matmul_configs(args.matmul_configs)
     REWARDS["bench_text"] = text_reward
     rows = []
     for preset in args.preset:
