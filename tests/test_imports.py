@@ -105,6 +105,7 @@ RULES = [
     ("rlbench.rollout", ["rlbench.engine", "rlbench.backends", "rlbench.trainer", "rlbench.orchestration"], []),
     ("rlbench.weights", ["rlbench.engine", "rlbench.backends", "rlbench.rollout", "rlbench.trainer"], []),
     ("rlbench.engine.megakernel.layout", ["rlbench"], []),
+    ("rlbench.numerics", ["rlbench"], ["rlbench.numerics", "rlbench.models"]),
 ]
 COMPOSERS = ("rlbench.trainer", "rlbench.orchestration", "rlbench.cli", "rlbench", "rlbench.experiments")
 LIBRARY_USERS = ("rlbench.viz", "rlbench.experiments")
