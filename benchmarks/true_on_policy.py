@@ -35,15 +35,12 @@ import torch
 from rlbench import presets
 from rlbench.config import EvalConfig, LoggingConfig
 from rlbench.data import write_jsonl
+from rlbench.metrics import NUMERICS_MODES, STEP_COST_KEYS
 from rlbench.rewards import REWARDS
 from rlbench.trainer import Trainer
 
-MODES = ("default", "true_on_policy", "true_on_policy_rollout_logprobs")
-KEYS = {"rollout_time_s": "perf/rollout_time", "logprob_time_s": "perf/log_probs_time",
-        "train_time_s": "perf/train_time", "step_time_s": "perf/step_time",
-        "rollout_tokens_per_s": "perf/rollout_tokens_per_sec",
-        "train_rollout_logprob_abs_diff": "train/train_rollout_logprob_abs_diff",
-        "ppo_kl_first_mb": "train/ppo_kl_first_mb"}
+MODES = NUMERICS_MODES
+KEYS = STEP_COST_KEYS
 
 
 def text_reward(response: str, label) -> float:

@@ -16,6 +16,8 @@ from rlbench.numerics import layout
 
 pytest.importorskip("triton")
 
+from test_numerics_triton import packed_attention, padded_attention  # noqa: E402
+
 from rlbench.numerics import triton_ops as ops  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -162,30 +164,6 @@ def _docs(lengths, heads, n_kv, hd, dtype, seed):
             for n in lengths]
 
 
-def _packed(docs, group, scale):
-    lengths = [d[0].shape[0] for d in docs]
-    q, k, v = (torch.cat([d[i] for d in docs])[None] for i in range(3))
-    starts = torch.tensor([0, *lengths]).cumsum(0)[:-1]
-    positions = torch.cat([torch.arange(n) for n in lengths]).cuda()
-    tiles = layout.tiles_for_documents(starts, torch.tensor(lengths), torch.zeros(len(docs)), starts, ops.tokens_per_tile(group), "cuda")
-    out = ops.attention(q, k, v, positions, *tiles, scale)[0]
-    return [out[s : s + n] for s, n in zip(starts.tolist(), lengths)]
-
-
-def _padded(docs, group, scale):
-    lengths = [d[0].shape[0] for d in docs]
-    t = max(lengths) + 5
-    q, k, v = (torch.full((len(docs), t, *docs[0][i].shape[1:]), float("nan"), dtype=docs[0][i].dtype,
-                          device="cuda") for i in range(3))
-    for b, doc in enumerate(docs):
-        for dst, src in zip((q, k, v), doc):
-            dst[b, : src.shape[0]] = src
-    b = torch.arange(len(docs))
-    tiles = layout.tiles_for_documents(b * t, torch.tensor(lengths), b, torch.zeros_like(b), ops.tokens_per_tile(group), "cuda")
-    out = ops.attention(q, k, v, torch.arange(t, device="cuda").repeat(len(docs)), *tiles, scale)
-    return [out[i, :n] for i, n in enumerate(lengths)]
-
-
 def _decode_positions(n: int) -> list[int]:
     """Both sides of every block boundary (p % BLOCK_N in {0, BLOCK_N - 1}), a few others, the last."""
     bn = ops.ATTN_BLOCK_N
@@ -220,7 +198,8 @@ def test_attention_decode_packed_padded_agree(dtype, group):
     n_kv, hd = 4, 128
     scale = hd**-0.5
     docs = _docs(LENGTHS, n_kv * group, n_kv, hd, dtype, seed=group)
-    packed, padded = _packed(docs, group, scale), _padded(docs, group, scale)
+    packed = packed_attention(ops, docs, group, scale, "cuda")
+    padded = padded_attention(ops, docs, group, scale, "cuda")
     picked, q, kc, vc, positions = _decode_inputs(docs)
     decode = ops.attention(q, kc, vc, positions, *layout.tiles_for_decode(torch.arange(q.shape[0], device="cuda")),
                            scale)[:, 0].split(list(map(len, picked)))

@@ -196,30 +196,32 @@ def _reference(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
 
 
-def _packed(docs, group, scale, extra=5):
-    """One stream (B = 1) of all documents, then `extra` NaN tokens that no tile covers."""
+def packed_attention(ops, docs, group, scale, device="cpu", extra=5):
+    """One stream (B = 1) of all documents, then `extra` NaN tokens that no tile covers; per-document outputs."""
     lengths = [d[0].shape[0] for d in docs]
     q, k, v = (torch.cat([d[i] for d in docs] + [torch.full_like(docs[0][i][:extra], float("nan"))])[None]
                for i in range(3))
     starts = torch.tensor([0, *lengths]).cumsum(0)[:-1]
-    positions = torch.cat([torch.arange(n) for n in lengths] + [torch.zeros(extra, dtype=torch.long)])
-    tiles = layout.tiles_for_documents(starts, torch.tensor(lengths), torch.zeros(len(docs)), starts, ops.tokens_per_tile(group), "cpu")
+    positions = torch.cat([torch.arange(n) for n in lengths] + [torch.zeros(extra, dtype=torch.long)]).to(device)
+    tiles = layout.tiles_for_documents(starts, torch.tensor(lengths), torch.zeros(len(docs)), starts,
+                                       ops.tokens_per_tile(group), device)
     out = ops.attention(q, k, v, positions, *tiles, scale)[0]
     return [out[s : s + n] for s, n in zip(starts.tolist(), lengths)]
 
 
-def _padded(docs, group, scale):
-    """A right-padded batch `[len(docs), T]`, the padding NaN (int32 positions)."""
+def padded_attention(ops, docs, group, scale, device="cpu"):
+    """A right-padded batch `[len(docs), T]`, the padding NaN (int32 positions); per-document outputs."""
     lengths = [d[0].shape[0] for d in docs]
     t = max(lengths) + 3
-    q, k, v = (torch.full((len(docs), t, *docs[0][i].shape[1:]), float("nan"), dtype=docs[0][i].dtype)
-               for i in range(3))
+    q, k, v = (torch.full((len(docs), t, *docs[0][i].shape[1:]), float("nan"), dtype=docs[0][i].dtype,
+                          device=device) for i in range(3))
     for b, doc in enumerate(docs):
         for dst, src in zip((q, k, v), doc):
             dst[b, : src.shape[0]] = src
-    positions = torch.arange(t, dtype=torch.int32).repeat(len(docs))
+    positions = torch.arange(t, dtype=torch.int32, device=device).repeat(len(docs))
     b = torch.arange(len(docs))
-    tiles = layout.tiles_for_documents(b * t, torch.tensor(lengths), b, torch.zeros_like(b), ops.tokens_per_tile(group), "cpu")
+    tiles = layout.tiles_for_documents(b * t, torch.tensor(lengths), b, torch.zeros_like(b), ops.tokens_per_tile(group),
+                                       device)
     out = ops.attention(q, k, v, positions, *tiles, scale)
     return [out[i, :n] for i, n in enumerate(lengths)]
 
@@ -259,7 +261,8 @@ def test_attention_paths_agree_bitwise_and_match_f64(one_thread, dtype, group):
     n_kv, hd = 2, 64
     scale = hd**-0.5
     docs = _documents(LENGTHS, n_kv * group, n_kv, hd, dtype, seed=group)
-    packed, padded, decode = _packed(docs, group, scale), _padded(docs, group, scale), _decode(docs, scale)
+    packed, padded = packed_attention(ops, docs, group, scale), padded_attention(ops, docs, group, scale)
+    decode = _decode(docs, scale)
     rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (3e-2, 3e-2)
     for i, doc in enumerate(docs):
         assert packed[i].dtype == dtype

@@ -27,18 +27,15 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
+from rlbench.metrics import NUMERICS_MODES, STEP_COST_KEYS
 from rlbench.viz._display import FigureView, WidgetMixin
 from rlbench.viz.dashboard import first_value
 
 DIFF_KEYS = ("train/train_rollout_logprob_abs_diff", "train/ppo_kl_first_mb", "train/mismatch_k3_kl", "train/ppo_kl")
 """The per-step mismatch metrics `RunsView` offers by default."""
-MODES = ("default", "true_on_policy", "true_on_policy_rollout_logprobs")
+MODES = NUMERICS_MODES
 """The `mode` names of `benchmarks/true_on_policy.py` rows."""
-PERF_KEYS = {"rollout_tokens_per_s": "perf/rollout_tokens_per_sec", "rollout_time_s": "perf/rollout_time",
-             "logprob_time_s": "perf/log_probs_time", "train_time_s": "perf/train_time",
-             "step_time_s": "perf/step_time",
-             "train_rollout_logprob_abs_diff": "train/train_rollout_logprob_abs_diff",
-             "ppo_kl_first_mb": "train/ppo_kl_first_mb"}
+PERF_KEYS = STEP_COST_KEYS
 """Cost-table column -> the trainer's metric key (the same columns as `benchmarks/true_on_policy.py`)."""
 RATIO_KEYS = ("rollout_tokens_per_s", "rollout_time_s", "logprob_time_s", "train_time_s", "step_time_s")
 """Columns `cost_table` divides by the baseline row's (`<key>_x`)."""
