@@ -16,7 +16,7 @@ from rlbench.numerics import layout
 
 pytest.importorskip("triton")
 
-from test_numerics_triton import packed_attention, padded_attention  # noqa: E402
+from test_numerics_triton import decode_inputs, packed_attention, padded_attention  # noqa: E402
 
 from rlbench.numerics import triton_ops as ops  # noqa: E402
 
@@ -171,25 +171,8 @@ def _decode_positions(n: int) -> list[int]:
 
 
 def _decode_inputs(docs):
-    """Each `_decode_positions` query as its own T = 1 token against a cache slot `[S, n_kv, L, hd]` holding
-    its document's keys up to its position and NaN after (never read)."""
-    lengths = [d[0].shape[0] for d in docs]
-    n_kv, hd = docs[0][1].shape[1:]
-    picked = [_decode_positions(n) for n in lengths]
-    slots = sum(map(len, picked))
-    dtype = docs[0][0].dtype
-    kc, vc = (torch.full((slots, n_kv, max(lengths) + 64, hd), float("nan"), dtype=dtype, device="cuda")
-              for _ in range(2))
-    queries, positions = [], []
-    for (q, k, v), ps in zip(docs, picked):
-        for p in ps:
-            s = len(queries)
-            kc[s, :, : p + 1] = k[: p + 1].transpose(0, 1)
-            vc[s, :, : p + 1] = v[: p + 1].transpose(0, 1)
-            queries.append(q[p])
-            positions.append(p)
-    q = torch.stack(queries)[:, None]
-    return picked, q, kc.transpose(1, 2), vc.transpose(1, 2), torch.tensor(positions, device="cuda")
+    """`decode_inputs` on CUDA: every `_decode_positions` query of every document against its own cache slot."""
+    return decode_inputs(docs, _decode_positions, "cuda", 64)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -236,11 +236,22 @@ def _decode(docs, scale):
     """`_decode_positions` of every document, each as its own T = 1 query against a cache slot holding that
     document's keys up to the position and NaN after it, the cache a permuted view of `[S, n_kv, L, hd]`.
     Returns per document `(positions, out [len(positions), H, hd])`."""
+    picked, q, kc, vc, positions = decode_inputs(docs, _decode_positions)
+    tiles = layout.tiles_for_decode(torch.arange(q.shape[0]))
+    out = ops.attention(q, kc, vc, positions, *tiles, scale)[:, 0]
+    return list(zip(picked, out.split(list(map(len, picked)))))
+
+
+def decode_inputs(docs, pick, device="cpu", pad=7):
+    """For each document the positions `pick(length)`, each a T = 1 query `[S, 1, H, hd]` against its own cache
+    slot (a permuted view of `[S, n_kv, L, hd]`) holding the document's keys up to the position and NaN after.
+    Returns `(picked, q, k_cache, v_cache, positions)`."""
     lengths = [d[0].shape[0] for d in docs]
     n_kv, hd = docs[0][1].shape[1:]
-    picked = [_decode_positions(n) for n in lengths]
+    picked = [pick(n) for n in lengths]
     slots = sum(map(len, picked))
-    kc, vc = (torch.full((slots, n_kv, max(lengths) + 7, hd), float("nan"), dtype=docs[0][0].dtype) for _ in range(2))
+    kc, vc = (torch.full((slots, n_kv, max(lengths) + pad, hd), float("nan"), dtype=docs[0][0].dtype, device=device)
+              for _ in range(2))
     queries, positions = [], []
     for (q, k, v), ps in zip(docs, picked):
         for p in ps:
@@ -249,10 +260,8 @@ def _decode(docs, scale):
             vc[s, :, : p + 1] = v[: p + 1].transpose(0, 1)
             queries.append(q[p])
             positions.append(p)
-    q = torch.stack(queries)[:, None]  # [S, 1, H, hd]
-    tiles = layout.tiles_for_decode(torch.arange(slots))
-    out = ops.attention(q, kc.transpose(1, 2), vc.transpose(1, 2), torch.tensor(positions), *tiles, scale)[:, 0]
-    return list(zip(picked, out.split(list(map(len, picked)))))
+    q = torch.stack(queries)[:, None]
+    return picked, q, kc.transpose(1, 2), vc.transpose(1, 2), torch.tensor(positions, device=device)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
