@@ -5,8 +5,10 @@ matched-precision references.
     python benchmarks/mismatch.py                       # 60 steps per setting, bf16 engine, eval every 20
     python benchmarks/mismatch.py --quick               # smoke run: 2 steps per setting, no eval (runs/mismatch/quick.json)
     python benchmarks/mismatch.py --engine-dtype fp16 --steps 30 --out /tmp/m.json
+    python benchmarks/mismatch.py --engine-weight-format fp8_e4m3   # FP8 rollout weights (mismatch_fp8_<date>.json)
 
-Settings (all GRPO from `rlbench.presets.cpu_demo`, only `loss` and `engine.dtype` differ):
+Settings (all GRPO from `rlbench.presets.cpu_demo`, only `loss`, `engine.dtype` and `engine.weight_format` differ;
+`--engine-weight-format fp8_e4m3` gives the less precise settings FP8 rollout weights, `rlbench.engine.quantize`):
 
 | name | engine | loss |
 |---|---|---|
@@ -43,6 +45,7 @@ import torch
 from rlbench import presets
 from rlbench.algorithms import MISConfig
 from rlbench.config import LoggingConfig
+from rlbench.engine.config import WEIGHT_FORMATS
 from rlbench.sft import SFTConfig, run_sft
 from rlbench.trainer import Trainer
 
@@ -57,8 +60,9 @@ KEEP_PREFIXES = (
 """Metric keys kept per step (prefix match)."""
 
 
-def settings(engine_dtype: str, names: list[str] | None = None) -> dict[str, dict]:
-    """name -> {"engine_dtype": str | None, "loss": dict of LossConfig overrides, "seed_offset": int}."""
+def settings(engine_dtype: str, names: list[str] | None = None, weight_format: str | None = None) -> dict[str, dict]:
+    """name -> {"engine_dtype": str | None, "loss": dict of LossConfig overrides, "seed_offset": int,
+    "weight_format": str | None (the less precise settings only)}."""
     all_settings = {
         "standard": dict(engine_dtype=engine_dtype, loss={}),
         "tis": dict(engine_dtype=engine_dtype, loss=dict(use_tis=True, tis_clip=2.0)),
@@ -72,6 +76,8 @@ def settings(engine_dtype: str, names: list[str] | None = None) -> dict[str, dic
         if unknown:
             raise SystemExit(f"unknown settings {unknown}; choose from {list(all_settings)}")
         all_settings = {n: all_settings[n] for n in names}
+    for setting in all_settings.values():
+        setting["weight_format"] = weight_format if setting["engine_dtype"] is not None else None
     return all_settings
 
 
@@ -83,7 +89,7 @@ def build_config(model: str, workdir: str, setting: dict, *, steps: int, eval_in
     optim = cfg.backend.optim if lr is None else dc.replace(cfg.backend.optim, lr=lr)
     sections = dict(
         loss=loss,
-        engine=dc.replace(cfg.engine, dtype=setting["engine_dtype"]),
+        engine=dc.replace(cfg.engine, dtype=setting["engine_dtype"], weight_format=setting.get("weight_format")),
         backend=dc.replace(cfg.backend, optim=optim),
         batch=dc.replace(cfg.batch, num_rollout=steps),
         eval=dc.replace(cfg.eval, interval=eval_interval),
@@ -176,7 +182,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=60, help="RL steps per setting (default 60, the demo's)")
     p.add_argument("--engine-dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
                    help="the less precise engine's dtype (the trainer computes in fp32)")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/mismatch_<date>.json)")
+    p.add_argument("--engine-weight-format", default=None, choices=WEIGHT_FORMATS,
+                   help="the less precise engine's weight format (default: as sent; fp8_e4m3: FP8 rollout weights)")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/mismatch_<date>.json, "
+                   "mismatch_fp8_<date>.json with --engine-weight-format fp8_e4m3)")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 steps per setting, no eval, no seed-noise run")
     p.add_argument("--settings", nargs="*", default=None, help="subset of the settings (default: all)")
     p.add_argument("--eval-interval", type=int, default=20, help="eval every N steps and before training (0: off)")
@@ -192,24 +201,27 @@ def main(argv: list[str] | None = None) -> dict:
         args.settings = args.settings or [n for n in settings("bf16") if not n.endswith("_seed1")]
     torch.set_num_threads(args.threads)
     date = datetime.date.today().isoformat()
+    fmt_tag = {None: "", "fp8_e4m3": "fp8_"}[args.engine_weight_format]
     default_out = (os.path.join(args.workdir, "quick.json") if args.quick  # never overwrite a committed result
-                   else os.path.join(ROOT, "benchmarks", "results", f"mismatch_{date}.json"))
+                   else os.path.join(ROOT, "benchmarks", "results", f"mismatch_{fmt_tag}{date}.json"))
     out_path = args.out or default_out
     model = ensure_model(args.model)
     eval_interval = args.eval_interval or None
     result = {
-        "what": "train-inference mismatch: cpu_demo GRPO, fp32 trainer, engine in --engine-dtype vs matched",
+        "what": "train-inference mismatch: cpu_demo GRPO, fp32 trainer, engine in --engine-dtype"
+                + (f" with {args.engine_weight_format} weights" if args.engine_weight_format else "") + " vs matched",
         "provenance": provenance(argv),
         "args": vars(args),
         "trainer_param_dtype": presets.cpu_demo(model=model).backend.param_dtype,
         "settings": {},
     }
     window = max(1, min(10, args.steps // 4))
-    for name, setting in settings(args.engine_dtype, args.settings).items():
+    for name, setting in settings(args.engine_dtype, args.settings, args.engine_weight_format).items():
         cfg = build_config(model, os.path.join(args.workdir, name), setting, steps=args.steps,
                            eval_interval=eval_interval, lr=args.lr, seed_offset=args.seed_offset)
         run = run_setting(name, cfg, args.steps)
         run["config"] = {"engine_dtype": cfg.engine.dtype or f"{cfg.backend.param_dtype} (matched)",
+                         "engine_weight_format": cfg.engine.weight_format,
                          "loss_mode": cfg.loss.mode, "loss_overrides": {k: str(v) for k, v in setting["loss"].items()},
                          "rollout_seed": cfg.rollout.seed, "lr": cfg.backend.optim.lr}
         run["summary"] = summarize(run["steps"], run["eval"], window)

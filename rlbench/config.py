@@ -371,11 +371,12 @@ class RunConfig:
             return
         dtype = self.engine.dtype or self.backend.param_dtype
         weights = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(self.weights.dtype, dtype)
-        if dtype != self.backend.param_dtype or weights != dtype:
+        if dtype != self.backend.param_dtype or weights != dtype or self.engine.weight_format is not None:
             raise ValueError(
                 f"true_on_policy_mode needs the engine to compute in the trainer's dtype (backend.param_dtype="
-                f"{self.backend.param_dtype!r}); got engine.dtype={self.engine.dtype!r}, weights.dtype="
-                f"{self.weights.dtype!r}: leave both None")
+                f"{self.backend.param_dtype!r}) on the weights as sent; got engine.dtype={self.engine.dtype!r}, "
+                f"weights.dtype={self.weights.dtype!r}, engine.weight_format={self.engine.weight_format!r}: leave "
+                "all three None")
         if self.backend.cp_size > 1:
             raise ValueError(
                 f"true_on_policy_mode with context_parallel_size={self.backend.cp_size}: ring attention merges "

@@ -14,6 +14,8 @@ DECODE_ATTENTION = ("auto", "split", "sdpa")
 STAGE_SYNC = ("pdl", "barrier", "launch")
 ENGINE_DTYPES = ("bf16", "fp16", "fp32")
 """`TorchEngineConfig.dtype` names (the backend's `param_dtype` names)."""
+WEIGHT_FORMATS = ("fp8_e4m3",)
+"""`TorchEngineConfig.weight_format` names (`rlbench.engine.quantize`); None keeps the weights as sent."""
 """How the megakernel's stages wait for each other (`MegakernelConfig.sync`)."""
 
 
@@ -80,6 +82,11 @@ class TorchEngineConfig:
     dtype: str | None = None
     """The engine's weights and compute dtype: "bf16", "fp16" or "fp32"; None: the trainer's compute dtype
     (`backend.param_dtype`). A lower precision than the trainer's is a train/rollout mismatch by design."""
+    weight_format: str | None = None
+    """How the engine stores the weights it receives: None (as sent, in `dtype`) or "fp8_e4m3" (FP8 rollout, as
+    slime/verl's "fp8 rollout, bf16 training": each weight matrix rounded to float8_e4m3fn with one scale per
+    output row, row amax / 448, and kept dequantized in `dtype`; 1-D norms and biases as sent). Anything but
+    None is a train/rollout mismatch by design (`rlbench.engine.quantize.round_to_fp8`)."""
     batch_invariant: bool = False
     """Batch-invariant numerics (`rlbench.numerics`): a token's log-prob does not depend on the batch it was
     decoded in, and equals the trainer's recompute bit for bit when the trainer runs them too
@@ -102,6 +109,9 @@ class TorchEngineConfig:
             raise ValueError(f"decode_attention={self.decode_attention!r} must be one of {DECODE_ATTENTION}")
         if self.dtype is not None and self.dtype not in ENGINE_DTYPES:
             raise ValueError(f"engine dtype={self.dtype!r} must be None (the trainer's) or one of {ENGINE_DTYPES}")
+        if self.weight_format is not None and self.weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"engine weight_format={self.weight_format!r} must be None (the weights as sent) or one "
+                             f"of {WEIGHT_FORMATS}")
         if self.megakernel is None or isinstance(self.megakernel, (bool, int)):
             self.megakernel = MegakernelConfig(enabled=self.megakernel)
         elif isinstance(self.megakernel, dict):
