@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 DECODE_ATTENTION = ("auto", "split", "sdpa")
 """Decode attention names (`rlbench.engine.attention.DECODE_ATTENTION` maps them to implementations)."""
 STAGE_SYNC = ("pdl", "barrier", "launch")
+"""How the megakernel's stages wait for each other (`MegakernelConfig.sync`)."""
 ENGINE_DTYPES = ("bf16", "fp16", "fp32")
 """`TorchEngineConfig.dtype` names (the backend's `param_dtype` names)."""
 WEIGHT_FORMATS = ("fp8_e4m3",)
 """`TorchEngineConfig.weight_format` names (`rlbench.engine.quantize`); None keeps the weights as sent."""
-"""How the megakernel's stages wait for each other (`MegakernelConfig.sync`)."""
 
 
 @dataclass
