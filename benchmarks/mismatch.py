@@ -6,6 +6,8 @@ matched-precision references.
     python benchmarks/mismatch.py --quick               # smoke run: 2 steps per setting, no eval (runs/mismatch/quick.json)
     python benchmarks/mismatch.py --engine-dtype fp16 --steps 30 --out /tmp/m.json
     python benchmarks/mismatch.py --engine-weight-format fp8_e4m3   # FP8 rollout weights (mismatch_fp8_<date>.json)
+    python benchmarks/mismatch.py --engine-weight-format fp8_e4m3 --temperature 1.5 --steps 3 --eval-interval 0 \
+        --settings mis --out /tmp/p.json   # a probe: higher-entropy rollouts; MIS logs the out-of-band fractions
 
 Settings (all GRPO from `rlbench.presets.cpu_demo`, only `loss`, `engine.dtype` and `engine.weight_format` differ;
 `--engine-weight-format fp8_e4m3` gives the less precise settings FP8 rollout weights, `rlbench.engine.quantize`):
@@ -82,7 +84,8 @@ def settings(engine_dtype: str, names: list[str] | None = None, weight_format: s
 
 
 def build_config(model: str, workdir: str, setting: dict, *, steps: int, eval_interval: int | None,
-                 lr: float | None, seed_offset: int = 0):
+                 lr: float | None, seed_offset: int = 0, temperature: float | None = None,
+                 task: str | None = None):
     """cpu_demo with the setting's engine dtype and loss; the trainer stays fp32 (`backend.param_dtype`)."""
     cfg = presets.cpu_demo(model=model, workdir=workdir)
     loss = dc.replace(cfg.loss, **setting["loss"])
@@ -95,10 +98,19 @@ def build_config(model: str, workdir: str, setting: dict, *, steps: int, eval_in
         eval=dc.replace(cfg.eval, interval=eval_interval),
         logging=LoggingConfig(console=False, jsonl_path=os.path.join(workdir, "metrics.jsonl")),
     )
+    rollout = cfg.rollout if temperature is None else dc.replace(cfg.rollout, temperature=temperature)
+    data = cfg.data
+    if task and task != cfg.task.name:  # another synthetic task on the same arithmetic-SFT model: longer answers
+        task_cfg = dc.replace(cfg.task, name=task)
+        data = dc.replace(data, path=task_cfg.train_path)
+        rollout = dc.replace(rollout, max_response_len=24)
+        sections |= dict(task=task_cfg, engine=dc.replace(sections["engine"], max_seq_len=80))
     offset = setting.get("seed_offset", 0) + seed_offset
     if offset:
         seed = cfg.rollout.seed + offset
-        sections |= dict(rollout=dc.replace(cfg.rollout, seed=seed), data=dc.replace(cfg.data, seed=seed))
+        rollout = dc.replace(rollout, seed=seed)
+        data = dc.replace(data, seed=seed)
+    sections |= dict(rollout=rollout, data=data)
     return cfg.replace(**sections)
 
 
@@ -191,6 +203,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--eval-interval", type=int, default=20, help="eval every N steps and before training (0: off)")
     p.add_argument("--seed-offset", type=int, default=0,
                    help="add N to every setting's rollout/data seed (another sample of the same comparison)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="override rollout.temperature (the preset's 1.0; training log-probs use the same; eval keeps 1.0)")
+    p.add_argument("--task", default=None, choices=("arithmetic", "countdown"),
+                   help="override the preset's task (arithmetic level 1); countdown: max_response_len 24; the "
+                        "arithmetic-SFT model scores ~0 on it, so use it for the mismatch numbers, with --eval-interval 0")
     p.add_argument("--lr", type=float, default=None, help="override the preset's learning rate (2e-4)")
     p.add_argument("--model", default=presets.DEMO_SFT_DIR, help="HF dir or model preset (default: the demo's SFT)")
     p.add_argument("--workdir", default=os.path.join("runs", "mismatch"))
@@ -218,12 +235,15 @@ def main(argv: list[str] | None = None) -> dict:
     window = max(1, min(10, args.steps // 4))
     for name, setting in settings(args.engine_dtype, args.settings, args.engine_weight_format).items():
         cfg = build_config(model, os.path.join(args.workdir, name), setting, steps=args.steps,
-                           eval_interval=eval_interval, lr=args.lr, seed_offset=args.seed_offset)
+                           eval_interval=eval_interval, lr=args.lr, seed_offset=args.seed_offset,
+                           temperature=args.temperature, task=args.task)
         run = run_setting(name, cfg, args.steps)
         run["config"] = {"engine_dtype": cfg.engine.dtype or f"{cfg.backend.param_dtype} (matched)",
                          "engine_weight_format": cfg.engine.weight_format,
                          "loss_mode": cfg.loss.mode, "loss_overrides": {k: str(v) for k, v in setting["loss"].items()},
-                         "rollout_seed": cfg.rollout.seed, "lr": cfg.backend.optim.lr}
+                         "rollout_seed": cfg.rollout.seed, "rollout_temperature": cfg.rollout.temperature,
+                         "task": cfg.task.name,
+                         "lr": cfg.backend.optim.lr}
         run["summary"] = summarize(run["steps"], run["eval"], window)
         run["summary"]["window_steps"] = window
         result["settings"][name] = run
