@@ -122,10 +122,14 @@ class RankStep:
             budget = b.max_tokens_per_gpu * self.cp_size  # a CP group shares the tokens of one micro-batch
         else:
             mode, budget = {"micro_batch_size": b.micro_batch_size}, None
+        # CP: every slot (sequence + alignment pad, trailing pad) a multiple of 2*cp, the zig-zag layout
+        # (`rlbench.packing.cp.pad_for_cp`); the CP peers of a DP rank get the same samples, hence the same packs
+        align = 2 * self.cp_size if self.cp_size > 1 else 1
         packs = []
         for samples in steps:
             n_mb = num_micro_batches([s.total_length for s in samples], **mode, reduce_max=self.reduce.max)
-            packs.append(make_step_packs(samples, n_mb, budget, pad_token_id=self.pad_token_id))
+            packs.append(make_step_packs(samples, n_mb, budget, pad_multiple=align, seq_align=align,
+                                         pad_token_id=self.pad_token_id))
         return packs
 
     # ------------------------------------------------------------------ log-probs

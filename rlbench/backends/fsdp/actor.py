@@ -96,6 +96,8 @@ class FSDPBackend:
         if self._asleep:
             raise ValueError("the backend is asleep (its device memory is released); call wake_up() first")
         dev = self.env.device
+        if self.env.cp_size > 1:
+            return self._forward_pack_cp(model, pack, with_entropy)
         tokens = pack.tokens.to(dev, non_blocking=True)  # [T]
         positions = pack.position_ids.to(dev, non_blocking=True)  # [T]
         # flex on CUDA: our document BlockMask. On CPU (inductor's CPU flex template fails to compile a
@@ -111,6 +113,39 @@ class FSDPBackend:
         )
         index = pack.response_index.to(dev, non_blocking=True)  # [R]
         return logp[index], (ent[index] if ent is not None else None)
+
+    def _forward_pack_cp(self, model, pack, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward_pack` of one CP rank: the model sees the rank's zig-zag slice; the result is the FULL `[R]`.
+
+        Each rank scores the response tokens whose predicting position it holds (`cp_local_response`; the
+        target is the full pack's token at global index + 1, so chunk borders are right), then `_cp_assemble`
+        puts every rank's part into response order. Its backward hands each rank the gradient of its own
+        entries only, so with the loss computed identically on every CP peer the parameter gradients summed
+        over the peers are the full pack's, once.
+        """
+        from rlbench.distributed.cp_attention import CPContext, cp_attention_info
+        from rlbench.packing.cp import cp_layout, cp_local_response, cp_slice, pad_for_cp
+
+        env, dev = self.env, self.env.device
+        cp, rank = env.cp_size, env.cp_rank
+        slots = (pack.cu_seqlens_with_pad[1:] - pack.cu_seqlens_with_pad[:-1]).long()
+        if bool((slots % (2 * cp)).any()):  # RankStep packs are aligned already; other callers get re-laid out
+            pack = pad_for_cp(pack, cp)
+        layout = cp_layout(pack, cp)
+        info = cp_attention_info(layout, rank, dev)
+        group = env.mesh["cp"].get_group()
+        tokens = cp_slice(pack.tokens, layout, rank).to(dev, non_blocking=True)  # [T/cp]
+        positions = cp_slice(pack.position_ids, layout, rank).to(dev, non_blocking=True)  # [T/cp]
+        out = model(input_ids=tokens[None], position_ids=positions[None], rl_cp=CPContext(info, group), use_cache=False)
+        local_pos, resp_ids = cp_local_response(pack, layout, rank)  # [R_r]
+        targets = pack.tokens[layout.indices[rank][local_pos] + 1].to(dev, non_blocking=True)  # [R_r]
+        logp, ent = token_logprobs(
+            out.logits[0][local_pos.to(dev)], targets, self.temperature, chunk_size=self.cfg.logprob_chunk_size,
+            with_entropy=with_entropy,
+        )
+        R = int(pack.response_index.numel())
+        resp_ids = resp_ids.to(dev)
+        return _cp_assemble(logp, resp_ids, R, group), (_cp_assemble(ent, resp_ids, R, group) if ent is not None else None)
 
     @torch.no_grad()
     def compute_log_prob(
@@ -154,7 +189,8 @@ class FSDPBackend:
         keys = sorted(metric_sums)
         totals = torch.stack([loss_sum] + [metric_sums[k] for k in keys]).double()
         raise_if_interrupted()  # the last point before the update
-        dist.all_reduce(totals)
+        # CP peers compute the same loss and metrics (full [R] per pack): count them once, over the DP group
+        dist.all_reduce(totals, group=self.env.mesh["dp"].get_group() if self.env.cp_size > 1 else None)
         grad_norm = self._clip_grad_norm()
         ok = bool(torch.isfinite(totals[0])) and bool(torch.isfinite(grad_norm))
         lr = self.scheduler.get_last_lr()[0]
@@ -178,6 +214,9 @@ class FSDPBackend:
     def _accumulate(self, packs, loss_inputs, loss_fn) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         # FSDP averages gradients over the shard group; the loss is a global weighted sum, so undo the mean.
         # For power-of-two worlds both `* scale` and FSDP's `/ scale` are exact: grads = the rank sums.
+        # Under CP the peers compute the same (full-pack) loss, but each one's backward reaches only its own
+        # tokens (`_cp_assemble`, `all_gather_kv`), so the sum over all dp x cp ranks is still the global
+        # gradient once: the scale stays the shard-mesh size (tests/test_cp_train.py checks it against cp=1).
         scale = float(self.env.shard_mesh.size())
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
         sums: dict[str, torch.Tensor] = {}
@@ -316,6 +355,29 @@ class FSDPBackend:
 
     def _allocated(self) -> int | None:
         return torch.cuda.memory_allocated(self.env.device) if self.env.device.type == "cuda" else None
+
+
+class _SumOverPeers(torch.autograd.Function):
+    """all_reduce(SUM) over the CP group forward; identity backward. Every peer computes the same loss from the
+    summed tensor, so each one's upstream gradient is already the full one: passing it through unchanged (not
+    summed over peers) gives each rank exactly the gradient of the entries it contributed."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def _cp_assemble(local: torch.Tensor, resp_ids: torch.Tensor, num_response: int, group) -> torch.Tensor:
+    """A CP rank's response values `[R_r]` at `resp_ids` -> the full `[R]` on every peer (the ranks' ids
+    partition range(R), the others contribute exact zeros, so the sum is bit-exact)."""
+    full = local.new_zeros(num_response).index_copy(0, resp_ids, local)
+    return _SumOverPeers.apply(full, group)
 
 
 def _engine_lse():

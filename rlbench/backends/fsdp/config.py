@@ -106,7 +106,8 @@ class FSDPConfig:
     no_sync_accumulation: bool = True
     """reduce-scatter gradients only on the last micro-batch of a step (fp32 unsharded accumulation)"""
     cp_size: int = 1
-    """context-parallel size (mesh is (dp, cp); FSDP shards over dp x cp)"""
+    """context-parallel size (mesh is (dp, cp); FSDP shards over dp x cp); > 1 replaces the model's attention
+    with `rlbench.distributed.cp_attention` ("rlbench_cp", zig-zag slices, all-gathered K/V)"""
     checkpoint_dir: str | None = None
     """where save()/load() write/read iter_XXXXXXX directories"""
     checkpoint_format: str = "sharded"
@@ -133,6 +134,12 @@ class FSDPConfig:
             raise ValueError(f"checkpoint_format={self.checkpoint_format!r}; use 'sharded' or 'full'")
         if self.cp_size < 1:
             raise ValueError(f"cp_size={self.cp_size} must be >= 1")
+        if self.cp_size > 1 and self.batch_invariant:
+            raise ValueError(f"cp_size={self.cp_size} with batch_invariant=True: CP attention (all-gathered K/V, "
+                             "rlbench.distributed.cp_attention) is not the engine's batch-invariant kernel; use cp_size=1")
+        if self.cp_size > 1 and self.attn_implementation.startswith("flash_attention"):
+            raise ValueError(f"cp_size={self.cp_size} with attn_implementation={self.attn_implementation!r}: CP runs its "
+                             "own attention (rlbench_cp: SDPA on CPU, flex on CUDA); use 'sdpa' or 'flex_attention'")
         if self.checkpoint_every < 1:
             raise ValueError(f"checkpoint_every={self.checkpoint_every} must be >= 1 (1 = every layer)")
         if self.batch_invariant and self.compile:
