@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from dist_utils import free_port
 
 pytestmark = pytest.mark.browser
 
@@ -29,12 +29,6 @@ ARTIFACTS = ROOT / "test-artifacts"
 DOCS_IMG = ROOT / "docs" / "img"
 CHROMIUM = os.environ.get("PLAYWRIGHT_CHROMIUM_EXECUTABLE") or shutil.which("chromium") or "/usr/bin/chromium"
 RUN_ALL_TIMEOUT_S = 480
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cells_run(path: Path) -> list[dict]:
@@ -66,7 +60,7 @@ def lab(tmp_path_factory):
     ]:
         (settings / "@jupyterlab" / ext).mkdir(parents=True, exist_ok=True)
         (settings / "@jupyterlab" / ext / f"{name}.jupyterlab-settings").write_text(json.dumps(values))
-    port = _free_port()
+    port = free_port()
     env = os.environ | {
         "RLBENCH_SMOKE": "1", "OMP_NUM_THREADS": "1", "JUPYTERLAB_SETTINGS_DIR": str(settings),
         "JUPYTER_CONFIG_DIR": str(root / "config"), "JUPYTER_RUNTIME_DIR": str(root / "runtime"),

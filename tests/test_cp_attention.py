@@ -8,11 +8,11 @@ results, the tests compare them with a plain single-process HF (sdpa) reference 
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from dist_utils import free_port
 
 from rlbench.distributed.cp_attention import CPAttnInfo, cp_attention_info, cp_block_tables, cp_dense_mask
 from rlbench.models import build_model
@@ -116,18 +116,12 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     out = {}
     for world in WORLDS:
         root = str(tmp_path_factory.mktemp(f"cp{world}"))
-        mp.spawn(_worker, args=(world, _free_port(), root), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, free_port(), root), nprocs=world, join=True)
         out[world] = [torch.load(os.path.join(root, f"rank{r}.pt")) for r in range(world)]
     return out
 

@@ -14,11 +14,11 @@ backend re-lays out itself.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from dist_utils import free_port
 
 from rlbench.packing import pack_samples, pad_for_cp
 from rlbench.types import Sample
@@ -119,18 +119,12 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     out = {}
     for world, runs in RUNS.items():
         root = str(tmp_path_factory.mktemp(f"world{world}"))
-        mp.spawn(_worker, args=(world, _free_port(), root), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, free_port(), root), nprocs=world, join=True)
         ranks = [torch.load(os.path.join(root, f"rank{r}.pt")) for r in range(world)]
         for run in runs:
             out[run] = [r[run] for r in ranks]

@@ -7,11 +7,11 @@ below each assert one recorded result.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from dist_utils import free_port
 
 from rlbench.algorithms.logprobs import token_logprobs
 from rlbench.models import build_model, save_pretrained
@@ -193,12 +193,6 @@ def _worker(rank: int, root: str, port: int) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def reference_step(hf: str, samples: list[Sample], dtype=torch.float32, clip: float = CLIP) -> tuple[dict, dict]:
     """One step of plain HF + torch AdamW in one process, over all samples (a micro-batch per rank pack).
 
@@ -241,7 +235,7 @@ def reference_step(hf: str, samples: list[Sample], dtype=torch.float32, clip: fl
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("fsdp"))
     save_pretrained(build_model("tiny", seed=0), None, os.path.join(root, "hf"))
-    mp.spawn(_worker, args=(root, _free_port()), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(root, free_port()), nprocs=WORLD, join=True)
     results = [torch.load(os.path.join(root, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
     return root, results
 

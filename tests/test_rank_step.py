@@ -7,12 +7,12 @@ The backend is a fake (deterministic log-probs, `train` records its loss inputs)
 from __future__ import annotations
 
 import os
-import socket
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from dist_utils import free_port
 
 from rlbench.algorithms import LossConfig, MISConfig
 from rlbench.config import BatchConfig
@@ -95,12 +95,6 @@ def test_cp_ranks_share_the_token_budget_of_a_micro_batch():
     assert counts[1] > counts[2] >= 1  # a CP group packs max_tokens_per_gpu * cp_size tokens per micro-batch
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -123,7 +117,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
     out = str(tmp_path_factory.mktemp("rank_step"))
-    mp.spawn(_worker, args=(_free_port(), out), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), out), nprocs=WORLD, join=True)
     return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
 
 

@@ -4,11 +4,11 @@ the engine's samples equals the engine's log-probs bit for bit (fp32 and bf16 mi
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from dist_utils import free_port
 
 from rlbench.engine import TorchEngine, TorchEngineConfig
 from rlbench.models import build_model, load_model, save_pretrained
@@ -19,12 +19,6 @@ from rlbench.types import Sample
 WORLD = 2
 TEMPERATURE = 0.8
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _samples(gens, prompts) -> list[Sample]:
@@ -76,7 +70,7 @@ def runs(tmp_path_factory):
         gens = engine.generate(prompts, SamplingParams(temperature=TEMPERATURE, max_new_tokens=16, n=2, seed=1))
         torch.save({"samples": _samples(gens, prompts)}, os.path.join(root, f"gens_{name}.pt"))
         engines[name] = gens
-    mp.spawn(_worker, args=(root, _free_port()), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(root, free_port()), nprocs=WORLD, join=True)
     ranks = [torch.load(os.path.join(root, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
     return engines, ranks
 
