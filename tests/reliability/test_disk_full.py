@@ -14,13 +14,18 @@ from rlbench.trainer import Trainer
 from ._faults import assert_same, state, tiny_config
 
 
-def test_enospc_at_every_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+def _saved_after_one_step(tmp_path):
+    """A trainer one step in, saved to `tmp_path/ckpt`: (trainer, checkpoint dir, its state at the save)."""
     torch.set_num_threads(1)
     ckpt = str(tmp_path / "ckpt")
     trainer = Trainer(tiny_config(str(tmp_path)))
     trainer.step()
     trainer.save(ckpt)
-    saved = state(trainer)
+    return trainer, ckpt, state(trainer)
+
+
+def test_enospc_at_every_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    trainer, ckpt, saved = _saved_after_one_step(tmp_path)
     trainer.step()  # the save that fails would hold this step
     after = state(trainer)
     real_save, real_fsync = torch.save, os.fsync
@@ -72,12 +77,7 @@ def test_enospc_at_every_write_keeps_the_previous_checkpoint(tmp_path, monkeypat
 def test_previous_layout_still_loads(tmp_path):
     """A checkpoint of the previous layout (`trainer_XXXXXXX.pt` beside the `iter_*` dirs) loads, by tracker and by
     rollout id; a missing rollout id is a clear error naming the directory."""
-    torch.set_num_threads(1)
-    ckpt = str(tmp_path / "ckpt")
-    trainer = Trainer(tiny_config(str(tmp_path)))
-    trainer.step()
-    trainer.save(ckpt)
-    saved = state(trainer)
+    trainer, ckpt, saved = _saved_after_one_step(tmp_path)
     step = saved["counters"][4]
     loop = os.path.join(ckpt, f"iter_{step:07d}", "loop_state.pt")  # rewrite it the old way
     torch.save(torch.load(loop, weights_only=False) | {"backend_step": step}, os.path.join(ckpt, "trainer_0000001.pt"))
