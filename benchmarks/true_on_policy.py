@@ -27,6 +27,7 @@ import datetime
 import json
 import os
 import random
+import sys
 import tempfile
 import time
 
@@ -147,7 +148,7 @@ def main() -> None:
     if args.out:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device == "cuda" else "cpu"
         out = {"date": datetime.date.today().isoformat(), "machine": device, "torch": torch.__version__,
-               "command": "python benchmarks/true_on_policy.py " + " ".join(os.sys.argv[1:]), "rows": rows}
+               "command": "python benchmarks/true_on_policy.py " + " ".join(sys.argv[1:]), "rows": rows}
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

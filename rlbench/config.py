@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from rlbench.algorithms.config import LossConfig
-from rlbench.backends.fsdp.config import FSDPConfig, OptimConfig
+from rlbench.backends.fsdp.config import PARAM_DTYPES, FSDPConfig, OptimConfig
 from rlbench.data.config import DataConfig
 from rlbench.engine.config import TorchEngineConfig
 from rlbench.orchestration.ray_config import ClusterConfig, check_batch_layout
@@ -370,7 +370,7 @@ class RunConfig:
                     "true_on_policy_mode=True (--true-on-policy-mode) to run both batch-invariant", stacklevel=3)
             return
         dtype = self.engine.dtype or self.backend.param_dtype
-        weights = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(self.weights.dtype, dtype)
+        weights = {torch_name: name for name, torch_name in PARAM_DTYPES.items()}.get(self.weights.dtype, dtype)
         if dtype != self.backend.param_dtype or weights != dtype or self.engine.weight_format is not None:
             raise ValueError(
                 f"true_on_policy_mode needs the engine to compute in the trainer's dtype (backend.param_dtype="

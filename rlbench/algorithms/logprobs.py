@@ -64,11 +64,12 @@ def _empty_outputs(T, cdt, device, with_entropy):
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, inv_temp: float, chunk_size: int, with_entropy: bool, lse_fn=None):
+    def forward(ctx, logits, targets, inv_temp: float, chunk_size: int, with_entropy: bool, lse_fn=None,
+                temperature: float = 1.0):
         T, cdt = logits.shape[0], _compute_dtype(logits.dtype)
         logp, lse, ent = _empty_outputs(T, cdt, logits.device, with_entropy)
         # With `lse_fn` (batch-invariant numerics): z = logits / T by a device tensor, as the engine's sampler.
-        temp = torch.tensor(1.0 / inv_temp, dtype=cdt, device=logits.device) if lse_fn is not None else None
+        temp = torch.tensor(temperature, dtype=cdt, device=logits.device) if lse_fn is not None else None
         for s in range(0, T, chunk_size):
             e = min(s + chunk_size, T)
             z = logits[s:e].to(cdt) * inv_temp if temp is None else logits[s:e].to(cdt) / temp  # [C, V]
@@ -89,7 +90,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             z = logits[s:e].to(lse.dtype) * ctx.inv_temp  # [C, V]
             g = _chunk_grad(z, targets[s:e], lse[s:e], ent[s:e], _rows(g_logp, s, e), _rows(g_ent, s, e), ctx.inv_temp)
             grad[s:e] = g.to(logits.dtype)
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 def _rows(t, s, e):
@@ -163,7 +164,7 @@ def token_logprobs(
         raise ValueError(f"expected logits [T, V] and targets [T], got {tuple(logits.shape)} and {tuple(targets.shape)}")
     _check_options(temperature, chunk_size)
     return _ChunkedLogProbs.apply(logits, targets.long(), 1.0 / temperature, int(chunk_size), bool(with_entropy),
-                                  lse_fn)
+                                  lse_fn, float(temperature))
 
 
 def linear_token_logprobs(

@@ -119,8 +119,13 @@ def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
     model.to_empty(device=device)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # meta -> device makes new Parameters: `lm_head` would no longer share the embedding
+    restore_buffers(model, buffers, device)
+    return model
+
+
+def restore_buffers(model: nn.Module, buffers: dict[str, torch.Tensor], device: torch.device | str) -> None:
+    """Put saved buffer values (`{name: tensor}`, e.g. taken before `to_empty`) back into `model`, on `device`."""
     for full_name, value in buffers.items():
         owner, _, leaf = full_name.rpartition(".")
         module = model.get_submodule(owner) if owner else model
         module._buffers[leaf] = value.to(device)
-    return model

@@ -25,7 +25,7 @@ from rlbench.numerics.layout import Tiles, decode_tiles, document_tiles
 
 ATTN_NAME = "rlbench_bi"
 
-_tile_cache: list = [None, None, None]  # [position_ids tensor, its _version, Tiles]: one forward, every layer
+_tile_cache: list = [None, None, None, None]  # [position_ids, its _version, tokens per tile, Tiles]: one forward
 
 
 def _tiles_for(position_ids: torch.Tensor, group: int) -> Tiles:
@@ -34,11 +34,10 @@ def _tiles_for(position_ids: torch.Tensor, group: int) -> Tiles:
     per = ops.tokens_per_tile(position_ids.device, group)
     if position_ids.is_inference():  # no version counter: not cached
         return document_tiles(position_ids, per)
-    held, version, tiles = _tile_cache
-    if held is not position_ids or version != position_ids._version or tiles.per != per:
+    held, version, held_per, tiles = _tile_cache
+    if held is not position_ids or version != position_ids._version or held_per != per:
         tiles = document_tiles(position_ids, per)
-        tiles.per = per
-        _tile_cache[:] = [position_ids, position_ids._version, tiles]
+        _tile_cache[:] = [position_ids, position_ids._version, per, tiles]
     return tiles
 
 

@@ -109,9 +109,7 @@ def _reference(q, k, v, tiles: Tiles, scale: float) -> torch.Tensor:
         qd = q[row, span].transpose(0, 1)[None]  # [1, H, n, hd]
         kd = k[row, span].transpose(0, 1).repeat_interleave(group, dim=0)[None]
         vd = v[row, span].transpose(0, 1).repeat_interleave(group, dim=0)[None]
-        o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)
-        out = out.index_put((torch.tensor([row], device=q.device), torch.arange(start, start + length, device=q.device)),
-                            o[0].transpose(0, 1))
+        out[row, span] = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)[0].transpose(0, 1)
     return out
 
 

@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from rlbench.backends.fsdp.config import FSDPConfig
 from rlbench.distributed.mesh import DistEnv
-from rlbench.models.build import params_on_meta
+from rlbench.models.build import params_on_meta, restore_buffers
 from rlbench.models.presets import build_config
 
 _RECOMPILE_LIMIT = 64  # compiled variants kept per decoder-layer code object (grad modes x pack lengths)
@@ -104,9 +104,7 @@ def build_sharded_model(
     # The root (embeddings, final norm, lm_head) is needed again right at the start of backward: keep it gathered.
     fully_shard(model, **(kwargs | {"reshard_after_forward": False}))
     model.to_empty(device="cpu" if offload else env.device)
-    for full_name, value in buffers.items():  # on the compute device even with CPU offload
-        owner, _, leaf = full_name.rpartition(".")
-        (model.get_submodule(owner) if owner else model)._buffers[leaf] = value.to(env.device)
+    restore_buffers(model, buffers, env.device)  # on the compute device even with CPU offload
     if os.path.isdir(name):
         load_hf_weights(model, name)
     else:
