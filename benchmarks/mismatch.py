@@ -6,11 +6,13 @@ matched-precision references.
     python benchmarks/mismatch.py --quick               # smoke run: 2 steps per setting, no eval (runs/mismatch/quick.json)
     python benchmarks/mismatch.py --engine-dtype fp16 --steps 30 --out /tmp/m.json
     python benchmarks/mismatch.py --engine-weight-format fp8_e4m3   # FP8 rollout weights (mismatch_fp8_<date>.json)
+    python benchmarks/mismatch.py --engine-weight-format nvfp4      # 4-bit rollout weights (mismatch_nvfp4_<date>.json)
     python benchmarks/mismatch.py --engine-weight-format fp8_e4m3 --temperature 1.5 --steps 3 --eval-interval 0 \
         --settings mis --out /tmp/p.json   # a probe: higher-entropy rollouts; MIS logs the out-of-band fractions
 
 Settings (all GRPO from `rlbench.presets.cpu_demo`, only `loss`, `engine.dtype` and `engine.weight_format` differ;
-`--engine-weight-format fp8_e4m3` gives the less precise settings FP8 rollout weights, `rlbench.engine.quantize`):
+`--engine-weight-format fp8_e4m3 | mxfp4 | nvfp4` gives the less precise settings FP8 or 4-bit rollout weights,
+`rlbench.engine.quantize`):
 
 | name | engine | loss |
 |---|---|---|
@@ -195,9 +197,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--engine-dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
                    help="the less precise engine's dtype (the trainer computes in fp32)")
     p.add_argument("--engine-weight-format", default=None, choices=WEIGHT_FORMATS,
-                   help="the less precise engine's weight format (default: as sent; fp8_e4m3: FP8 rollout weights)")
+                   help="the less precise engine's weight format (default: as sent; fp8_e4m3: FP8, mxfp4 / nvfp4: "
+                        "4-bit rollout weights)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/mismatch_<date>.json, "
-                   "mismatch_fp8_<date>.json with --engine-weight-format fp8_e4m3)")
+                   "mismatch_<fp8|mxfp4|nvfp4>_<date>.json with --engine-weight-format)")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 steps per setting, no eval, no seed-noise run")
     p.add_argument("--settings", nargs="*", default=None, help="subset of the settings (default: all)")
     p.add_argument("--eval-interval", type=int, default=20, help="eval every N steps and before training (0: off)")
@@ -218,7 +221,8 @@ def main(argv: list[str] | None = None) -> dict:
         args.settings = args.settings or [n for n in settings("bf16") if not n.endswith("_seed1")]
     torch.set_num_threads(args.threads)
     date = datetime.date.today().isoformat()
-    fmt_tag = {None: "", "fp8_e4m3": "fp8_"}[args.engine_weight_format]
+    fmt = args.engine_weight_format
+    fmt_tag = f"{fmt.split('_')[0]}_" if fmt else ""  # fp8_e4m3 -> fp8_, mxfp4 -> mxfp4_
     default_out = (os.path.join(args.workdir, "quick.json") if args.quick  # never overwrite a committed result
                    else os.path.join(ROOT, "benchmarks", "results", f"mismatch_{fmt_tag}{date}.json"))
     out_path = args.out or default_out

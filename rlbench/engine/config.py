@@ -15,7 +15,7 @@ STAGE_SYNC = ("pdl", "barrier", "launch")
 """How the megakernel's stages wait for each other (`MegakernelConfig.sync`)."""
 ENGINE_DTYPES = ("bf16", "fp16", "fp32")
 """`TorchEngineConfig.dtype` names (the backend's `param_dtype` names)."""
-WEIGHT_FORMATS = ("fp8_e4m3",)
+WEIGHT_FORMATS = ("fp8_e4m3", "mxfp4", "nvfp4")
 """`TorchEngineConfig.weight_format` names (`rlbench.engine.quantize`); None keeps the weights as sent."""
 
 
@@ -83,10 +83,11 @@ class TorchEngineConfig:
     """The engine's weights and compute dtype: "bf16", "fp16" or "fp32"; None: the trainer's compute dtype
     (`backend.param_dtype`). A lower precision than the trainer's is a train/rollout mismatch by design."""
     weight_format: str | None = None
-    """How the engine stores the weights it receives: None (as sent, in `dtype`) or "fp8_e4m3" (FP8 rollout, as
-    slime/verl's "fp8 rollout, bf16 training": each weight matrix rounded to float8_e4m3fn with one scale per
-    output row, row amax / 448, and kept dequantized in `dtype`; 1-D norms and biases as sent). Anything but
-    None is a train/rollout mismatch by design (`rlbench.engine.quantize.round_to_fp8`)."""
+    """How the engine stores the weights it receives, each matrix rounded and kept dequantized in `dtype` (1-D
+    norms and biases as sent; `rlbench.engine.quantize`): None (as sent), "fp8_e4m3" (FP8 rollout, as slime/verl's
+    "fp8 rollout, bf16 training": one scale per output row), "mxfp4" (OCP MXFP4: e2m1 in blocks of 32 with a
+    power-of-two scale) or "nvfp4" (e2m1 in blocks of 16 with an e4m3 scale). Anything but None is a
+    train/rollout mismatch by design; the 4-bit formats a large one."""
     batch_invariant: bool = False
     """Batch-invariant numerics (`rlbench.numerics`): a token's log-prob does not depend on the batch it was
     decoded in, and equals the trainer's recompute bit for bit when the trainer runs them too

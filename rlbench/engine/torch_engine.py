@@ -17,7 +17,7 @@ import torch
 from rlbench.engine.attention import ATTN_NAME
 from rlbench.engine.config import TorchEngineConfig
 from rlbench.engine.kv_cache import CacheShape, KVCache, slot_bytes, slots_for_memory
-from rlbench.engine.quantize import apply_weight_format
+from rlbench.engine.quantize import weight_rounder
 from rlbench.engine.runner import ModelRunner
 from rlbench.engine.sampling import sample_tokens
 from rlbench.rollout.base import Generation, SamplingParams, WeightBucket, expand_seeds
@@ -256,10 +256,11 @@ class TorchEngine:
     @torch.no_grad()
     def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
         """Copy each `(name, tensor)` into the parameter of that HF name, in place (no reallocation); with
-        `cfg.weight_format` ("fp8_e4m3") each matrix is rounded to that format first (`rlbench.engine.quantize`)."""
+        `cfg.weight_format` each matrix is rounded to that format first (`rlbench.engine.quantize`)."""
         if self._released:
             raise RuntimeError("weights were released by sleep(release_weights=True); call wake_up() first")
         named = self._named_tensors()
+        rounder = weight_rounder(self.cfg.weight_format)
         for weights in buckets:
             for name, tensor in weights:
                 if name not in named:
@@ -268,8 +269,8 @@ class TorchEngine:
                 if named[name].shape != tensor.shape:
                     raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, engine expects "
                                      f"{tuple(named[name].shape)}")
-                if self.cfg.weight_format is not None and tensor.dim() >= 2:
-                    tensor = apply_weight_format(tensor.to(named[name].device), self.cfg.weight_format)
+                if rounder is not None and tensor.dim() >= 2:
+                    tensor = rounder(tensor.to(named[name].device))
                 named[name].copy_(tensor, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the caller may reuse its (pinned) bucket memory right away
