@@ -24,6 +24,7 @@ from .loss import (
     build_loss_inputs,
     global_norm,
     is_batch_stats,
+    old_from_forward_ok,
 )
 from .mismatch import ISResult, compute_is_weights, mis_weights, mismatch_metrics, vanilla_tis
 
@@ -59,6 +60,7 @@ __all__ = [
     "loss_token_weights",
     "mis_weights",
     "mismatch_metrics",
+    "old_from_forward_ok",
     "reinforce_pp",
     "reinforce_pp_advantages",
     "reinforce_pp_baseline",

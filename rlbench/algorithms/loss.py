@@ -17,7 +17,7 @@ padded token or a NaN advantage there leaves the loss, its gradient (0 on those 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -38,8 +38,8 @@ from .policy_loss import POLICY_LOSS_FNS, opsm_keep_mask
 class LossInputs:
     """Everything but the current log-probs that one micro-batch's loss needs, in response space `[R]`."""
 
-    old_log_probs: torch.Tensor
-    """`[R]` π_old: recomputed (standard/decoupled) or rollout (bypass) log-probs."""
+    old_log_probs: torch.Tensor | None
+    """`[R]` π_old: recomputed (standard/decoupled) or rollout (bypass) log-probs; None with `old_from_forward`."""
     advantages: torch.Tensor
     """`[R]` per-token advantages."""
     loss_mask: torch.Tensor
@@ -61,6 +61,10 @@ class LossInputs:
     seq_metric_weights: torch.Tensor | None = None
     """`[R]` weights of the per-sequence metrics (`SEQUENCE_METRICS`) of token_metrics: `sequence_metric_weights`
     (mean over the sequences with a trained token; NaN if none). None: metric_weights."""
+    old_from_forward: bool = False
+    """π_old is this micro-batch's own training forward (`log_probs.detach()`): the policy has not changed since
+    the rollout (the first optimizer step of a rollout), so no separate old-log-prob pass ran; IS weights and
+    mismatch metrics are computed from it in the loss call (`with_old`)."""
     seq_ids: torch.Tensor = field(init=False)
     """`[R]` long, sequence index of each token (derived)."""
 
@@ -73,6 +77,17 @@ class LossInputs:
             t = getattr(self, name)
             if t is not None and t.shape != (R,):
                 raise ValueError(f"LossInputs.{name} has shape {tuple(t.shape)}, expected [{R}] (sum of lengths)")
+        if (self.old_log_probs is None) != self.old_from_forward:
+            raise ValueError("LossInputs: give old_log_probs, or set old_from_forward=True (old = the training "
+                             "forward's own log-probs), not both or neither")
+
+    def with_old(self, old: torch.Tensor, cfg: LossConfig) -> LossInputs:
+        """A copy with π_old = `old` (detached) and the IS weights / mismatch metrics it implies (per sequence:
+        the same values a whole-step computation gives, `old_from_forward_ok`)."""
+        old = old.detach()
+        res = compute_is_weights(cfg, old, self.rollout_log_probs, self.loss_mask, self.seq_ids, self.n_seqs)
+        return replace(self, old_log_probs=old, is_weights=res.weights, token_metrics=res.metrics,
+                       old_from_forward=False)
 
     @property
     def n_seqs(self) -> int:
@@ -87,6 +102,7 @@ class LossInputs:
             mv(self.old_log_probs), mv(self.advantages), mv(self.loss_mask), mv(self.token_weights),
             list(self.response_lengths), mv(self.ref_log_probs), mv(self.rollout_log_probs), mv(self.is_weights),
             {k: mv(v) for k, v in self.token_metrics.items()}, mv(self.metric_weights), mv(self.seq_metric_weights),
+            self.old_from_forward,
         )
 
 
@@ -102,7 +118,7 @@ class PolicyLoss:
     def __call__(
         self, log_probs: torch.Tensor, entropy: torch.Tensor | None, inputs: LossInputs
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        x = inputs
+        x = inputs.with_old(log_probs, self.cfg) if inputs.old_from_forward else inputs
         dt = log_probs.dtype
         w = x.token_weights.to(dt)
         mw = w.detach() if x.metric_weights is None else x.metric_weights.to(dt)
@@ -179,6 +195,19 @@ def global_norm(cfg: LossConfig, micro_batches: Sequence[ResponseBatch]) -> Glob
     )
 
 
+def old_from_forward_ok(cfg: LossConfig) -> bool:
+    """Whether π_old may be each micro-batch's own training forward while the policy is unchanged.
+
+    Everything computed from π_old (PPO ratio, TIS / MIS weights, mismatch diagnostics) is per token or per
+    sequence, and sequences never straddle micro-batches, except MIS's batch normalisation, which needs the
+    whole global batch's weights before the first micro-batch; bypass mode has no recomputed π_old at all.
+    """
+    if cfg.use_rollout_logprobs:
+        return False
+    mis = cfg.mis
+    return not (cfg.use_tis and mis is not None and mis.use_tis and mis.tis_batch_normalize)
+
+
 def _cat(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
     return None if any(t is None for t in tensors) else torch.cat(tensors)
 
@@ -203,17 +232,26 @@ def build_loss_inputs(
     *,
     norm: GlobalNorm | None = None,
     batch_stats: torch.Tensor | None = None,
+    old_from_forward: bool = False,
 ) -> list[LossInputs]:
     """`LossInputs` for each micro-batch of one optimizer step on this rank.
 
-    IS weights and mismatch metrics are computed once over all of `micro_batches` (before splitting).
+    IS weights and mismatch metrics are computed once over all of `micro_batches` (before splitting), or in each
+    micro-batch's loss call when `old_from_forward`.
     Args:
         norm: the GLOBAL batch counts; None = these micro-batches are the whole global batch.
         batch_stats: DP-summed `is_batch_stats`; None = these micro-batches are the whole global batch.
+        old_from_forward: π_old = each micro-batch's training forward (the policy is unchanged since the
+            rollout); needs `old_from_forward_ok(cfg)`; the micro-batches carry no old log-probs.
     """
     norm = norm or global_norm(cfg, micro_batches)
     if cfg.use_rollout_logprobs and any(mb.rollout_log_probs is None for mb in micro_batches):
         raise ValueError("use_rollout_logprobs=True but a micro-batch has no rollout_log_probs")
+    if old_from_forward:
+        if not old_from_forward_ok(cfg):
+            raise ValueError("old_from_forward=True with bypass mode or batch-normalised MIS weights: these need "
+                             "the whole batch's old log-probs first; recompute them (compute_log_probs)")
+        return [_forward_old_inputs(cfg, mb, norm) for mb in micro_batches]
     if not cfg.use_rollout_logprobs and any(mb.old_log_probs is None for mb in micro_batches):
         raise ValueError("old_log_probs missing: recompute them, or set use_rollout_logprobs=True (bypass)")
     res = _step_is(cfg, micro_batches, batch_stats)
@@ -237,3 +275,15 @@ def build_loss_inputs(
                        mb.rollout_log_probs, w_is, tm, mw, sw)
         )
     return out
+
+
+def _forward_old_inputs(cfg: LossConfig, mb: ResponseBatch, norm: GlobalNorm) -> LossInputs:
+    tw = loss_token_weights(mb.loss_mask, mb.response_lengths, cfg.loss_aggregation, norm)
+    mw = None
+    if cfg.loss_aggregation == "seq_sum_constant":
+        mw = loss_token_weights(mb.loss_mask, mb.response_lengths, "sample_mean", norm)
+    sw = None  # the per-sequence mismatch metrics come in the loss call, when the rollout has log-probs
+    if mb.rollout_log_probs is not None:
+        sw = sequence_metric_weights(mb.loss_mask, mb.response_lengths, norm, dtype=tw.dtype)
+    return LossInputs(None, mb.advantages, mb.loss_mask, tw, list(mb.response_lengths), mb.ref_log_probs,
+                      mb.rollout_log_probs, None, {}, mw, sw, old_from_forward=True)
