@@ -1,10 +1,11 @@
-"""`rlbench train|sft|demo|bench ...`: slime-named flags generated from the config dataclasses.
+"""`rlbench train|sft|demo|bench|experiment ...`: slime-named flags generated from the config dataclasses.
 
     python -m rlbench.cli demo                          # SFT warm start (cached) + GRPO on arithmetic (make run)
     rlbench train --preset cpu_demo --hf-checkpoint runs/sft-small-arith3 --num-rollout 5 --lr 1e-4
     rlbench train --preset cpu_demo --print-config      # the resolved RunConfig as JSON
     rlbench bench --hf-checkpoint DIR                   # qwen3-0.6b-shape loop on one GPU, per-phase times
     rlbench sft --preset small --task arithmetic --out runs/sft
+    rlbench experiment cp-oom --preset qwen3-4b-shape --cp 1 2 4 --ac on off --out runs/cp_oom
 
 Every config field has one flag. Its name is slime's where slime has that setting (`FLAG_NAMES`), otherwise
 `--{field}` (or `--{section}-{field}` when the bare name is ambiguous). Flags only override fields of
@@ -178,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(flag, help=doc, **_argparse_kwargs(tp))
     sft = sub.add_parser("sft", help="SFT warm start (see python -m rlbench.sft --help)", add_help=False)
     sft.add_argument("rest", nargs=argparse.REMAINDER)
+    exp = sub.add_parser("experiment", help="an experiment (cp-oom; see rlbench experiment NAME --help)", add_help=False)
+    exp.add_argument("rest", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -259,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
 
         sft_main(argv[1:])
         return 0
+    if argv[:1] == ["experiment"]:
+        from rlbench.experiments import run_experiment
+
+        return run_experiment(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "demo":
         import torch

@@ -18,10 +18,16 @@ tokens, so the causal rule alone keeps real tokens from seeing them.
 instead of keeping every layer's gathered K/V alive (memory O(T * kv_head_chunk * hd) per layer instead of
 O(T * n_kv * hd)). Both change only the schedule, not the result.
 
-Kernels: SDPA with a boolean `[T_local, T]` mask (CPU, tested), flex_attention with a block-sparse BlockMask
-(CUDA, chosen when `q.is_cuda`; NOT tested on a GPU yet). On CPU the tests check `cp_block_tables` against the
-dense mask and eager flex_attention's forward with `cp_block_mask` against SDPA (the GPU kernel, its backward and
-compiled flex are not covered).
+Kernels: SDPA with a boolean `[T_local, T]` mask (CPU), compiled flex_attention with a block-sparse BlockMask
+(CUDA, chosen when `q.is_cuda`; eager flex would materialise the `[T_local, T]` scores). On CPU the tests check
+`cp_block_tables` against the dense mask and eager flex's forward against SDPA; tests/test_cp_gpu.py checks the
+compiled CUDA kernel's forward and backward against full attention.
+
+One process can stand in for one CP rank (`EmulatedCP` in place of the group): the all-gather is replaced by
+local copies of the rank's own chunk in the peers' slots, so memory and the kernel's work are a real rank's while
+the values are not (tests/test_cp_emulation.py; `rlbench.experiments.cp_oom` measures a rank's memory with it).
+`cp_attention_all_ranks` computes every rank's output in one process from the real full K/V, through the same
+kernel path, to compare it with full attention.
 
 Model integration: `CP_ATTN_NAME` ("rlbench_cp") is registered with transformers' `AttentionInterface`; set
 `config._attn_implementation = CP_ATTN_NAME` and pass `rl_cp=CPContext(...)` to the model's forward (with the
@@ -35,18 +41,21 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
 from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from rlbench.packing.cp import CPLayout
+from rlbench.packing.cp import CPLayout, cp_gather
 
 __all__ = [
     "CP_ATTN_NAME",
     "CPAttnInfo",
     "CPContext",
+    "EmulatedCP",
     "all_gather_kv",
     "cp_attention",
+    "cp_attention_all_ranks",
     "cp_attention_info",
     "cp_block_mask",
     "cp_block_tables",
@@ -93,12 +102,31 @@ def cp_attention_info(layout: CPLayout, cp_rank: int, device: torch.device | str
                       order.to(device))
 
 
+@dataclass(frozen=True)
+class EmulatedCP:
+    """Stands in for the CP process group of rank `rank` of `size` in one process, with no peers.
+
+    `all_gather_kv` returns the `[size * n, ...]` tensor a real all-gather returns, the rank's own chunk in its slot
+    and copies of it in the peers' slots: same sizes and dtype (memory and kernel work are a real rank's), other
+    values (the attention output is not the pack's). Backward returns the own slice of the gradient: the size a
+    reduce-scatter delivers, without the peers' contributions. Nothing is communicated, so nothing of the
+    communication's time or memory (NCCL buffers) is measured.
+    """
+
+    size: int
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"EmulatedCP(size={self.size}, rank={self.rank}): need size >= 1 and 0 <= rank < size")
+
+
 @dataclass
 class CPContext:
     """The per-forward CP context handed to the model as `rl_cp=` (read by every attention layer)."""
 
     info: CPAttnInfo
-    group: dist.ProcessGroup | None  # the CP process group (e.g. `env.mesh["cp"].get_group()`)
+    group: dist.ProcessGroup | EmulatedCP | None  # the CP group (e.g. `env.mesh["cp"].get_group()`)
     kv_head_chunk: int | None = None  # KV heads per all-gather; None: all at once
     recompute: bool = False  # checkpoint each chunk: backward re-gathers instead of keeping gathered K/V
 
@@ -132,10 +160,38 @@ class _AllGatherKV(torch.autograd.Function):
         return out, None
 
 
+class _EmulatedGatherKV(torch.autograd.Function):
+    """`EmulatedCP`'s all-gather: own chunk in slot `rank`, copies of it in the other slots; backward: own slice."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+        ctx.rows, ctx.rank = x.shape[0], rank
+        out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+        out.view(size, *x.shape).copy_(x.unsqueeze(0).expand(size, *x.shape))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        n, r = ctx.rows, ctx.rank
+        return grad[r * n : (r + 1) * n].clone(), None, None  # a reduce-scatter's output size
+
+
+def cp_group_size(group) -> int:
+    """Ranks in a CP group: a process group, an `EmulatedCP`, or None (1)."""
+    if group is None:
+        return 1
+    if isinstance(group, EmulatedCP):
+        return group.size
+    return dist.get_world_size(group)
+
+
 def all_gather_kv(x: torch.Tensor, group) -> torch.Tensor:
-    """`[n, ...]` per rank -> `[cp * n, ...]` in rank order; autograd-correct (backward reduce-scatters)."""
-    if group is None or dist.get_world_size(group) == 1:
+    """`[n, ...]` per rank -> `[cp * n, ...]` in rank order; autograd-correct (backward reduce-scatters).
+    With an `EmulatedCP` group: the emulated gather (the peers' slots hold copies of `x`)."""
+    if cp_group_size(group) == 1:
         return x
+    if isinstance(group, EmulatedCP):
+        return _EmulatedGatherKV.apply(x, group.size, group.rank)
     return _AllGatherKV.apply(x, group)
 
 
@@ -171,7 +227,7 @@ def _ordered(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def cp_block_mask(info: CPAttnInfo, block: int = BLOCK):
-    """Flex `BlockMask [1, 1, T_local, T]` of the CP mask (checked with eager flex forward on CPU; untested on GPU)."""
+    """Flex `BlockMask [1, 1, T_local, T]` of the CP mask."""
     from torch.nn.attention.flex_attention import BlockMask
 
     qp, docs = info.q_positions, info.doc_ids
@@ -187,19 +243,33 @@ def cp_block_mask(info: CPAttnInfo, block: int = BLOCK):
                                     seq_lengths=(info.local_tokens, info.num_tokens))
 
 
+_compiled_flex: list = []  # torch.compile(flex_attention), built on the first CUDA call
+
+
+def _flex(q, k, v, mask, scale, gqa):
+    """Compiled flex on the device (eager flex materialises the scores); plain flex inside a compiled region."""
+    if torch.compiler.is_compiling() or not q.is_cuda:
+        return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+    if not _compiled_flex:
+        _compiled_flex.append(torch.compile(flex_attention))
+    return _compiled_flex[0](q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def _local_attention(q, k_all, v_all, mask, scale, use_flex):
+    """The rank's queries `[1, h, Tl, hd]` against the K/V of the whole pack `[1, n, T, hd]` (global order)."""
+    gqa = q.shape[1] != k_all.shape[1]
+    if use_flex:
+        return _flex(q, k_all, v_all, mask, scale, gqa)
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
 def _attend_chunk(q, k, v, group, order, mask, scale, use_flex):
     """One head chunk: gather K/V `[1, n, T_local, hd]` -> global order `[1, n, T, hd]`, attend -> `[1, h, Tl, hd]`."""
     def gather(x):  # [1, n, Tl, hd] -> [1, n, T, hd] in global token order
         g = all_gather_kv(x[0].transpose(0, 1), group)  # [cp*Tl, n, hd], rank-ordered
         return g.index_select(0, order).transpose(0, 1)[None]
 
-    k_all, v_all = gather(k), gather(v)
-    gqa = q.shape[1] != k.shape[1]
-    if use_flex:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        return flex_attention(q, k_all, v_all, block_mask=mask, scale=scale, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return _local_attention(q, gather(k), gather(v), mask, scale, use_flex)
 
 
 def cp_attention(
@@ -220,7 +290,8 @@ def cp_attention(
         q: `[1, H, T_local, hd]` local queries (HF's attention-function layout, RoPE applied).
         k, v: `[1, n_kv, T_local, hd]` local keys/values; `H % n_kv == 0` (GQA).
         info: this rank's `CPAttnInfo` (`cp_attention_info`).
-        group: the CP process group (None or size 1: no communication, `info` must describe cp=1).
+        group: the CP process group (None or size 1: no communication, `info` must describe cp=1), or an
+            `EmulatedCP` (one process standing in for rank `info.cp_rank`: real sizes, not the pack's values).
         scale: softmax scale (default `hd ** -0.5`).
         kv_head_chunk: KV heads gathered per collective (None: all); must divide n_kv.
         recompute: checkpoint each chunk (backward re-gathers K/V instead of keeping them).
@@ -235,7 +306,7 @@ def cp_attention(
         raise ValueError(f"CP attention takes one packed row (batch 1), got batch {b}")
     if tl != info.local_tokens or k.shape[2] != tl:
         raise ValueError(f"q/k have {tl}/{k.shape[2]} tokens, the CP layout gives this rank {info.local_tokens}")
-    cp = dist.get_world_size(group) if group is not None else 1
+    cp = cp_group_size(group)
     if cp != info.cp_size:
         raise ValueError(f"the CP group has {cp} ranks, the layout was built for cp={info.cp_size}")
     if h % n_kv:
@@ -244,7 +315,9 @@ def cp_attention(
     if chunk < 1 or n_kv % chunk:
         raise ValueError(f"kv_head_chunk={kv_head_chunk} must divide the {n_kv} KV heads")
     scale = hd**-0.5 if scale is None else scale
-    use_flex = q.is_cuda  # flex path: UNTESTED (no GPU test yet)
+    if isinstance(group, EmulatedCP) and group.rank != info.cp_rank:
+        raise ValueError(f"EmulatedCP rank {group.rank} but the layout info is rank {info.cp_rank}'s")
+    use_flex = q.is_cuda
     if mask is None:
         mask = cp_block_mask(info) if use_flex else cp_dense_mask(info)[None, None]
     group_size = h // n_kv
@@ -258,6 +331,37 @@ def cp_attention(
             outs.append(_attend_chunk(*args))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [1, H, Tl, hd]
     return out.transpose(1, 2).contiguous()
+
+
+def cp_attention_all_ranks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLayout, scale: float | None = None
+) -> torch.Tensor:
+    """Every CP rank's attention, computed in one process from the real K/V of the whole pack.
+
+    Rank r's zig-zag query rows attend to the full K/V (global order) through the kernel path `cp_attention` takes
+    after its all-gather (compiled flex + `cp_block_mask` on CUDA, SDPA + dense mask on CPU); the outputs are put
+    back into global order. Equal to full document-causal attention when the CP masks are right; differentiable
+    in q, k and v, so the kernel's backward is checked too.
+
+    Args:
+        q: `[1, H, T, hd]` queries of the whole pack (global order).
+        k, v: `[1, n_kv, T, hd]`; `H % n_kv == 0`.
+        layout: the pack's `CPLayout` (T = `layout.num_tokens`).
+        scale: softmax scale (default `hd ** -0.5`).
+
+    Returns:
+        `[1, T, H, hd]` in global token order.
+    """
+    if q.shape[2] != layout.num_tokens or k.shape[2] != layout.num_tokens:
+        raise ValueError(f"q/k have {q.shape[2]}/{k.shape[2]} tokens, the layout has {layout.num_tokens}")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    outs = []
+    for rank in range(layout.cp_size):
+        info = cp_attention_info(layout, rank, q.device)
+        mask = cp_block_mask(info) if q.is_cuda else cp_dense_mask(info)[None, None]
+        q_rank = q.index_select(2, info.q_positions)  # [1, H, Tl, hd]
+        outs.append(_local_attention(q_rank, k, v, mask, scale, q.is_cuda).transpose(1, 2))  # [1, Tl, H, hd]
+    return cp_gather(outs, layout, dim=1)
 
 
 _mask_cache: list = [None, None, None]  # [CPAttnInfo, device type, mask]: built once per forward, every layer

@@ -1,0 +1,595 @@
+"""CP out-of-memory experiment: the longest response one training step fits, per (cp, activation checkpointing).
+
+    rlbench experiment cp-oom --preset qwen3-4b-shape --cp 1 2 4 --ac on off --out runs/cp_oom
+    python -m rlbench.experiments.cp_oom --device cpu --preset tiny --start-len 256 --max-len 1024   # smoke
+
+A trial trains one micro-batch holding one sequence (a short prompt and a response of L tokens) once, through
+`FSDPBackend` on one process (forward, backward, AdamW step: the memory of a one-GPU FSDP run, i.e. fp32 params,
+grads and Adam states, bf16 compute on CUDA, fp32 on CPU), with the backend's own model build and activation
+checkpointing. It records works / OOM (`torch.OutOfMemoryError` is caught, memory freed, the sweep goes on), peak
+memory (`torch.cuda.max_memory_allocated`) and tokens/s per GPU. Per (cp, AC) cell the lengths double from
+`start_len`; once two trials have trained, the linear fit of peak memory against L predicts the limit and the
+next probe goes there (peak memory is linear in L: flex attention keeps no `[T, T]` buffer); then the limit is
+bracketed to `resolution` tokens, guessing and bisecting in turn. `time_budget_s` bounds the sweep (each cell
+gets an even share of what is left; a trial the step-time fit says would overrun is not started) and `max_len`
+the lengths.
+
+cp = 1 is the real run. cp > 1 is an EMULATION of one CP rank (`rlbench.distributed.cp_attention.EmulatedCP`):
+the rank's zig-zag slice of the sequence runs through the CP attention path with the all-gather replaced by
+local copies standing in for the peers' K/V, so the rank's activations, gathered K/V and logits have their real
+sizes. Unlike a real CP rank it (a) holds the whole one-GPU FSDP state (a real rank shards it over dp x cp and
+holds 1/cp of it: the emulated lengths are lower bounds), (b) spends no time and no memory on communication,
+(c) attends over copies, not the pack's K/V (same kernel work: the block mask is the real one).
+
+On CPU there is no allocator peak to read: the peak columns stay empty and nothing runs out of memory below
+`max_len` unless a test plants a limit (`run_cp_oom(planted_oom=...)`); CPU runs check the machinery only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import gc
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from rlbench.algorithms.logprobs import token_logprobs
+from rlbench.backends.fsdp.actor import FSDPBackend
+from rlbench.backends.fsdp.config import FSDPConfig, OptimConfig
+from rlbench.distributed.cp_attention import CP_ATTN_NAME, CPContext, EmulatedCP, cp_attention_info
+from rlbench.packing.cp import cp_layout, cp_local_response, cp_slice, pad_for_cp
+from rlbench.packing.pack import pack_samples
+from rlbench.types import Sample
+
+GIB = 2**30
+BLOCK = 128  # flex block size: every rank's token count is padded to a multiple of it
+LEAK_SLACK = 256 * 2**20  # bytes still allocated after an OOM's cleanup above which the backend is rebuilt
+TIME_SAFETY = 1.5  # a trial is started only if 1.5 x its predicted seconds fit in the cell's budget
+WARMUP_LENGTHS = (512, 1024)  # CUDA: untimed trials first, so flex's static and dynamic compiles are not timed
+
+PlantedOOM = Callable[[int, bool, int], bool]  # (cp, ac, response length) -> True: raise an OOM in that trial
+
+
+@dataclass
+class CPOOMConfig:
+    """One sweep: a model shape, the (cp, AC) cells and the length search's bounds."""
+
+    preset: str = "qwen3-4b-shape"
+    """model preset (`rlbench.models.presets`), random init"""
+    cps: tuple[int, ...] = (1, 2, 4)
+    """context-parallel sizes; cp > 1 is the one-rank emulation"""
+    acs: tuple[bool, ...] = (True, False)
+    """activation checkpointing settings, one table each"""
+    device: str = "cuda"
+    """"cuda" (bf16 compute, real OOMs) or "cpu" (fp32, machinery only)"""
+    attn: str | None = None
+    """attention of the cp = 1 run; None: "flex_attention" on CUDA, "sdpa" on CPU (cp > 1 runs rlbench_cp)"""
+    prompt_len: int = 64
+    """prompt tokens before the response"""
+    start_len: int = 4096
+    """first response length tried; lengths double from here"""
+    max_len: int = 262144
+    """longest response length tried"""
+    resolution: int = 2048
+    """the limit is bracketed to this many tokens; every probed length is a multiple of it"""
+    time_budget_s: float = 1800.0
+    """seconds for the whole sweep"""
+    memory_gib: float | None = None
+    """CUDA: cap the allocator at this many GiB (`set_per_process_memory_fraction`), e.g. 80 for an H100"""
+    repeats: int = 1
+    """training steps per trial; the last one is timed"""
+    emulated_rank: int = 0
+    """the CP rank cp > 1 emulates (zig-zag gives every rank the same token count and work)"""
+    kv_head_chunk: int | None = None
+    """CP attention: KV heads gathered at a time (None: all)"""
+    cp_recompute: bool = False
+    """CP attention: recompute each head chunk in backward instead of keeping the gathered K/V"""
+    seed: int = 0
+    """model init and token seed"""
+    out: str = "runs/cp_oom"
+    """directory of cp_oom_trials.csv, cp_oom_cells.csv and cp_oom.md"""
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"device={self.device!r}; use 'cuda' or 'cpu'")
+        if not self.cps or any(cp < 1 for cp in self.cps):
+            raise ValueError(f"cps={self.cps}: give one or more context-parallel sizes >= 1")
+        if not self.acs:
+            raise ValueError("acs is empty: give activation checkpointing on, off or both")
+        if self.resolution < 1 or self.start_len < self.resolution or self.max_len < self.start_len:
+            raise ValueError(f"need 1 <= resolution={self.resolution} <= start_len={self.start_len} "
+                             f"<= max_len={self.max_len}")
+        if self.start_len % self.resolution or self.max_len % self.resolution:
+            raise ValueError(f"start_len={self.start_len} and max_len={self.max_len} must be multiples of "
+                             f"resolution={self.resolution}")
+        if self.prompt_len < 1 or self.repeats < 1 or self.time_budget_s <= 0:
+            raise ValueError(f"need prompt_len={self.prompt_len} >= 1, repeats={self.repeats} >= 1, "
+                             f"time_budget_s={self.time_budget_s} > 0")
+        if self.memory_gib is not None and (self.device != "cuda" or self.memory_gib <= 0):
+            raise ValueError(f"memory_gib={self.memory_gib} caps the CUDA allocator; use it with device='cuda', > 0")
+        if any(not 0 <= self.emulated_rank < cp for cp in self.cps):
+            raise ValueError(f"emulated_rank={self.emulated_rank} must be < every cp in {self.cps}")
+
+    @property
+    def attn_implementation(self) -> str:
+        return self.attn or ("flex_attention" if self.device == "cuda" else "sdpa")
+
+
+@dataclass
+class Trial:
+    """One training step at one response length."""
+
+    cp: int
+    ac: bool
+    response_len: int
+    pack_tokens: int  # tokens of the (CP-padded) sequence
+    rank_tokens: int  # tokens this process held (pack_tokens / cp)
+    works: bool
+    peak_gib: float | None = None  # max allocated during the trial (also for an OOM: the peak before it); None on CPU
+    step_s: float | None = None  # the last step's seconds (works only)
+    loss: float | None = None
+    grad_norm: float | None = None
+
+    @property
+    def emulated(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float | None:
+        return self.rank_tokens / self.step_s if self.step_s else None
+
+
+@dataclass
+class Cell:
+    """The search's result for one (cp, AC) setting."""
+
+    cp: int
+    ac: bool
+    longest: int  # longest response length that trained (0: none did)
+    shortest_oom: int | None  # shortest that ran out of memory (None: none up to max_len)
+    complete: bool  # bracketed to the resolution (or max_len trained) within the time budget
+    extrapolated: int | None  # where the linear fit of peak memory reaches the capacity
+    state_gib: float | None  # allocated after the build: fp32 params + Adam states (grads come on top in a step)
+    seconds: float
+    trials: list[Trial] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"FSDP cp{self.cp}" + (" (emulated)" if self.cp > 1 else "")
+
+    def at(self, length: int) -> Trial | None:
+        return next((t for t in self.trials if t.response_len == length), None)
+
+
+# ---------------------------------------------------------------- the length search (pure)
+def _floor(x: float, res: int) -> int:
+    return int(x // res) * res
+
+
+def fit_limit(trials: list[Trial], capacity_gib: float | None, res: int) -> int | None:
+    """The last multiple of `res` below the length where the line through the two longest working trials' peaks
+    reaches `capacity_gib`; None without a capacity, two such trials, or a rising line."""
+    pts = sorted((t.response_len, t.peak_gib) for t in trials if t.works and t.peak_gib is not None)
+    if capacity_gib is None or len(pts) < 2:
+        return None
+    (l1, p1), (l2, p2) = pts[-2], pts[-1]
+    if p2 <= p1:
+        return None
+    at_capacity = l2 + (capacity_gib - p2) * (l2 - l1) / (p2 - p1)
+    return max(0, math.ceil(at_capacity / res) * res - res)  # the last multiple of res below it
+
+
+def predict_seconds(trials: list[Trial], length: int) -> float:
+    """Seconds of a step at `length` from `a L + b L^2` through the two longest timed trials (a, b >= 0);
+    one trial: quadratic scaling; none: 0."""
+    pts = sorted((t.response_len, t.step_s) for t in trials if t.works and t.step_s)
+    if not pts:
+        return 0.0
+    if len(pts) == 1:
+        return pts[0][1] * (length / pts[0][0]) ** 2
+    (l1, t1), (l2, t2) = pts[-2], pts[-1]
+    b = (t2 / l2 - t1 / l1) / (l2 - l1)
+    a = t2 / l2 - b * l2
+    if b < 0:
+        a, b = t2 / l2, 0.0
+    elif a < 0:
+        a, b = 0.0, t2 / l2**2
+    return a * length + b * length**2
+
+
+def search_longest(
+    probe: Callable[[int], Trial], *, start: int, max_len: int, resolution: int, capacity_gib: float | None = None,
+    deadline: float = math.inf, clock: Callable[[], float] = time.monotonic,
+) -> tuple[int, int | None, bool, list[Trial]]:
+    """The longest length in `resolution` steps that `probe` trains, assuming memory grows with length.
+
+    Doubling from `start` (capped at `max_len`) until the first failure; a fit of peak memory (`fit_limit`),
+    once there is one, replaces a doubling step, and after a fit guess that trained the probe climbs in doubling
+    steps of `resolution` from it; with a failure known, guesses and midpoints take turns until the gap is
+    `resolution`. Stops early when the next trial would not end before `deadline` (`predict_seconds`).
+
+    Returns:
+        (longest that trained or 0, shortest that failed or None, complete, the trials in order).
+    """
+    trials: list[Trial] = []
+    lo, hi = 0, None
+    climbing, climb, guessed_last = False, resolution, False
+    while not (hi is None and lo >= max_len) and not (hi is not None and hi - lo <= resolution):
+        guess = fit_limit(trials, capacity_gib, resolution)
+        if hi is None:
+            if climbing:
+                nxt = lo + climb
+                climb *= 2
+            elif guess is not None and guess > lo:
+                nxt = guess
+            else:
+                nxt = start if lo == 0 else 2 * lo
+            nxt = min(nxt, max_len)
+        else:
+            mid = lo + max(resolution, _floor((hi - lo) / 2, resolution))
+            use_guess = guess is not None and lo < guess < hi and not guessed_last
+            nxt = guess if use_guess else mid
+        if clock() + TIME_SAFETY * predict_seconds(trials, nxt) > deadline:
+            return lo, hi, False, trials
+        trial = probe(nxt)
+        trials.append(trial)
+        was_guess = nxt == guess
+        if trial.works:
+            lo = nxt
+            climbing = hi is None and (climbing or was_guess)
+        else:
+            hi = nxt
+        guessed_last = was_guess and hi is not None
+    return lo, hi, True, trials
+
+
+# ---------------------------------------------------------------- one (cp, AC) cell on this process
+def make_pack(cfg: CPOOMConfig, cp: int, response_len: int, vocab: int):
+    """One sequence (prompt + response) laid out for `cp` ranks, each rank's share a multiple of BLOCK tokens."""
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + response_len)
+    tokens = torch.randint(0, vocab, (cfg.prompt_len + response_len,), generator=g).tolist()
+    pack = pack_samples([Sample(tokens=tokens, response_length=response_len)])
+    return pad_for_cp(pack, cp, pad_multiple=BLOCK * cp)
+
+
+def token_mean_loss(logp: torch.Tensor, entropy, inputs: dict) -> tuple[torch.Tensor, dict]:
+    """`-sum(w * logp)` with `w = 1 / R` (one sequence: the token mean)."""
+    return -(inputs["w"] * logp).sum(), {}
+
+
+def emulated_forward_pack(backend: FSDPBackend, group: EmulatedCP, kv_head_chunk: int | None, recompute: bool):
+    """A `forward_pack` for `backend` that runs rank `group.rank`'s part of a CP forward in this process.
+
+    Like the backend's CP forward (the rank's zig-zag slice through rlbench_cp attention, its own response
+    tokens scored), with the CP all-gather emulated (`EmulatedCP`) and the cross-rank sum of the `[R]` result
+    left out: the peers' entries stay zero.
+    """
+    def forward_pack(model, pack, with_entropy: bool):
+        dev, rank = backend.env.device, group.rank
+        layout = cp_layout(pack, group.size)
+        info = cp_attention_info(layout, rank, dev)
+        tokens = cp_slice(pack.tokens, layout, rank).to(dev)  # [T/cp]
+        positions = cp_slice(pack.position_ids, layout, rank).to(dev)  # [T/cp]
+        ctx = CPContext(info, group, kv_head_chunk=kv_head_chunk, recompute=recompute)
+        out = model(input_ids=tokens[None], position_ids=positions[None], rl_cp=ctx, use_cache=False)
+        local_pos, resp_ids = cp_local_response(pack, layout, rank)  # [R_r]
+        targets = pack.tokens[layout.indices[rank][local_pos] + 1].to(dev)  # [R_r]
+        logp, ent = token_logprobs(out.logits[0][local_pos.to(dev)], targets, backend.temperature,
+                                   chunk_size=backend.cfg.logprob_chunk_size, with_entropy=with_entropy)
+        R, resp_ids = int(pack.response_index.numel()), resp_ids.to(dev)
+
+        def full(x):  # [R_r] -> [R]
+            return x.new_zeros(R).index_copy(0, resp_ids, x)
+
+        return full(logp), (full(ent) if ent is not None else None)
+
+    return forward_pack
+
+
+class CellRunner:
+    """A backend built for one (cp, AC) cell; `probe(L)` trains one step at response length L."""
+
+    def __init__(self, cfg: CPOOMConfig, cp: int, ac: bool, planted_oom: PlantedOOM | None = None):
+        self.cfg, self.cp, self.ac, self.planted_oom = cfg, cp, ac, planted_oom
+        self.cuda = cfg.device == "cuda"
+        self.backend = self._build()
+        self.state_bytes = torch.cuda.memory_allocated() if self.cuda else None
+
+    def _build(self) -> FSDPBackend:
+        cfg = self.cfg
+        fsdp = FSDPConfig(model=cfg.preset, device=cfg.device, param_dtype="bf16" if self.cuda else "fp32",
+                          attn_implementation=cfg.attn_implementation, gradient_checkpointing=self.ac, seed=cfg.seed,
+                          optim=OptimConfig(lr=1e-6))
+        backend = FSDPBackend(fsdp, loss_fn=token_mean_loss)
+        backend.init()
+        if self.cp > 1:  # importing cp_attention (above) registered the rlbench_cp attention
+            backend.model.config._attn_implementation = CP_ATTN_NAME
+            group = EmulatedCP(self.cp, cfg.emulated_rank)
+            backend.forward_pack = emulated_forward_pack(backend, group, cfg.kv_head_chunk, cfg.cp_recompute)
+        return backend
+
+    def probe(self, response_len: int) -> Trial:
+        pack = make_pack(self.cfg, self.cp, response_len, self.backend.hf_config.vocab_size)
+        R = int(pack.response_index.numel())
+        inputs = {"w": torch.full((R,), 1.0 / R)}
+        planted = self.planted_oom is not None and self.planted_oom(self.cp, self.ac, response_len)
+
+        def loss_fn(logp, entropy, inp):
+            if planted:  # after the forward, so the recovery from a half-done step is exercised
+                raise torch.OutOfMemoryError(f"planted OOM at cp={self.cp}, ac={self.ac}, L={response_len}")
+            return token_mean_loss(logp, entropy, inp)
+
+        self._sync()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        metrics, step_s = None, None
+        try:
+            for _ in range(self.cfg.repeats):
+                t0 = time.perf_counter()
+                metrics = self.backend.train([pack], [inputs], loss_fn=loss_fn)
+                self._sync()
+                step_s = time.perf_counter() - t0
+        except torch.OutOfMemoryError:
+            metrics = None
+        peak = torch.cuda.max_memory_allocated() / GIB if self.cuda else None
+        if metrics is None:
+            self._recover()
+        works = metrics is not None
+        return Trial(self.cp, self.ac, response_len, pack.num_tokens, pack.num_tokens // self.cp, works, peak,
+                     step_s if works else None, metrics["train/loss"] if works else None,
+                     metrics["train/grad_norm"] if works else None)
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def _recover(self) -> None:
+        """Free what an OOM left (the half-done step's tensors, FSDP's gathered params); rebuild if that fails."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.backend.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        self.backend.model.zero_grad(set_to_none=True)
+        gc.collect()
+        if not self.cuda:
+            return
+        torch.cuda.empty_cache()
+        if torch.cuda.memory_allocated() > self.state_bytes + LEAK_SLACK:
+            self.close()
+            self.backend = self._build()
+
+    def close(self) -> None:
+        self.backend = None
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- the sweep
+def run_cp_oom(cfg: CPOOMConfig, planted_oom: PlantedOOM | None = None) -> list[Cell]:
+    """Search every (AC, cp) cell in order, write the CSVs and the markdown under `cfg.out`, return the cells."""
+    if cfg.device == "cuda":
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)  # never eager flex
+    created = not dist.is_initialized()
+    capacity = _capacity_gib(cfg)
+    cells: list[Cell] = []
+    end = time.monotonic() + cfg.time_budget_s
+    todo = [(cp, ac) for ac in cfg.acs for cp in cfg.cps]
+    try:
+        for i, (cp, ac) in enumerate(todo):
+            t0 = time.monotonic()
+            if t0 >= end:  # budget spent: the cell stays unsearched (not even built)
+                cells.append(Cell(cp, ac, 0, None, False, None, None, 0.0))
+                continue
+            runner = CellRunner(cfg, cp, ac, planted_oom)
+            if cfg.device == "cuda":
+                for n in WARMUP_LENGTHS:
+                    runner.probe(n)
+            now = time.monotonic()
+            deadline = now + max(0.0, end - now) / (len(todo) - i)  # an even share of what is left, build excluded
+
+            def probe(n: int, runner=runner) -> Trial:
+                trial = runner.probe(n)
+                print(_trial_line(trial), flush=True)
+                return trial
+
+            lo, hi, complete, trials = search_longest(
+                probe, start=cfg.start_len, max_len=cfg.max_len, resolution=cfg.resolution, capacity_gib=capacity,
+                deadline=deadline)
+            state = runner.state_bytes / GIB if runner.state_bytes is not None else None
+            runner.close()
+            cells.append(Cell(cp, ac, lo, hi, complete, fit_limit(trials, capacity, cfg.resolution), state,
+                              time.monotonic() - t0, trials))
+            write_results(cfg, cells, capacity)  # after every cell: a killed sweep keeps what it found
+    finally:
+        if cfg.memory_gib is not None:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+    print(markdown(cfg, cells, capacity), flush=True)
+    return cells
+
+
+def _capacity_gib(cfg: CPOOMConfig) -> float | None:
+    """What the allocator may hold: the cap, or the device's free memory plus what torch already holds."""
+    if cfg.device != "cuda":
+        return None
+    torch.cuda.empty_cache()  # what earlier work in this process cached would count against a cap
+    free, total = torch.cuda.mem_get_info()
+    if cfg.memory_gib is not None:
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.memory_gib * GIB / total))
+        return cfg.memory_gib
+    return (free + torch.cuda.memory_reserved()) / GIB
+
+
+def _trial_line(t: Trial) -> str:
+    peak = f" peak {t.peak_gib:.2f} GiB" if t.peak_gib is not None else ""
+    speed = f" {t.step_s:.2f} s {t.tokens_per_s_per_gpu:.0f} tok/s/GPU" if t.works else ""
+    return f"[cp-oom] cp{t.cp}{' emulated' if t.emulated else ''} ac={'on' if t.ac else 'off'} " \
+           f"L={t.response_len}: {'works' if t.works else 'OOM'}{peak}{speed}"
+
+
+def ratios(cells: list[Cell]) -> dict[tuple[bool, int], tuple[float | None, bool, float | None]]:
+    """(ac, cp) -> (longest(cp) / longest(cp1), whether that is only a lower bound (cp never ran out of memory),
+    extrapolated(cp) / extrapolated(cp1)) for every cp > 1; None where cp1's limit was not found."""
+    out = {}
+    for c in cells:
+        base = next((b for b in cells if b.cp == 1 and b.ac == c.ac), None)
+        if c.cp == 1 or base is None:
+            continue
+        measured = c.longest / base.longest if base.longest and base.shortest_oom is not None else None
+        extra = c.extrapolated / base.extrapolated if c.extrapolated and base.extrapolated else None
+        out[(c.ac, c.cp)] = (measured, c.shortest_oom is None, extra)
+    return out
+
+
+# ---------------------------------------------------------------- output
+TRIAL_COLUMNS = ("preset", "device", "cp", "emulated", "ac", "response_len", "pack_tokens", "rank_tokens", "works",
+                 "peak_gib", "step_s", "tokens_per_s_per_gpu", "loss", "grad_norm")
+CELL_COLUMNS = ("preset", "device", "cp", "emulated", "ac", "longest", "shortest_oom", "complete", "extrapolated",
+                "peak_gib_at_longest", "tokens_per_s_per_gpu_at_longest", "state_gib", "trials", "seconds")
+
+
+def write_results(cfg: CPOOMConfig, cells: list[Cell], capacity_gib: float | None) -> None:
+    """`cp_oom_trials.csv` (every trial), `cp_oom_cells.csv` (every cell) and `cp_oom.md` under `cfg.out`."""
+    os.makedirs(cfg.out, exist_ok=True)
+    common = {"preset": cfg.preset, "device": cfg.device}
+    with open(os.path.join(cfg.out, "cp_oom_trials.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, TRIAL_COLUMNS)
+        w.writeheader()
+        for c in cells:
+            for t in c.trials:
+                row = dataclasses.asdict(t) | common | {"emulated": t.emulated, "tokens_per_s_per_gpu": t.tokens_per_s_per_gpu}
+                w.writerow({k: row[k] for k in TRIAL_COLUMNS})
+    with open(os.path.join(cfg.out, "cp_oom_cells.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, CELL_COLUMNS)
+        w.writeheader()
+        for c in cells:
+            best = c.at(c.longest)
+            w.writerow(common | {"cp": c.cp, "emulated": c.cp > 1, "ac": c.ac, "longest": c.longest,
+                                 "shortest_oom": c.shortest_oom, "complete": c.complete, "extrapolated": c.extrapolated,
+                                 "peak_gib_at_longest": best.peak_gib if best else None,
+                                 "tokens_per_s_per_gpu_at_longest": best.tokens_per_s_per_gpu if best else None,
+                                 "state_gib": c.state_gib, "trials": len(c.trials), "seconds": round(c.seconds, 1)})
+    with open(os.path.join(cfg.out, "cp_oom.md"), "w") as f:
+        f.write(markdown(cfg, cells, capacity_gib))
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 and n else str(n)
+
+
+def _cell_text(c: Cell, length: int) -> str:
+    t = c.at(length)
+    if t is not None:
+        return ("works" + (f" {t.peak_gib:.1f} GiB" if t.peak_gib is not None else "")) if t.works else "OOM"
+    if length <= c.longest:
+        return "(works)"
+    if c.shortest_oom is not None and length >= c.shortest_oom:
+        return "(OOM)"
+    return "?"
+
+
+def _longest_text(c: Cell, max_len: int) -> str:
+    if c.shortest_oom is None:
+        return f"≥ {_k(c.longest)}" if c.longest >= max_len else f"≥ {_k(c.longest)} (budget)"
+    if not c.complete:
+        return f"{_k(c.longest)}–{_k(c.shortest_oom)} (budget)"
+    return _k(c.longest)
+
+
+def markdown(cfg: CPOOMConfig, cells: list[Cell], capacity_gib: float | None) -> str:
+    """The seeds-form tables (rows `FSDP cpN`, columns of lengths, cells works / OOM) and the predicted ratios."""
+    dev = torch.cuda.get_device_name() if cfg.device == "cuda" else "CPU"
+    cap = f", {capacity_gib:.1f} GiB usable" if capacity_gib is not None else ""
+    lines = [f"# CP out-of-memory sweep: {cfg.preset}, {dev}{cap}", "",
+             f"One training step (forward, backward, AdamW) on one sequence: {cfg.prompt_len} prompt tokens + the "
+             "response length of the column; FSDP on one process (fp32 params, grads and Adam states"
+             f"{', bf16 compute' if cfg.device == 'cuda' else ', fp32'}). `(emulated)` rows are an **emulation of one "
+             f"CP rank** (rank {cfg.emulated_rank}) in one process: real per-rank activation, gathered-K/V and logits "
+             "sizes; the whole one-GPU FSDP state (a real rank holds 1/cp of it), no communication.",
+             "Cells: `works` (peak allocated GiB) / `OOM` as tried; `(works)` / `(OOM)` inferred from the search "
+             "(memory grows with length); `?` unresolved.", ""]
+    if cfg.device != "cuda":
+        lines += ["CPU run: no allocator peak, OOMs only where planted; the machinery, not a measurement.", ""]
+    grid = []
+    n = cfg.start_len
+    while n <= cfg.max_len:
+        grid.append(n)
+        n *= 2
+    for ac in cfg.acs:
+        rows = [c for c in cells if c.ac == ac]
+        lines += [f"## Activation checkpointing {'on' if ac else 'off'}", "",
+                  "| | " + " | ".join(_k(n) for n in grid) + " | longest that trains | extrapolated |",
+                  "|---|" + "---|" * (len(grid) + 2)]
+        for c in rows:
+            extra = _k(c.extrapolated) if c.extrapolated else "—"
+            lines.append(f"| {c.label} | " + " | ".join(_cell_text(c, n) for n in grid)
+                         + f" | {_longest_text(c, cfg.max_len)} | {extra} |")
+        lines.append("")
+    lines += ["## Predicted length ratio vs cp1 (emulated ranks; lower bounds: they hold the whole FSDP state)", ""]
+    for (ac, cp), (measured, lower_bound, extra) in ratios(cells).items():
+        m = f"{'≥ ' if lower_bound else ''}{measured:.2f}x" if measured else "— (cp1's limit not found)"
+        e = f"{extra:.2f}x" if extra else "—"
+        lines.append(f"- AC {'on' if ac else 'off'}, cp{cp}/cp1: longest that trains {m}; extrapolated {e}")
+    lines += ["", "| cell | AC | state GiB | peak GiB at longest | tokens/s/GPU at longest | trials | seconds |",
+              "|---|---|---|---|---|---|---|"]
+    for c in cells:
+        best = c.at(c.longest)
+        peak = f"{best.peak_gib:.1f}" if best and best.peak_gib is not None else "—"
+        speed = f"{best.tokens_per_s_per_gpu:.0f}" if best and best.tokens_per_s_per_gpu else "—"
+        state = f"{c.state_gib:.1f}" if c.state_gib is not None else "—"
+        lines.append(f"| {c.label} | {'on' if c.ac else 'off'} | {state} | {peak} | {speed} | {len(c.trials)} | "
+                     f"{c.seconds:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- CLI
+def parse_args(argv: list[str] | None = None) -> CPOOMConfig:
+    d = CPOOMConfig()
+    p = argparse.ArgumentParser(prog="rlbench experiment cp-oom", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default=d.preset)
+    p.add_argument("--cp", type=int, nargs="+", default=list(d.cps), help="context-parallel sizes (cp > 1 emulated)")
+    p.add_argument("--ac", choices=["on", "off"], nargs="+", default=["on", "off"], help="activation checkpointing")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--attn", default=None, help="cp=1 attention (default flex_attention on CUDA, sdpa on CPU)")
+    p.add_argument("--prompt-len", type=int, default=d.prompt_len)
+    p.add_argument("--start-len", type=int, default=d.start_len)
+    p.add_argument("--max-len", type=int, default=d.max_len)
+    p.add_argument("--resolution", type=int, default=d.resolution)
+    p.add_argument("--time-budget", type=float, default=d.time_budget_s, help="seconds for the whole sweep")
+    p.add_argument("--memory-gib", type=float, default=None, help="cap the CUDA allocator (e.g. 80 for an H100)")
+    p.add_argument("--repeats", type=int, default=d.repeats)
+    p.add_argument("--rank", type=int, default=d.emulated_rank, help="the CP rank cp > 1 emulates")
+    p.add_argument("--kv-head-chunk", type=int, default=None)
+    p.add_argument("--cp-recompute", action="store_true")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--out", default=d.out)
+    a = p.parse_args(argv)
+    return CPOOMConfig(
+        preset=a.preset, cps=tuple(a.cp), acs=tuple(x == "on" for x in a.ac), device=a.device, attn=a.attn,
+        prompt_len=a.prompt_len, start_len=a.start_len, max_len=a.max_len, resolution=a.resolution,
+        time_budget_s=a.time_budget, memory_gib=a.memory_gib, repeats=a.repeats, emulated_rank=a.rank,
+        kv_head_chunk=a.kv_head_chunk, cp_recompute=a.cp_recompute, seed=a.seed, out=a.out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    if cfg.device == "cpu":
+        torch.set_num_threads(min(2, os.cpu_count() or 1))
+    run_cp_oom(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
