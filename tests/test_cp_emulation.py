@@ -19,7 +19,7 @@ from rlbench.distributed.cp_attention import (
     cp_attention_all_ranks,
     cp_attention_info,
 )
-from rlbench.experiments import cp_oom
+from rlbench.experiments import cp_oom, cp_oom_search
 from rlbench.packing import cp_gather, cp_layout, cp_local_response, cp_slice, pack_samples, pad_for_cp
 from rlbench.types import Sample
 
@@ -118,9 +118,9 @@ def test_emulated_cp_errors():
 # ---------------------------------------------------------------- the length search
 def fake_probe(limit: int, gib_per_token: float | None = None, base_gib: float = 10.0, noise: float = 0.0):
     """A probe that trains up to `limit` tokens; with `gib_per_token`, peaks on a (slightly bent) line."""
-    def probe(n: int) -> cp_oom.Trial:
+    def probe(n: int) -> cp_oom_search.Trial:
         peak = None if gib_per_token is None else base_gib + gib_per_token * n * (1 + noise * n / limit)
-        return cp_oom.Trial(2, True, n, n, n // 2, n <= limit, peak, 0.01 if n <= limit else None)
+        return cp_oom_search.Trial(2, True, n, n, n // 2, n <= limit, peak, 0.01 if n <= limit else None)
     return probe
 
 
@@ -130,7 +130,7 @@ def test_search_finds_a_planted_limit(limit, fit):
     res, cap = 64, 80.0
     per_token = 70.0 / (limit + 1)  # the line reaches the capacity one token past the limit
     probe = fake_probe(limit) if fit is None else fake_probe(limit, per_token, noise=0.1 if fit == "bent" else 0.0)
-    lo, hi, complete, trials = cp_oom.search_longest(probe, start=1024, max_len=131072, resolution=res,
+    lo, hi, complete, trials = cp_oom_search.search_longest(probe, start=1024, max_len=131072, resolution=res,
                                                      capacity_gib=None if fit is None else cap)
     assert complete
     assert lo == (limit // res) * res and hi == lo + res  # bracketed to the resolution
@@ -142,21 +142,21 @@ def test_search_finds_a_planted_limit(limit, fit):
 
 
 def test_search_stops_at_max_len_and_at_the_deadline():
-    lo, hi, complete, trials = cp_oom.search_longest(fake_probe(10**9), start=256, max_len=3000 // 64 * 64,
+    lo, hi, complete, trials = cp_oom_search.search_longest(fake_probe(10**9), start=256, max_len=3000 // 64 * 64,
                                                      resolution=64)
     assert (lo, hi, complete) == (2944, None, True) and [t.response_len for t in trials] == [256, 512, 1024, 2048, 2944]
     clock = itertools.count(0.0, 1.0).__next__  # one second per call
-    lo, hi, complete, trials = cp_oom.search_longest(fake_probe(5000), start=256, max_len=65536, resolution=64,
+    lo, hi, complete, trials = cp_oom_search.search_longest(fake_probe(5000), start=256, max_len=65536, resolution=64,
                                                      deadline=4.5, clock=clock)
     assert not complete and len(trials) == 5 and lo == 4096 and hi is None  # the 6th would start at t=5 > 4.5
 
 
 def test_fit_and_time_predictions():
-    trials = [cp_oom.Trial(1, True, n, n, n, True, 20.0 + n / 1000, 1e-3 * n + 1e-8 * n * n) for n in (1000, 2000)]
-    assert cp_oom.fit_limit(trials, 80.0, 64) == 59968  # 60000 floored to the resolution
-    assert cp_oom.fit_limit(trials, None, 64) is None and cp_oom.fit_limit(trials[:1], 80.0, 64) is None
-    assert cp_oom.predict_seconds(trials, 8000) == pytest.approx(8.0 + 0.64)
-    assert cp_oom.predict_seconds(trials[:1], 2000) == pytest.approx(trials[0].step_s * 4)
+    trials = [cp_oom_search.Trial(1, True, n, n, n, True, 20.0 + n / 1000, 1e-3 * n + 1e-8 * n * n) for n in (1000, 2000)]
+    assert cp_oom_search.fit_limit(trials, 80.0, 64) == 59968  # 60000 floored to the resolution
+    assert cp_oom_search.fit_limit(trials, None, 64) is None and cp_oom_search.fit_limit(trials[:1], 80.0, 64) is None
+    assert cp_oom_search.predict_seconds(trials, 8000) == pytest.approx(8.0 + 0.64)
+    assert cp_oom_search.predict_seconds(trials[:1], 2000) == pytest.approx(trials[0].step_s * 4)
 
 
 # ---------------------------------------------------------------- the experiment on a tiny model (CPU)

@@ -28,15 +28,12 @@ On CPU there is no allocator peak to read: the peak columns stay empty and nothi
 from __future__ import annotations
 
 import argparse
-import csv
-import dataclasses
 import gc
-import math
 import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -45,6 +42,8 @@ from rlbench.algorithms.logprobs import token_logprobs
 from rlbench.backends.fsdp.actor import FSDPBackend
 from rlbench.backends.fsdp.config import FSDPConfig, OptimConfig
 from rlbench.distributed.cp_attention import CP_ATTN_NAME, CPContext, EmulatedCP, cp_attention_info
+from rlbench.experiments.cp_oom_report import markdown, write_results
+from rlbench.experiments.cp_oom_search import Cell, Trial, fit_limit, search_longest
 from rlbench.packing.cp import cp_layout, cp_local_response, cp_slice, pad_for_cp
 from rlbench.packing.pack import pack_samples
 from rlbench.types import Sample
@@ -52,7 +51,6 @@ from rlbench.types import Sample
 GIB = 2**30
 BLOCK = 128  # flex block size: every rank's token count is padded to a multiple of it
 LEAK_SLACK = 256 * 2**20  # bytes still allocated after an OOM's cleanup above which the backend is rebuilt
-TIME_SAFETY = 1.5  # a trial is started only if 1.5 x its predicted seconds fit in the cell's budget
 WARMUP_LENGTHS = (512, 1024)  # CUDA: untimed trials first, so flex's static and dynamic compiles are not timed
 
 PlantedOOM = Callable[[int, bool, int], bool]  # (cp, ac, response length) -> True: raise an OOM in that trial
@@ -121,134 +119,6 @@ class CPOOMConfig:
     @property
     def attn_implementation(self) -> str:
         return self.attn or ("flex_attention" if self.device == "cuda" else "sdpa")
-
-
-@dataclass
-class Trial:
-    """One training step at one response length."""
-
-    cp: int
-    ac: bool
-    response_len: int
-    pack_tokens: int  # tokens of the (CP-padded) sequence
-    rank_tokens: int  # tokens this process held (pack_tokens / cp)
-    works: bool
-    peak_gib: float | None = None  # max allocated during the trial (also for an OOM: the peak before it); None on CPU
-    step_s: float | None = None  # the last step's seconds (works only)
-    loss: float | None = None
-    grad_norm: float | None = None
-
-    @property
-    def emulated(self) -> bool:
-        return self.cp > 1
-
-    @property
-    def tokens_per_s_per_gpu(self) -> float | None:
-        return self.rank_tokens / self.step_s if self.step_s else None
-
-
-@dataclass
-class Cell:
-    """The search's result for one (cp, AC) setting."""
-
-    cp: int
-    ac: bool
-    longest: int  # longest response length that trained (0: none did)
-    shortest_oom: int | None  # shortest that ran out of memory (None: none up to max_len)
-    complete: bool  # bracketed to the resolution (or max_len trained) within the time budget
-    extrapolated: int | None  # where the linear fit of peak memory reaches the capacity
-    state_gib: float | None  # allocated after the build: fp32 params + Adam states (grads come on top in a step)
-    seconds: float
-    trials: list[Trial] = field(default_factory=list)
-
-    @property
-    def label(self) -> str:
-        return f"FSDP cp{self.cp}" + (" (emulated)" if self.cp > 1 else "")
-
-    def at(self, length: int) -> Trial | None:
-        return next((t for t in self.trials if t.response_len == length), None)
-
-
-# ---------------------------------------------------------------- the length search (pure)
-def _floor(x: float, res: int) -> int:
-    return int(x // res) * res
-
-
-def fit_limit(trials: list[Trial], capacity_gib: float | None, res: int) -> int | None:
-    """The last multiple of `res` below the length where the line through the two longest working trials' peaks
-    reaches `capacity_gib`; None without a capacity, two such trials, or a rising line."""
-    pts = sorted((t.response_len, t.peak_gib) for t in trials if t.works and t.peak_gib is not None)
-    if capacity_gib is None or len(pts) < 2:
-        return None
-    (l1, p1), (l2, p2) = pts[-2], pts[-1]
-    if p2 <= p1:
-        return None
-    at_capacity = l2 + (capacity_gib - p2) * (l2 - l1) / (p2 - p1)
-    return max(0, math.ceil(at_capacity / res) * res - res)  # the last multiple of res below it
-
-
-def predict_seconds(trials: list[Trial], length: int) -> float:
-    """Seconds of a step at `length` from `a L + b L^2` through the two longest timed trials (a, b >= 0);
-    one trial: quadratic scaling; none: 0."""
-    pts = sorted((t.response_len, t.step_s) for t in trials if t.works and t.step_s)
-    if not pts:
-        return 0.0
-    if len(pts) == 1:
-        return pts[0][1] * (length / pts[0][0]) ** 2
-    (l1, t1), (l2, t2) = pts[-2], pts[-1]
-    b = (t2 / l2 - t1 / l1) / (l2 - l1)
-    a = t2 / l2 - b * l2
-    if b < 0:
-        a, b = t2 / l2, 0.0
-    elif a < 0:
-        a, b = 0.0, t2 / l2**2
-    return a * length + b * length**2
-
-
-def search_longest(
-    probe: Callable[[int], Trial], *, start: int, max_len: int, resolution: int, capacity_gib: float | None = None,
-    deadline: float = math.inf, clock: Callable[[], float] = time.monotonic,
-) -> tuple[int, int | None, bool, list[Trial]]:
-    """The longest length in `resolution` steps that `probe` trains, assuming memory grows with length.
-
-    Doubling from `start` (capped at `max_len`) until the first failure; a fit of peak memory (`fit_limit`),
-    once there is one, replaces a doubling step, and after a fit guess that trained the probe climbs in doubling
-    steps of `resolution` from it; with a failure known, guesses and midpoints take turns until the gap is
-    `resolution`. Stops early when the next trial would not end before `deadline` (`predict_seconds`).
-
-    Returns:
-        (longest that trained or 0, shortest that failed or None, complete, the trials in order).
-    """
-    trials: list[Trial] = []
-    lo, hi = 0, None
-    climbing, climb, guessed_last = False, resolution, False
-    while not (hi is None and lo >= max_len) and not (hi is not None and hi - lo <= resolution):
-        guess = fit_limit(trials, capacity_gib, resolution)
-        if hi is None:
-            if climbing:
-                nxt = lo + climb
-                climb *= 2
-            elif guess is not None and guess > lo:
-                nxt = guess
-            else:
-                nxt = start if lo == 0 else 2 * lo
-            nxt = min(nxt, max_len)
-        else:
-            mid = lo + max(resolution, _floor((hi - lo) / 2, resolution))
-            use_guess = guess is not None and lo < guess < hi and not guessed_last
-            nxt = guess if use_guess else mid
-        if clock() + TIME_SAFETY * predict_seconds(trials, nxt) > deadline:
-            return lo, hi, False, trials
-        trial = probe(nxt)
-        trials.append(trial)
-        was_guess = nxt == guess
-        if trial.works:
-            lo = nxt
-            climbing = hi is None and (climbing or was_guess)
-        else:
-            hi = nxt
-        guessed_last = was_guess and hi is not None
-    return lo, hi, True, trials
 
 
 # ---------------------------------------------------------------- one (cp, AC) cell on this process
@@ -437,121 +307,6 @@ def _trial_line(t: Trial) -> str:
     speed = f" {t.step_s:.2f} s {t.tokens_per_s_per_gpu:.0f} tok/s/GPU" if t.works else ""
     return f"[cp-oom] cp{t.cp}{' emulated' if t.emulated else ''} ac={'on' if t.ac else 'off'} " \
            f"L={t.response_len}: {'works' if t.works else 'OOM'}{peak}{speed}"
-
-
-def ratios(cells: list[Cell]) -> dict[tuple[bool, int], tuple[float | None, bool, float | None]]:
-    """(ac, cp) -> (longest(cp) / longest(cp1), whether that is only a lower bound (cp never ran out of memory),
-    extrapolated(cp) / extrapolated(cp1)) for every cp > 1; None where cp1's limit was not found."""
-    out = {}
-    for c in cells:
-        base = next((b for b in cells if b.cp == 1 and b.ac == c.ac), None)
-        if c.cp == 1 or base is None:
-            continue
-        measured = c.longest / base.longest if base.longest and base.shortest_oom is not None else None
-        extra = c.extrapolated / base.extrapolated if c.extrapolated and base.extrapolated else None
-        out[(c.ac, c.cp)] = (measured, c.shortest_oom is None, extra)
-    return out
-
-
-# ---------------------------------------------------------------- output
-TRIAL_COLUMNS = ("preset", "device", "cp", "emulated", "ac", "response_len", "pack_tokens", "rank_tokens", "works",
-                 "peak_gib", "step_s", "tokens_per_s_per_gpu", "loss", "grad_norm")
-CELL_COLUMNS = ("preset", "device", "cp", "emulated", "ac", "longest", "shortest_oom", "complete", "extrapolated",
-                "peak_gib_at_longest", "tokens_per_s_per_gpu_at_longest", "state_gib", "trials", "seconds")
-
-
-def write_results(cfg: CPOOMConfig, cells: list[Cell], capacity_gib: float | None) -> None:
-    """`cp_oom_trials.csv` (every trial), `cp_oom_cells.csv` (every cell) and `cp_oom.md` under `cfg.out`."""
-    os.makedirs(cfg.out, exist_ok=True)
-    common = {"preset": cfg.preset, "device": cfg.device}
-    with open(os.path.join(cfg.out, "cp_oom_trials.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, TRIAL_COLUMNS)
-        w.writeheader()
-        for c in cells:
-            for t in c.trials:
-                row = dataclasses.asdict(t) | common | {"emulated": t.emulated, "tokens_per_s_per_gpu": t.tokens_per_s_per_gpu}
-                w.writerow({k: row[k] for k in TRIAL_COLUMNS})
-    with open(os.path.join(cfg.out, "cp_oom_cells.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, CELL_COLUMNS)
-        w.writeheader()
-        for c in cells:
-            best = c.at(c.longest)
-            w.writerow(common | {"cp": c.cp, "emulated": c.cp > 1, "ac": c.ac, "longest": c.longest,
-                                 "shortest_oom": c.shortest_oom, "complete": c.complete, "extrapolated": c.extrapolated,
-                                 "peak_gib_at_longest": best.peak_gib if best else None,
-                                 "tokens_per_s_per_gpu_at_longest": best.tokens_per_s_per_gpu if best else None,
-                                 "state_gib": c.state_gib, "trials": len(c.trials), "seconds": round(c.seconds, 1)})
-    with open(os.path.join(cfg.out, "cp_oom.md"), "w") as f:
-        f.write(markdown(cfg, cells, capacity_gib))
-
-
-def _k(n: int) -> str:
-    return f"{n // 1024}k" if n % 1024 == 0 and n else str(n)
-
-
-def _cell_text(c: Cell, length: int) -> str:
-    t = c.at(length)
-    if t is not None:
-        return ("works" + (f" {t.peak_gib:.1f} GiB" if t.peak_gib is not None else "")) if t.works else "OOM"
-    if length <= c.longest:
-        return "(works)"
-    if c.shortest_oom is not None and length >= c.shortest_oom:
-        return "(OOM)"
-    return "?"
-
-
-def _longest_text(c: Cell, max_len: int) -> str:
-    if c.shortest_oom is None:
-        return f"≥ {_k(c.longest)}" if c.longest >= max_len else f"≥ {_k(c.longest)} (budget)"
-    if not c.complete:
-        return f"{_k(c.longest)}–{_k(c.shortest_oom)} (budget)"
-    return _k(c.longest)
-
-
-def markdown(cfg: CPOOMConfig, cells: list[Cell], capacity_gib: float | None) -> str:
-    """The seeds-form tables (rows `FSDP cpN`, columns of lengths, cells works / OOM) and the predicted ratios."""
-    dev = torch.cuda.get_device_name() if cfg.device == "cuda" else "CPU"
-    cap = f", {capacity_gib:.1f} GiB usable" if capacity_gib is not None else ""
-    lines = [f"# CP out-of-memory sweep: {cfg.preset}, {dev}{cap}", "",
-             f"One training step (forward, backward, AdamW) on one sequence: {cfg.prompt_len} prompt tokens + the "
-             "response length of the column; FSDP on one process (fp32 params, grads and Adam states"
-             f"{', bf16 compute' if cfg.device == 'cuda' else ', fp32'}). `(emulated)` rows are an **emulation of one "
-             f"CP rank** (rank {cfg.emulated_rank}) in one process: real per-rank activation, gathered-K/V and logits "
-             "sizes; the whole one-GPU FSDP state (a real rank holds 1/cp of it), no communication.",
-             "Cells: `works` (peak allocated GiB) / `OOM` as tried; `(works)` / `(OOM)` inferred from the search "
-             "(memory grows with length); `?` unresolved.", ""]
-    if cfg.device != "cuda":
-        lines += ["CPU run: no allocator peak, OOMs only where planted; the machinery, not a measurement.", ""]
-    grid = []
-    n = cfg.start_len
-    while n <= cfg.max_len:
-        grid.append(n)
-        n *= 2
-    for ac in cfg.acs:
-        rows = [c for c in cells if c.ac == ac]
-        lines += [f"## Activation checkpointing {'on' if ac else 'off'}", "",
-                  "| | " + " | ".join(_k(n) for n in grid) + " | longest that trains | extrapolated |",
-                  "|---|" + "---|" * (len(grid) + 2)]
-        for c in rows:
-            extra = _k(c.extrapolated) if c.extrapolated else "—"
-            lines.append(f"| {c.label} | " + " | ".join(_cell_text(c, n) for n in grid)
-                         + f" | {_longest_text(c, cfg.max_len)} | {extra} |")
-        lines.append("")
-    lines += ["## Predicted length ratio vs cp1 (emulated ranks; lower bounds: they hold the whole FSDP state)", ""]
-    for (ac, cp), (measured, lower_bound, extra) in ratios(cells).items():
-        m = f"{'≥ ' if lower_bound else ''}{measured:.2f}x" if measured else "— (cp1's limit not found)"
-        e = f"{extra:.2f}x" if extra else "—"
-        lines.append(f"- AC {'on' if ac else 'off'}, cp{cp}/cp1: longest that trains {m}; extrapolated {e}")
-    lines += ["", "| cell | AC | state GiB | peak GiB at longest | tokens/s/GPU at longest | trials | seconds |",
-              "|---|---|---|---|---|---|---|"]
-    for c in cells:
-        best = c.at(c.longest)
-        peak = f"{best.peak_gib:.1f}" if best and best.peak_gib is not None else "—"
-        speed = f"{best.tokens_per_s_per_gpu:.0f}" if best and best.tokens_per_s_per_gpu else "—"
-        state = f"{c.state_gib:.1f}" if c.state_gib is not None else "—"
-        lines.append(f"| {c.label} | {'on' if c.ac else 'off'} | {state} | {peak} | {speed} | {len(c.trials)} | "
-                     f"{c.seconds:.0f} |")
-    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------- CLI
