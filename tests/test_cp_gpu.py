@@ -132,7 +132,7 @@ def test_cp_oom_sweep_finds_real_limits_under_a_memory_cap(tmp_path):
     """qwen3-0.6b-shape under a 16 GiB cap: real OOMs, the emulated cp2 rank trains longer responses than cp1."""
     cap = 16.0
     cfg = cp_oom.CPOOMConfig(preset="qwen3-0.6b-shape", cps=(1, 2), acs=(True,), start_len=1024, max_len=65536,
-                             resolution=512, memory_gib=cap, time_budget_s=150, out=str(tmp_path))
+                             resolution=512, memory_gib=cap, time_budget_s=100, out=str(tmp_path))
     cells = {c.cp: c for c in cp_oom.run_cp_oom(cfg)}
     for c in cells.values():
         print(f"\n[cp-gpu] sweep {c.label}: longest {c.longest}, OOM at {c.shortest_oom}, extrapolated "

@@ -11,17 +11,23 @@ import torch
 from rlbench.experiments.cp_oom_search import Cell
 
 
-def ratios(cells: list[Cell]) -> dict[tuple[bool, int], tuple[float | None, bool, float | None]]:
-    """(ac, cp) -> (longest(cp) / longest(cp1), whether that is only a lower bound (cp never ran out of memory),
-    extrapolated(cp) / extrapolated(cp1)) for every cp > 1; None where cp1's limit was not found."""
+def ratios(cells: list[Cell]) -> dict[tuple[bool, int], tuple[str, float | None]]:
+    """(ac, cp) -> (longest(cp) / longest(cp1) as text, extrapolated(cp) / extrapolated(cp1) or None), cp > 1.
+
+    The measured ratio needs both limits found; a cp that trained `max_len` gives a lower bound ("≥")."""
     out = {}
-    for c in cells:
+    for c in sorted(cells, key=lambda c: (not c.ac, c.cp)):
         base = next((b for b in cells if b.cp == 1 and b.ac == c.ac), None)
         if c.cp == 1 or base is None:
             continue
-        measured = c.longest / base.longest if base.longest and base.shortest_oom is not None else None
+        if base.shortest_oom is None or not base.complete or not base.longest:
+            measured = "— (cp1's limit not found)"
+        elif not c.complete:
+            measured = "— (the search was cut by the time budget)"
+        else:
+            measured = f"{'≥ ' if c.shortest_oom is None else ''}{c.longest / base.longest:.2f}x"
         extra = c.extrapolated / base.extrapolated if c.extrapolated and base.extrapolated else None
-        out[(c.ac, c.cp)] = (measured, c.shortest_oom is None, extra)
+        out[(c.ac, c.cp)] = (measured, extra)
     return out
 
 
@@ -100,7 +106,7 @@ def markdown(cfg, cells: list[Cell], capacity_gib: float | None) -> str:
         grid.append(n)
         n *= 2
     for ac in cfg.acs:
-        rows = [c for c in cells if c.ac == ac]
+        rows = sorted((c for c in cells if c.ac == ac), key=lambda c: c.cp)  # cp order, whatever the run order
         lines += [f"## Activation checkpointing {'on' if ac else 'off'}", "",
                   "| | " + " | ".join(_k(n) for n in grid) + " | longest that trains | extrapolated |",
                   "|---|" + "---|" * (len(grid) + 2)]
@@ -109,11 +115,11 @@ def markdown(cfg, cells: list[Cell], capacity_gib: float | None) -> str:
             lines.append(f"| {c.label} | " + " | ".join(_cell_text(c, n) for n in grid)
                          + f" | {_longest_text(c, cfg.max_len)} | {extra} |")
         lines.append("")
-    lines += ["## Predicted length ratio vs cp1 (emulated ranks; lower bounds: they hold the whole FSDP state)", ""]
-    for (ac, cp), (measured, lower_bound, extra) in ratios(cells).items():
-        m = f"{'≥ ' if lower_bound else ''}{measured:.2f}x" if measured else "— (cp1's limit not found)"
+    lines += ["## Predicted length ratio vs cp1", "",
+              "From the emulated ranks, which hold the whole one-GPU FSDP state: lower bounds for a real CP run.", ""]
+    for (ac, cp), (measured, extra) in ratios(cells).items():
         e = f"{extra:.2f}x" if extra else "—"
-        lines.append(f"- AC {'on' if ac else 'off'}, cp{cp}/cp1: longest that trains {m}; extrapolated {e}")
+        lines.append(f"- AC {'on' if ac else 'off'}, cp{cp}/cp1: longest that trains {measured}; extrapolated {e}")
     lines += ["", "| cell | AC | state GiB | peak GiB at longest | tokens/s/GPU at longest | trials | seconds |",
               "|---|---|---|---|---|---|---|"]
     for c in cells:
