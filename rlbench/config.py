@@ -360,6 +360,12 @@ class RunConfig:
             )
         if self.cluster.backend == "ray":
             check_batch_layout(self, self.cluster)  # global_batch_size must split over the DP ranks
+        elif self.backend.cp_size > 1:
+            raise ValueError(
+                f"context_parallel_size={self.backend.cp_size} needs {self.backend.cp_size} (x dp) trainer ranks, but "
+                "cluster.backend='local' runs one process; set cluster.backend='ray' with actor_num_gpus_per_node a "
+                "multiple of the CP size"
+            )
 
     def _check_on_policy(self) -> None:
         if not self.true_on_policy_mode:
@@ -396,6 +402,22 @@ class RunConfig:
             raise ValueError(
                 f"max_tokens_per_gpu={b.max_tokens_per_gpu} cannot hold one sequence of max_response_len="
                 f"{r.max_response_len} + prompt tokens; raise max_tokens_per_gpu"
+            )
+        self._check_cp_budget()
+
+    def _check_cp_budget(self) -> None:
+        """CP packs align every slot to 2*cp tokens (`RankStep.pack`): the smallest full sequence must still fit."""
+        cp, tokens = self.backend.cp_size, self.batch.max_tokens_per_gpu
+        if cp == 1 or tokens is None or not self.batch.use_dynamic_batch_size:
+            return
+        align = 2 * cp
+        smallest = -(-(self.rollout.max_response_len + 1) // align) * align
+        capacity = tokens * cp // align * align
+        if smallest > capacity:
+            raise ValueError(
+                f"max_tokens_per_gpu={tokens} x context_parallel_size={cp} holds {capacity} tokens of slots aligned to "
+                f"{align}, less than one sequence of max_response_len={self.rollout.max_response_len} + a prompt token "
+                f"({smallest} aligned); raise max_tokens_per_gpu to at least {-(-smallest // cp)}"
             )
 
     def _check_algorithm(self) -> None:

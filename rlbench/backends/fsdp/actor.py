@@ -72,6 +72,7 @@ class FSDPBackend:
             self.env = init_distributed(cfg.device, cp_size=cfg.cp_size, cpu_offload=cfg.cpu_offload)
         torch.manual_seed(cfg.seed)
         self.model, self.hf_config = build_sharded_model(cfg.model, cfg, self.env, offload=cfg.cpu_offload)
+        _check_kv_head_chunk(cfg, self.hf_config)
         if cfg.ref_model is not None:
             # Same precision policy and kernels as the actor, params streamed from CPU per layer.
             self.ref, _ = build_sharded_model(cfg.ref_model, cfg, self.env, offload=True)
@@ -136,7 +137,8 @@ class FSDPBackend:
         group = env.mesh["cp"].get_group()
         tokens = cp_slice(pack.tokens, layout, rank).to(dev, non_blocking=True)  # [T/cp]
         positions = cp_slice(pack.position_ids, layout, rank).to(dev, non_blocking=True)  # [T/cp]
-        out = model(input_ids=tokens[None], position_ids=positions[None], rl_cp=CPContext(info, group), use_cache=False)
+        ctx = CPContext(info, group, kv_head_chunk=self.cfg.cp_kv_head_chunk, recompute=self.cfg.cp_recompute)
+        out = model(input_ids=tokens[None], position_ids=positions[None], rl_cp=ctx, use_cache=False)
         local_pos, resp_ids = cp_local_response(pack, layout, rank)  # [R_r]
         targets = pack.tokens[layout.indices[rank][local_pos] + 1].to(dev, non_blocking=True)  # [R_r]
         logp, ent = token_logprobs(
@@ -156,6 +158,7 @@ class FSDPBackend:
         if model == "ref" and self.ref is None:
             raise ValueError("model='ref' but no reference model was configured (set FSDPConfig.ref_model)")
         net = self.model if model == "actor" else self.ref
+        self._check_same_count(len(packs))  # unequal counts would desynchronise the forwards' collectives
         outs = []
         for pack in packs:
             logp, ent = self.forward_pack(net, pack, with_entropy)
@@ -292,7 +295,8 @@ class FSDPBackend:
         if counts[0] != -counts[1]:
             raise ValueError(
                 f"ranks have different micro-batch counts (min {-int(counts[1])}, max {int(counts[0])}); "
-                "make_packs must use the DP-wide max count (num_micro_batches(reduce_max=...))"
+                "make_packs must use the DP-wide max count (num_micro_batches(reduce_max=..., seq_align=...) with the "
+                "packs' slot alignment)"
             )
 
     # ---------------------------------------------------------------- state
@@ -378,6 +382,15 @@ def _cp_assemble(local: torch.Tensor, resp_ids: torch.Tensor, num_response: int,
     partition range(R), the others contribute exact zeros, so the sum is bit-exact)."""
     full = local.new_zeros(num_response).index_copy(0, resp_ids, local)
     return _SumOverPeers.apply(full, group)
+
+
+def _check_kv_head_chunk(cfg: FSDPConfig, hf_config) -> None:
+    """`cp_kv_head_chunk` must divide the model's KV heads (checked at init, not at the first CP forward)."""
+    chunk = cfg.cp_kv_head_chunk
+    n_kv = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    if cfg.cp_size > 1 and chunk is not None and n_kv % chunk:
+        raise ValueError(f"cp_kv_head_chunk={chunk} does not divide the model's {n_kv} KV heads; use a divisor of "
+                         f"{n_kv} or None (all heads per all-gather)")
 
 
 def _engine_lse():
