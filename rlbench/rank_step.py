@@ -117,14 +117,15 @@ class RankStep:
         """`[step][micro-batch] -> Pack` for this rank's samples of each optimizer step (`Pack.sample_ids` index
         the step's samples); every DP rank gets the same micro-batch count (the DP-wide MAX)."""
         b = self.batch
-        if b.use_dynamic_batch_size:
-            mode = {"max_tokens": b.max_tokens_per_gpu, "cp_size": self.cp_size}
-            budget = b.max_tokens_per_gpu * self.cp_size  # a CP group shares the tokens of one micro-batch
-        else:
-            mode, budget = {"micro_batch_size": b.micro_batch_size}, None
         # CP: every slot (sequence + alignment pad, trailing pad) a multiple of 2*cp, the zig-zag layout
         # (`rlbench.packing.cp.pad_for_cp`); the CP peers of a DP rank get the same samples, hence the same packs
         align = 2 * self.cp_size if self.cp_size > 1 else 1
+        if b.use_dynamic_batch_size:
+            # counted at the aligned slot sizes the packs will have, so no rank needs more than the DP MAX
+            mode = {"max_tokens": b.max_tokens_per_gpu, "cp_size": self.cp_size, "seq_align": align}
+            budget = b.max_tokens_per_gpu * self.cp_size  # a CP group shares the tokens of one micro-batch
+        else:
+            mode, budget = {"micro_batch_size": b.micro_batch_size}, None
         packs = []
         for samples in steps:
             n_mb = num_micro_batches([s.total_length for s in samples], **mode, reduce_max=self.reduce.max)

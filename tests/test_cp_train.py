@@ -1,6 +1,7 @@
 """FSDPBackend with cp_size > 1 (gloo, CPU, fp32) against cp=1 on the same global batch.
 
-Spawns: 1 process (the cp=1 reference), 2 processes (cp=2) and 4 processes (dp=2 x cp=2, then cp=4). Every run
+Spawns: 1 process (the cp=1 reference), 2 processes (cp=2, then cp=2 with KV-head chunks of 1 and recompute)
+and 4 processes (dp=2 x cp=2, then cp=4). Every run
 trains the same global batch for two optimizer steps with a loss that needs the full `[R]` of each pack
 (per-sequence means, an entropy term); the tests compare the per-token log-probs (`compute_log_prob`), the
 reported loss/metrics (counted once, not cp times) and the parameters after each step with the reference, and
@@ -27,7 +28,8 @@ LR = 0.1
 EPS = 1.0  # AdamW update ~ LR * g / EPS: linear in the gradient (eps=1e-8 turns fp noise in ~0 grads into +-LR)
 PAD_ID = 3
 LENGTHS = [7, 13, 5, 11, 9, 17, 10, 6]
-RUNS = {1: [(1, 1)], 2: [(1, 2)], 4: [(2, 2), (1, 4)]}  # world -> [(dp, cp)] run in that spawn
+CHUNKED = {"cp_kv_head_chunk": 1, "cp_recompute": True}  # the tiny model has 2 KV heads: one per all-gather
+RUNS = {1: [(1, 1)], 2: [(1, 2), (1, 2, "chunked")], 4: [(2, 2), (1, 4)]}  # world -> [(dp, cp[, variant])]
 
 
 def make_samples() -> list[Sample]:
@@ -96,11 +98,12 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
 
     samples = make_samples()
     res: dict = {}
-    for dp, cp in RUNS[world]:
+    for run in RUNS[world]:
+        dp, cp = run[:2]
         env = init_distributed("cpu", cp_size=cp)
         assert env.dp_size == dp
         cfg = FSDPConfig(model="tiny", device="cpu", param_dtype="fp32", cp_size=cp, with_entropy=True,
-                         optim=OptimConfig(lr=LR, eps=EPS, clip_grad=100.0))
+                         optim=OptimConfig(lr=LR, eps=EPS, clip_grad=100.0), **(CHUNKED if "chunked" in run else {}))
         b = FSDPBackend(cfg, env=env, loss_fn=full_response_loss)
         b.init()
         packs = make_packs(samples, dp, env.dp_rank, cp)
@@ -114,9 +117,22 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
         out["step2"] = b.train(packs, inputs)
         out["params2"] = _snapshot(b)
         out["local2"] = {n: p.to_local().clone() for n, p in b.model.named_parameters()}
-        res[(dp, cp)] = out
+        res[run] = out
+    if world == 2:
+        bad = FSDPConfig(model="tiny", device="cpu", cp_size=2, cp_kv_head_chunk=3)
+        res["bad_chunk_error"] = _value_error(lambda: FSDPBackend(bad, env=env).init())
+        # the last run's backend, asked for 1 pack on rank 0 and 2 on rank 1: an error on both, not a hang
+        res["count_error"] = _value_error(lambda: b.compute_log_prob(packs[: 1 + rank]))
     torch.save(res, os.path.join(root, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+def _value_error(fn) -> str:
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +144,7 @@ def results(tmp_path_factory) -> dict:
         ranks = [torch.load(os.path.join(root, f"rank{r}.pt")) for r in range(world)]
         for run in runs:
             out[run] = [r[run] for r in ranks]
+        out.update({k: [r[k] for r in ranks] for k in ranks[0] if isinstance(k, str)})
     return out
 
 
@@ -135,13 +152,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-CASES = [(1, 2), (2, 2), (1, 4)]
+CASES = [(1, 2), (1, 2, "chunked"), (2, 2), (1, 4)]
 
 
-@pytest.mark.parametrize("dp,cp", CASES)
-def test_log_probs_match_cp1(results, dp, cp):
+@pytest.mark.parametrize("run", CASES)
+def test_log_probs_match_cp1(results, run):
     ref = results[(1, 1)][0]
-    for r in results[(dp, cp)]:
+    dp = run[0]
+    for r in results[run]:
         for key in ("logp0", "logp1"):
             got = r[key]
             assert set(got) == {i for i in range(len(LENGTHS)) if i % dp == r["dp_rank"]}
@@ -151,20 +169,20 @@ def test_log_probs_match_cp1(results, dp, cp):
         assert all(e is not None and torch.isfinite(e).all() for e in r["ent0"])
 
 
-@pytest.mark.parametrize("dp,cp", CASES)
-def test_loss_and_metrics_match_cp1_counted_once(results, dp, cp):
+@pytest.mark.parametrize("run", CASES)
+def test_loss_and_metrics_match_cp1_counted_once(results, run):
     ref = results[(1, 1)][0]
-    for r in results[(dp, cp)]:
+    for r in results[run]:
         for step in ("step1", "step2"):
             for k in ("train/loss", "train/pg_loss", "train/seq_term", "train/entropy", "train/grad_norm"):
                 assert abs(r[step][k] - ref[step][k]) <= 1e-6 * abs(ref[step][k]), (step, k, r[step][k], ref[step][k])
             assert r[step]["train/skipped"] == 0.0
 
 
-@pytest.mark.parametrize("dp,cp", CASES)
-def test_params_match_cp1_and_cp_peers_agree(results, dp, cp):
+@pytest.mark.parametrize("run", CASES)
+def test_params_match_cp1_and_cp_peers_agree(results, run):
     ref = results[(1, 1)][0]
-    ranks = results[(dp, cp)]
+    ranks = results[run]
     for r in ranks:
         for key in ("params1", "params2"):
             assert r[key].keys() == ref[key].keys()
@@ -181,3 +199,43 @@ def test_config_rejects_cp_with_batch_invariant_or_flash():
         FSDPConfig(device="cpu", cp_size=2, batch_invariant=True)
     with pytest.raises(ValueError, match="flash_attention_2"):
         FSDPConfig(device="cuda", cp_size=2, attn_implementation="flash_attention_2")
+
+
+def test_kv_head_chunks_and_recompute_change_only_the_schedule(results):
+    plain, chunked = results[(1, 2)], results[(1, 2, "chunked")]
+    for a, b in zip(plain, chunked):
+        for key in ("logp0", "logp1"):
+            assert all(torch.equal(a[key][sid], b[key][sid]) for sid in a[key]), key
+        for step in ("step1", "step2"):
+            assert a[step]["train/loss"] == b[step]["train/loss"]
+            assert a[step]["train/grad_norm"] == b[step]["train/grad_norm"]
+        assert all(torch.equal(a["params2"][n], b["params2"][n]) for n in a["params2"])
+
+
+def test_kv_head_chunk_is_validated():
+    from rlbench.backends.fsdp.config import FSDPConfig
+
+    with pytest.raises(ValueError, match="cp_kv_head_chunk=0 must be >= 1"):
+        FSDPConfig(device="cpu", cp_size=2, cp_kv_head_chunk=0)
+    with pytest.warns(UserWarning, match="no effect with cp_size=1"):
+        FSDPConfig(device="cpu", cp_recompute=True)
+
+
+def test_kv_head_chunk_must_divide_the_kv_heads(results):
+    for error in results["bad_chunk_error"]:
+        assert "cp_kv_head_chunk=3 does not divide the model's 2 KV heads" in error
+
+
+def test_unequal_micro_batch_counts_fail_before_any_collective(results):
+    for error in results["count_error"]:
+        assert "ranks have different micro-batch counts (min 1, max 2)" in error
+
+
+def test_cli_flags_set_the_cp_attention_fields():
+    from rlbench.cli import build_parser, preset_config
+
+    argv = ["train", "--backend", "ray", "--actor-num-gpus-per-node", "2", "--context-parallel-size", "2",
+            "--cp-kv-head-chunk", "1", "--cp-recompute"]
+    args = build_parser().parse_args(argv)
+    cfg = preset_config(args)
+    assert (cfg.backend.cp_size, cfg.backend.cp_kv_head_chunk, cfg.backend.cp_recompute) == (2, 1, True)

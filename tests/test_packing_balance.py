@@ -9,6 +9,7 @@ import pytest
 from rlbench.packing import (
     first_fit_count,
     karmarkar_karp,
+    make_step_packs,
     num_micro_batches,
     partition,
     split_by_dp,
@@ -76,6 +77,27 @@ def test_num_micro_batches_static_dynamic_cp_and_reduce():
         num_micro_batches(lengths)
     with pytest.raises(ValueError, match="micro_batch_size=3"):
         num_micro_batches(lengths, micro_batch_size=3)
+
+
+def test_num_micro_batches_counts_the_aligned_slots_make_step_packs_builds():
+    # CP aligns every slot to 2*cp = 4: 5+5+5 = 15 raw tokens fit one 16-token micro-batch (8 per GPU x cp 2),
+    # the aligned slots 8+8+8 = 24 do not
+    assert num_micro_batches([5, 5, 5], max_tokens=8, cp_size=2) == 1
+    assert num_micro_batches([5, 5, 5], max_tokens=8, cp_size=2, seq_align=4) == 2
+    assert len(make_step_packs([[1] * 5] * 3, 1, 16, 4, seq_align=4)) == 2  # a raw count is exceeded
+    rng = random.Random(0)
+    raw_too_low = 0
+    for _ in range(200):
+        cp = rng.choice([2, 4])
+        align, per_gpu = 2 * cp, rng.randint(6, 30)
+        lengths = [rng.randint(1, per_gpu * cp - 2 * cp + 1) for _ in range(rng.randint(1, 12))]
+        n = num_micro_batches(lengths, max_tokens=per_gpu, cp_size=cp, seq_align=align)
+        packs = make_step_packs([[1] * k for k in lengths], n, per_gpu * cp, align, seq_align=align)
+        assert len(packs) == n and all(p.num_tokens <= per_gpu * cp for p in packs)
+        raw_too_low += num_micro_batches(lengths, max_tokens=per_gpu, cp_size=cp) < n
+    assert raw_too_low >= 50  # the unaligned count would have been short this often (57 with this seed)
+    with pytest.raises(ValueError, match=r"sequence 1 has 15 tokens \(16 with its slot aligned.*budget of 14 tokens.*12 after"):
+        num_micro_batches([3, 15], max_tokens=7, cp_size=2, seq_align=4)
 
 
 def test_step_counts_reduce_max_over_simulated_dp_ranks():

@@ -133,3 +133,37 @@ def test_two_ranks_match_one_rank(two_ranks):
         assert two_ranks[0]["metrics"][key] == two_ranks[1]["metrics"][key]  # global on every rank
         assert two_ranks[0]["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-9, abs=1e-12), key
     assert ref["metrics"]["train/ppo_kl_first_mb"] == 0.0  # old == new log-probs
+
+
+# Lengths where CP's slot alignment (2*cp = 4) changes the count: rank 0's 5+5+5 raw tokens fit one 16-token
+# micro-batch (8 per GPU x cp 2) but its aligned slots 8+8+8 need two; rank 1's 4+4+4 fit one either way.
+CP_BATCH = BatchConfig(global_batch_size=6, use_dynamic_batch_size=True, max_tokens_per_gpu=8)
+CP_LENGTHS = [[5, 5, 5], [3, 3, 3]]
+
+
+def _cp_pack_worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from rlbench.rank_step import DPAllReduce
+
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        samples = [Sample(tokens=[7] * n, response_length=2, loss_mask=[1, 1], index=i)
+                   for i, n in enumerate(CP_LENGTHS[rank])]
+        packs = RankStep(CP_BATCH, LOSS, FakeBackend(), cp_size=2, reduce=DPAllReduce(None)).pack([samples])[0]
+        result = {"tokens": [p.num_tokens for p in packs], "ids": sorted(i for p in packs for i in p.sample_ids)}
+        torch.save(result, os.path.join(out, f"cp_rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_cp_alignment_counts_are_equal_over_dp_and_within_budget(tmp_path):
+    mp.spawn(_cp_pack_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    ranks = [torch.load(os.path.join(tmp_path, f"cp_rank{r}.pt")) for r in range(WORLD)]
+    assert [len(r["tokens"]) for r in ranks] == [2, 2]  # the DP MAX of the aligned counts (2, 1)
+    budget = CP_BATCH.max_tokens_per_gpu * 2
+    for r in ranks:
+        assert r["ids"] == [0, 1, 2] and all(0 < t <= budget for t in r["tokens"])
+    assert sorted(ranks[0]["tokens"]) == [8, 16] and sorted(ranks[1]["tokens"]) == [4, 8]  # slots of 8 / of 4

@@ -19,6 +19,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from dist_utils import local_ray
 
 from rlbench import presets
 from rlbench.config import EvalConfig, WeightSyncConfig
@@ -106,24 +107,10 @@ def test_missing_ray_names_the_extra(monkeypatch):
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'rlbench[dist]')")
-    import ray
-
-    # `import ray` pulls jsonschema -> rfc3987_syntax (a Jupyter dependency) whose grammar build costs seconds of
-    # CPU per process; hiding it (jsonschema skips the 'iri' format) keeps actor start-up cheap on 2 cores.
-    stub = tmp_path_factory.mktemp("raystub")
-    (stub / "rfc3987_syntax").mkdir()
-    (stub / "rfc3987_syntax" / "__init__.py").write_text("raise ImportError('hidden by rlbench tests')\n")
-    old_path = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(stub), old_path) if p)
     REWARDS["ray_digits"] = digit_reward
-    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
+    with local_ray(tmp_path_factory.mktemp("raystub")) as ray:
+        yield ray
     REWARDS.pop("ray_digits", None)
-    if old_path is None:
-        os.environ.pop("PYTHONPATH", None)
-    else:
-        os.environ["PYTHONPATH"] = old_path
 
 
 @pytest.fixture(scope="module")

@@ -130,7 +130,8 @@ def check_batch_layout(cfg, cluster: ClusterConfig) -> int:
     """The DP size of the run; ValueError naming the fix when a global batch does not split evenly over it."""
     cp = cfg.backend.cp_size
     if cluster.world_size % cp:
-        raise ValueError(f"{cluster.world_size} trainer ranks are not divisible by cp_size={cp}")
+        raise ValueError(f"{cluster.world_size} trainer ranks are not divisible by cp_size={cp} (--context-parallel-size); "
+                         "make actor_num_nodes x actor_num_gpus_per_node a multiple of it")
     dp = cluster.world_size // cp
     mbs = 1 if cfg.batch.use_dynamic_batch_size else cfg.batch.micro_batch_size
     if cfg.batch.global_batch_size % (dp * mbs):

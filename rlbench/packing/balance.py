@@ -69,6 +69,7 @@ def num_micro_batches(
     max_tokens: int | None = None,
     cp_size: int = 1,
     micro_batch_size: int | None = None,
+    seq_align: int = 1,
     reduce_max: Callable[[int], int] | None = None,
 ) -> int:
     """Micro-batches for one optimizer step of one DP rank (`lengths` = that rank's samples of the step).
@@ -78,6 +79,9 @@ def num_micro_batches(
         (a CP group shares the tokens of one micro-batch);
       - static (`micro_batch_size`): `len(lengths) // micro_batch_size`, which equals
         `global_batch_size // (micro_batch_size * dp_size)`.
+    `seq_align` (dynamic mode; CP's 2*cp): every sequence costs its length rounded up to a multiple of it and
+    the budget is rounded down to one, exactly as `make_step_packs(pad_multiple=seq_align, seq_align=seq_align)`
+    packs, so the count is never below the packs this rank needs.
     `reduce_max(n) -> n_max` is called last, e.g. an all-reduce MAX over the DP group, so every DP rank
     runs the same number of micro-batches (FSDP collectives need this).
     """
@@ -85,6 +89,8 @@ def num_micro_batches(
         raise ValueError("pass exactly one of max_tokens= (dynamic) or micro_batch_size= (static)")
     if cp_size < 1:
         raise ValueError(f"cp_size={cp_size} must be >= 1")
+    if seq_align < 1:
+        raise ValueError(f"seq_align={seq_align} must be >= 1")
     if micro_batch_size is not None:
         if micro_batch_size < 1 or len(lengths) % micro_batch_size:
             raise ValueError(
@@ -93,8 +99,29 @@ def num_micro_batches(
             )
         n = len(lengths) // micro_batch_size
     else:
-        n = first_fit_count(lengths, max_tokens * cp_size)
+        budget = max_tokens * cp_size
+        n = first_fit_count(_aligned_costs(lengths, budget, seq_align), budget // seq_align * seq_align)
     return int(reduce_max(n)) if reduce_max is not None else n
+
+
+def _aligned_costs(lengths: Sequence[int], budget: int, seq_align: int) -> list[int]:
+    """Each length rounded up to a multiple of `seq_align` (its slot in a pack).
+
+    Raises:
+        ValueError: when an aligned slot exceeds `budget` rounded down to a multiple of `seq_align` (names the
+            sequence, its length, the alignment and both budgets).
+    """
+    costs = [-(-int(n) // seq_align) * seq_align for n in lengths]
+    capacity = budget // seq_align * seq_align
+    over = [i for i, c in enumerate(costs) if c > capacity]
+    if seq_align > 1 and over:
+        i = over[0]
+        raise ValueError(
+            f"sequence {i} has {int(lengths[i])} tokens ({costs[i]} with its slot aligned to a multiple of "
+            f"{seq_align}, context parallel's 2 x cp_size), more than the budget of {budget} tokens per micro-batch "
+            f"(max_tokens_per_gpu x cp_size; {capacity} after alignment); raise max_tokens_per_gpu or cp_size"
+        )
+    return costs
 
 
 def step_micro_batch_counts(

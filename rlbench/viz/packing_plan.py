@@ -142,7 +142,8 @@ def plan_packing(lengths: Sequence[int] | None = None, *, max_tokens_per_gpu: in
     plan.positions = packing.split_by_dp(plan.lengths, dp_size, balance=balance_dp)
     align = plan.seq_align
     costs = [[round_up(plan.lengths[i], align) for i in pos] for pos in plan.positions]
-    n_mb = max(packing.num_micro_batches(c, max_tokens=max_tokens_per_gpu, cp_size=cp_size) for c in costs)
+    n_mb = max(packing.num_micro_batches([plan.lengths[i] for i in pos], max_tokens=max_tokens_per_gpu,
+                                         cp_size=cp_size, seq_align=align) for pos in plan.positions)
     for pos, cost in zip(plan.positions, costs):  # n_mb above is the all-reduce(MAX) over DP
         rank_samples = [items[i] for i in pos]
         if packer == "karmarkar-karp":

@@ -5,6 +5,7 @@ No torch import at module level: a run config validates without loading torch (`
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -108,6 +109,10 @@ class FSDPConfig:
     cp_size: int = 1
     """context-parallel size (mesh is (dp, cp); FSDP shards over dp x cp); > 1 replaces the model's attention
     with `rlbench.distributed.cp_attention` ("rlbench_cp", zig-zag slices, all-gathered K/V)"""
+    cp_kv_head_chunk: int | None = None
+    """CP attention all-gathers this many KV heads at a time (must divide the model's KV heads); None = all at once"""
+    cp_recompute: bool = False
+    """CP attention: backward re-gathers each head chunk's K/V instead of keeping every layer's gathered K/V"""
     checkpoint_dir: str | None = None
     """where save()/load() write/read iter_XXXXXXX directories"""
     checkpoint_format: str = "sharded"
@@ -134,6 +139,11 @@ class FSDPConfig:
             raise ValueError(f"checkpoint_format={self.checkpoint_format!r}; use 'sharded' or 'full'")
         if self.cp_size < 1:
             raise ValueError(f"cp_size={self.cp_size} must be >= 1")
+        if self.cp_kv_head_chunk is not None and self.cp_kv_head_chunk < 1:
+            raise ValueError(f"cp_kv_head_chunk={self.cp_kv_head_chunk} must be >= 1 (None = all KV heads at once)")
+        if self.cp_size == 1 and (self.cp_kv_head_chunk is not None or self.cp_recompute):
+            warnings.warn(f"cp_kv_head_chunk={self.cp_kv_head_chunk}, cp_recompute={self.cp_recompute} have no "
+                          "effect with cp_size=1 (they schedule the CP attention)", UserWarning, stacklevel=3)
         if self.cp_size > 1 and self.batch_invariant:
             raise ValueError(f"cp_size={self.cp_size} with batch_invariant=True: CP attention (all-gathered K/V, "
                              "rlbench.distributed.cp_attention) is not the engine's batch-invariant kernel; use cp_size=1")
