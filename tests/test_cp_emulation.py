@@ -138,7 +138,9 @@ def test_search_finds_a_planted_limit(limit, fit):
     assert len({t.response_len for t in trials}) == len(trials)  # nothing probed twice
     assert len(trials) <= 2 * math.ceil(math.log2(131072 / res)) + 2
     if fit == "line" and limit >= 4096:
-        assert len(trials) == 4  # 1024, 2048, the fit's guess (trains), one resolution step up (OOM)
+        # 1024, 2048, guesses at most 4x past the longest trained, the last one trains, one step up fails
+        assert [t.response_len for t in trials[:2]] == [1024, 2048] and len(trials) <= 6
+        assert trials[-2].response_len == lo and trials[-1].response_len == lo + res
 
 
 def test_search_stops_at_max_len_and_at_the_deadline():

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 TIME_SAFETY = 1.5  # a trial is started only if 1.5 x its predicted seconds fit before the deadline
+MAX_JUMP = 4  # a memory-fit guess goes at most 4x past the longest trained length (the time fit stays near its data)
 
 
 @dataclass
@@ -102,8 +103,8 @@ def search_longest(
     """The longest length in `resolution` steps that `probe` trains, assuming memory grows with length.
 
     Doubling from `start` (capped at `max_len`) until the first failure; a fit of peak memory (`fit_limit`),
-    once there is one, replaces a doubling step, and after a fit guess that trained the probe climbs in doubling
-    steps of `resolution` from it; with a failure known, guesses and midpoints take turns until the gap is
+    once there is one, replaces a doubling step (going at most `MAX_JUMP` x past the longest trained length),
+    and after a fit guess that trained the probe climbs in doubling steps of `resolution` from it; with a failure known, guesses and midpoints take turns until the gap is
     `resolution`. Stops early when the next trial would not end before `deadline` (`predict_seconds`).
 
     Returns:
@@ -119,7 +120,7 @@ def search_longest(
                 nxt = lo + climb
                 climb *= 2
             elif guess is not None and guess > lo:
-                nxt = guess
+                nxt = min(guess, MAX_JUMP * lo)
             else:
                 nxt = start if lo == 0 else 2 * lo
             nxt = min(nxt, max_len)
