@@ -5,6 +5,12 @@
     old, ref, metrics = step.compute_log_probs(packs)   # [step][micro-batch] -> [R] (None: not computed)
     metrics = step.train(packs, old, ref)               # one optimizer step per global batch
 
+In the loop, `compute_log_probs(packs, first_from_forward=True)` skips the old-log-prob pass of the first
+optimizer step when the loss allows it (`old_from_forward_ok`): the policy has not changed since the rollout,
+so that step's training forward IS π_old (`old = logp.detach()`, TRL's and verl's on-policy shortcut). Its
+first-micro-batch PPO KL is then exactly 0 whatever kernels the training forward runs, and a one-step-per-rollout
+run needs no old-log-prob pass at all; `train` fills those entries of `old` with the forward's values.
+
 The only thing that differs between one process and DP ranks is the reductions, taken from one small object
 (torchtitan's single `train_step`, nanochat's `if ddp:`): `SingleRank()` is the identity (the local Trainer),
 `DPAllReduce(group)` all-reduces over the data-parallel group (the Ray ranks). Through it the micro-batch count
@@ -31,6 +37,7 @@ from rlbench.algorithms import (
     build_loss_inputs,
     global_norm,
     is_batch_stats,
+    old_from_forward_ok,
 )
 from rlbench.interrupts import defer_sigint
 from rlbench.packing import num_micro_batches
@@ -84,6 +91,8 @@ class TrainProgress:
     """`backend.train` metrics of each finished optimizer step (applied, or skipped as non-finite)."""
     first_kl: float | None = None
     """`ppo_kl_abs` of this rank's very first micro-batch (set when the first optimizer step finished)."""
+    old_from_forward: bool = False
+    """The first optimizer step took π_old from its training forward (`train` then reports `rollout/log_probs`)."""
 
     @property
     def applied(self) -> int:
@@ -134,16 +143,26 @@ class RankStep:
         return packs
 
     # ------------------------------------------------------------------ log-probs
-    def compute_log_probs(self, packs: list[list[Pack]]) -> tuple[StepTensors | None, StepTensors | None, dict]:
+    @property
+    def old_from_forward(self) -> bool:
+        """Whether the first optimizer step may take π_old from its own training forward (`old_from_forward_ok`)."""
+        return old_from_forward_ok(self.loss_cfg)
+
+    def compute_log_probs(self, packs: list[list[Pack]], *, first_from_forward: bool = False
+                          ) -> tuple[StepTensors | None, StepTensors | None, dict]:
         """Old (actor) log-probs unless the loss uses the rollout's (bypass), and ref log-probs when it needs them.
 
         Returns `(old, ref, metrics)`: `[step][micro-batch] -> [R]` (None when not computed), and `perf/*_time`
         plus the global `rollout/log_probs`, `rollout/ref_log_probs`, `rollout/rollout_log_probs` (mean over
-        samples of each sample's masked mean).
+        samples of each sample's masked mean). With `first_from_forward` (and `old_from_forward`), `old[0]` is
+        None: the first optimizer step's training forward supplies it, `train` fills it in and reports
+        `rollout/log_probs` then; only the later steps' old log-probs are recomputed here (none with one step).
         """
         out: dict[str, float] = {}
         old = ref = None
-        if not self.loss_cfg.use_rollout_logprobs:
+        if not self.loss_cfg.use_rollout_logprobs and first_from_forward and self.old_from_forward:
+            old = [None] + (self._log_probs(packs[1:], "actor", out, "perf/log_probs_time") if len(packs) > 1 else [])
+        elif not self.loss_cfg.use_rollout_logprobs:
             old = self._log_probs(packs, "actor", out, "perf/log_probs_time")
             out["rollout/log_probs"] = self._sample_mean(old, packs)
         if self.loss_cfg.needs_ref:
@@ -154,8 +173,12 @@ class RankStep:
         return old, ref, out
 
     def needs_log_probs(self, old: StepTensors | None, ref: StepTensors | None) -> bool:
-        """Whether log-probs the loss needs are missing (`compute_log_probs` has not run for these packs)."""
-        return (old is None and not self.loss_cfg.use_rollout_logprobs) or (ref is None and self.loss_cfg.needs_ref)
+        """Whether log-probs the loss needs are missing (`compute_log_probs` has not run for these packs); a
+        missing first step is not, where its training forward supplies it (`old_from_forward`)."""
+        if not self.loss_cfg.use_rollout_logprobs:
+            if old is None or any(o is None for o in old[1:]) or (old[0] is None and not self.old_from_forward):
+                return True
+        return ref is None and self.loss_cfg.needs_ref
 
     def _log_probs(self, packs, model: str, out: dict, key: str) -> StepTensors:
         start = time.perf_counter()
@@ -177,9 +200,10 @@ class RankStep:
         return float("nan") if missing or not count else total / count
 
     # ------------------------------------------------------------------ train
-    def loss_inputs(self, packs: list[Pack], old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None) -> list:
+    def loss_inputs(self, packs: list[Pack], old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None,
+                    *, old_from_forward: bool = False) -> list:
         """Loss inputs of one optimizer step's micro-batches, normalised by the counts of the whole global batch
-        (all ranks) and with DP-summed IS batch stats."""
+        (all ranks) and with DP-summed IS batch stats; `old_from_forward`: π_old = the training forward."""
         mbs = [
             ResponseBatch(
                 loss_mask=p.loss_mask, advantages=p.advantages, response_lengths=list(p.response_lengths),
@@ -191,6 +215,8 @@ class RankStep:
         local = global_norm(self.loss_cfg, mbs)
         n_samples, n_tokens, n_nonempty = self.reduce.sum([local.n_samples, local.n_tokens, local.n_nonempty])
         norm = GlobalNorm(int(round(n_samples)), n_tokens, local.constant, int(round(n_nonempty)))
+        if old_from_forward:
+            return build_loss_inputs(self.loss_cfg, mbs, norm=norm, old_from_forward=True)
         stats = is_batch_stats(self.loss_cfg, mbs)
         if stats is not None:
             stats = torch.tensor(self.reduce.sum(stats.double().tolist()), dtype=stats.dtype)
@@ -206,12 +232,23 @@ class RankStep:
         `progress` (resumable): the optimizer steps already finished are skipped, each finished one is recorded
         as it completes; a `backend.train` call and its record run with SIGINT held back except between
         micro-batches, so after a KeyboardInterrupt `progress` says exactly which updates were applied.
+
+        A None `old` (or `old[0]`) with `old_from_forward`: the first step's π_old is its training forward; the
+        values are written into `old[0]` (when `old` is a list) and `rollout/log_probs` is reported from them.
         """
         progress = TrainProgress() if progress is None else progress
         micro: list[dict[str, float]] = []
+        forward_old: list[torch.Tensor] = []
+        if old is None and not self.loss_cfg.use_rollout_logprobs and self.old_from_forward and len(packs) == 1:
+            old = [None]
+        if old is not None and old[0] is None and not self.old_from_forward:
+            raise ValueError("old log-probs of the first step are missing and this loss needs them before "
+                             "training (bypass or batch-normalised MIS): run compute_log_probs(packs) first")
 
         def loss_fn(logp, entropy, inputs):
             # per-micro-batch values (bare keys; the backend adds `train/`) kept for the first-mb check
+            if inputs.old_from_forward:
+                forward_old.append(logp.detach().cpu())
             value, metrics = self.loss(logp, entropy, inputs)
             micro.append({k: float(v) for k, v in metrics.items()})
             return value, metrics
@@ -219,16 +256,26 @@ class RankStep:
         per_step = progress.per_step
         for s in range(len(per_step), len(packs)):
             step_packs = packs[s]
-            inputs = self.loss_inputs(step_packs, old[s] if old is not None else None, ref[s] if ref is not None else None)
-            del micro[:]
+            step_old = old[s] if old is not None else None
+            from_forward = old is not None and step_old is None
+            if from_forward and s > 0:
+                raise ValueError(f"old log-probs of optimizer step {s} are missing after the policy changed; "
+                                 "run compute_log_probs(packs) before train")
+            inputs = self.loss_inputs(step_packs, step_old, ref[s] if ref is not None else None,
+                                      old_from_forward=from_forward)
+            del micro[:], forward_old[:]
             with defer_sigint():  # an interrupt lands between micro-batches (raise_if_interrupted) or after the record
                 done = self.backend.train(step_packs, inputs, loss_fn=loss_fn)
                 if s == 0:
                     progress.first_kl = micro[0].get("ppo_kl_abs", 0.0) if micro else 0.0
+                if from_forward:
+                    old[s], progress.old_from_forward = list(forward_old), True
                 per_step.append(done)
         metrics = {k: float(np.mean([m[k] for m in per_step])) for k in per_step[0]}
         metrics["train/step"] = per_step[-1]["train/step"]
         metrics["perf/train_time"] = float(sum(m["perf/train_time"] for m in per_step))
         metrics["train/optimizer_steps"] = float(len(per_step))
         metrics["train/ppo_kl_first_mb"] = self.reduce.sum([progress.first_kl or 0.0])[0]
+        if progress.old_from_forward:  # what compute_log_probs did not report (every rank takes this branch)
+            metrics["rollout/log_probs"] = self._sample_mean(old, packs)
         return metrics

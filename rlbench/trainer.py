@@ -125,7 +125,7 @@ class Trainer:
                 fl.batch = self.rollout()
                 m |= fl.batch.metrics | self.score(fl.batch)
                 self.pack(fl.batch)
-                m |= self.compute_log_probs(fl.batch)
+                m |= self.compute_log_probs(fl.batch, first_from_forward=True)
             elif stage == "train":
                 m |= self.train_step(fl.batch, progress=fl.progress)
             elif stage == "ref":
@@ -221,16 +221,19 @@ class Trainer:
         batch.packs = self.rank_step.pack(steps)
         return batch.packs
 
-    def compute_log_probs(self, batch: RolloutBatch) -> dict[str, float]:
+    def compute_log_probs(self, batch: RolloutBatch, *, first_from_forward: bool = False) -> dict[str, float]:
         """Old (actor) log-probs, and ref log-probs when the loss needs them, for every pack.
 
         Sets `batch.old_log_probs` / `batch.ref_log_probs` (`[step][micro-batch] -> [R]`, None when not
         computed: bypass mode has no recompute). Returns `perf/*_time` and `rollout/*log_probs` means.
+        `first_from_forward` (what `step()` does): the first optimizer step's old log-probs are left to its
+        training forward where the loss allows it (`RankStep.compute_log_probs`); `train_step` fills them in.
         """
         self._enter("train")
         if batch.packs is None:
             self.pack(batch)
-        batch.old_log_probs, batch.ref_log_probs, metrics = self.rank_step.compute_log_probs(batch.packs)
+        batch.old_log_probs, batch.ref_log_probs, metrics = self.rank_step.compute_log_probs(
+            batch.packs, first_from_forward=first_from_forward)
         return metrics
 
     def train_step(self, batch: RolloutBatch, progress: TrainProgress | None = None) -> dict[str, float]:

@@ -159,7 +159,8 @@ def test_document_block_mask_equals_create_block_mask(lengths):
 
 
 def _compiled_graphs(layers: int, compile: bool) -> tuple[int, list[torch.Tensor], dict]:
-    """(dynamo graphs compiled, [no-grad logp before, after one train step], train metrics) for a fresh backend."""
+    """(dynamo graphs compiled, [log-prob pass before, after one train step, the training forward], train
+    metrics) for a fresh backend."""
     from torch._dynamo.utils import counters
 
     from rlbench.backends.fsdp.actor import FSDPBackend
@@ -170,19 +171,26 @@ def _compiled_graphs(layers: int, compile: bool) -> tuple[int, list[torch.Tensor
         model="tiny", device="cpu", param_dtype="fp32", gradient_checkpointing=True, compile=compile,
         model_overrides={"num_hidden_layers": layers}, optim=OptimConfig(lr=1e-3),
     )
-    backend = FSDPBackend(cfg, loss_fn=lambda logp, ent, inputs: (-logp.sum(), {}))
+    seen = []
+
+    def loss_fn(logp, ent, inputs):
+        seen.append(logp.detach())
+        return -logp.sum(), {}
+
+    backend = FSDPBackend(cfg, loss_fn=loss_fn)
     backend.init()
     pack = pack_samples(SAMPLES, pad_multiple=8)
     before = backend.compute_log_prob([pack])[0].log_probs
     metrics = backend.train([pack], [None])
     after = backend.compute_log_prob([pack])[0].log_probs
-    return int(counters["stats"]["unique_graphs"]), [before, after], metrics
+    return int(counters["stats"]["unique_graphs"]), [before, after, seen[0]], metrics
 
 
 def test_compiled_layers_compile_once_regardless_of_depth(monkeypatch):
-    """Each decoder layer is compiled per (grad mode, T), shared by all layers: 2 and 6 layers give the same
-    number of dynamo graphs (no-grad forward + checkpointed train forward), and compiled (inductor) == eager.
-    The 6-layer count uses the aot_eager backend: the graph count is dynamo's, the same for every backend."""
+    """Each decoder layer is compiled once per T, shared by all layers: 2 and 6 layers give one dynamo graph (the
+    log-prob pass runs the checkpointed training forward's graph, so it returns the training forward's bits),
+    and compiled (inductor) == eager. The 6-layer count uses the aot_eager backend: the graph count is
+    dynamo's, the same for every backend."""
     import torch.distributed as dist
 
     from rlbench.backends.fsdp import model as fsdp_model
@@ -198,7 +206,8 @@ def test_compiled_layers_compile_once_regardless_of_depth(monkeypatch):
         if dist.is_initialized():
             dist.destroy_process_group()
     print(f"dynamo graphs: 2 layers {graphs2}, 6 layers {graphs6}")
-    assert graphs2 == graphs6 == 2
+    assert graphs2 == graphs6 == 1
+    assert torch.equal(logps[0], logps[2])  # compiled log-prob pass == compiled training forward, bit for bit
     for got, want in zip(logps, eager_logps):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert metrics["train/loss"] == pytest.approx(eager_metrics["train/loss"], rel=1e-5)

@@ -109,12 +109,13 @@ class RayTrainer(Trainer):
         self._packed, self._log_probs_of = batch, None  # the ranks hold this batch's packs, no log-probs yet
         return batch.packs
 
-    def compute_log_probs(self, batch: RolloutBatch) -> dict[str, float]:
-        """Old (and ref) log-probs on every rank; returns the same `rollout/*log_probs` means as one process."""
+    def compute_log_probs(self, batch: RolloutBatch, *, first_from_forward: bool = False) -> dict[str, float]:
+        """Old (and ref) log-probs on every rank; returns the same `rollout/*log_probs` means as one process
+        (`first_from_forward`: as `Trainer.compute_log_probs`)."""
         self._enter("train")
         if self._packed is not batch:
             self.pack(batch)
-        per_rank = self.cluster.call_trainers("compute_log_probs")  # rollout/* are global on every rank
+        per_rank = self.cluster.call_trainers("compute_log_probs", first_from_forward)  # rollout/* global on every rank
         out = dict(per_rank[0]) | {k: v for k, v in max_merge(per_rank).items() if k.startswith("perf/")}
         self._log_probs_of = batch  # the log-probs themselves stay on the trainer ranks
         return out

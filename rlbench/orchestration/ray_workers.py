@@ -102,9 +102,9 @@ class TrainWorker:
         self.packs, self.old, self.ref = self.step.pack(steps), None, None
         return {"micro_batches": [len(p) for p in self.packs], "tokens": sum(p.num_tokens for s in self.packs for p in s)}
 
-    def compute_log_probs(self) -> dict:
+    def compute_log_probs(self, first_from_forward: bool = False) -> dict:
         """Old (and ref) log-probs of the packs (kept here); returns the global `rollout/*` means and `perf/*`."""
-        self.old, self.ref, metrics = self.step.compute_log_probs(self.packs)
+        self.old, self.ref, metrics = self.step.compute_log_probs(self.packs, first_from_forward=first_from_forward)
         return metrics
 
     def train(self) -> dict:

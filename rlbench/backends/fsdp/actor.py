@@ -76,7 +76,9 @@ class FSDPBackend:
         if cfg.ref_model is not None:
             # Same precision policy and kernels as the actor, params streamed from CPU per layer.
             self.ref, _ = build_sharded_model(cfg.ref_model, cfg, self.env, offload=True)
-            self.ref.requires_grad_(False)
+            # compiled layers: the ref pass runs the actor's training graph (`_pass_grad_mode`), whose inputs
+            # require grad; nothing ever steps or accumulates into the reference
+            self.ref.requires_grad_(cfg.compile)
         if cfg.batch_invariant:  # the engine's numerics (true on-policy mode), checked on this machine first
             from rlbench import numerics
 
@@ -149,7 +151,17 @@ class FSDPBackend:
         resp_ids = resp_ids.to(dev)
         return _cp_assemble(logp, resp_ids, R, group), (_cp_assemble(ent, resp_ids, R, group) if ent is not None else None)
 
-    @torch.no_grad()
+    def _pass_grad_mode(self):
+        """The grad mode of the log-prob passes: the training forward's graph where the kernels depend on it.
+
+        A compiled layer gets one inductor graph with grad (the forward half of the training graph, which stores
+        the activations backward needs) and another without (free to fuse across them), and the two round
+        differently in bf16; a pass under grad runs the training forward's kernels, so old / ref log-probs are
+        the bits the training forward computes (first-micro-batch PPO KL and ref KL with ref == actor exactly
+        0). Outputs are detached at once, so the graph is freed after each micro-batch.
+        """
+        return torch.enable_grad() if self.cfg.compile else torch.no_grad()
+
     def compute_log_prob(
         self, packs: Sequence[Any], *, model: str = "actor", with_entropy: bool = False
     ) -> list[PackOutputs]:
@@ -161,7 +173,9 @@ class FSDPBackend:
         self._check_same_count(len(packs))  # unequal counts would desynchronise the forwards' collectives
         outs = []
         for pack in packs:
-            logp, ent = self.forward_pack(net, pack, with_entropy)
+            with self._pass_grad_mode():
+                logp, ent = self.forward_pack(net, pack, with_entropy)
+                logp, ent = logp.detach(), (ent.detach() if ent is not None else None)
             outs.append(PackOutputs(logp.cpu(), ent.cpu() if ent is not None else None, list(pack.response_lengths)))
         net.reshard()  # the root is kept gathered after forward (for backward); without backward, free it
         return outs
