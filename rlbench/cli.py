@@ -4,6 +4,7 @@
     rlbench train --preset cpu_demo --hf-checkpoint runs/sft-small-arith3 --num-rollout 5 --lr 1e-4
     rlbench train --preset cpu_demo --print-config      # the resolved RunConfig as JSON
     rlbench bench --hf-checkpoint DIR                   # qwen3-0.6b-shape loop on one GPU, per-phase times
+    rlbench bench e2e [--preset qwen3-4b-shape] [--no-trl]  # the whole loop beside TRL's GRPOTrainer (benchmarks/e2e.py)
     rlbench sft --preset small --task arithmetic --out runs/sft
     rlbench experiment cp-oom --preset qwen3-4b-shape --cp 1 2 4 --ac on off --out runs/cp_oom
 
@@ -165,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_ in (("train", "GRPO/PPO training from a preset + flags"),
                         ("demo", "SFT warm start (cached) then GRPO on arithmetic; what `make run` runs"),
-                        ("bench", "a few colocated GRPO steps with per-phase times (GPU)")):
+                        ("bench", "a few colocated GRPO steps with per-phase times (GPU); "
+                                  "`rlbench bench e2e --help`: the whole loop beside TRL")):
         p = sub.add_parser(name, help=help_, argument_default=argparse.SUPPRESS)
         default_preset = "qwen3_0p6b_gpu" if name == "bench" else "cpu_demo"
         p.add_argument("--preset", choices=PRESETS, default=default_preset, help="base configuration")
@@ -266,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         from rlbench.experiments import run_experiment
 
         return run_experiment(argv[1:])
+    if argv[:2] == ["bench", "e2e"]:
+        return run_bench_e2e(argv[2:])
     args = build_parser().parse_args(argv)
     if args.command == "demo":
         import torch
@@ -285,6 +289,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     run_train(cfg)
     return 0
+
+
+def run_bench_e2e(argv: list[str]) -> int:
+    """`rlbench bench e2e ...`: `benchmarks/e2e.py` of this source checkout (benchmarks are not in the package)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "e2e.py")
+    if not os.path.isfile(path):
+        raise SystemExit(f"rlbench bench e2e runs benchmarks/e2e.py of a source checkout, and {path} is missing; "
+                         "run it from a clone of the repository (pip install -e .)")
+    spec = importlib.util.spec_from_file_location("rlbench_bench_e2e", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module.main(argv)
 
 
 def ensure_device_sft(args: argparse.Namespace, preset: str) -> str:

@@ -133,6 +133,8 @@ class RolloutConfig:
     """Give up refilling after this many generate rounds and keep the groups found so far."""
     mask_truncated: bool = False
     """Zero the loss mask of responses cut at max_response_len (they still count in normalisation)."""
+    ignore_eos: bool = False
+    """Never stop at the eos token: every response is max_response_len tokens (benchmarks: the same work per sample)."""
     seed: int = 0
     """Base sampling seed: rollout r, prompt i, sample j use a seed derived from (seed, r, i, j)."""
 

@@ -123,15 +123,19 @@ class Trainer:
                     self.evaluate()  # the starting policy, kept in eval_history
             elif stage == "rollout":
                 fl.batch = self.rollout()
-                m |= fl.batch.metrics | self.score(fl.batch)
+                m |= fl.batch.metrics | self._phase_peak("rollout")
+                m |= self.score(fl.batch)
                 self.pack(fl.batch)
                 m |= self.compute_log_probs(fl.batch, first_from_forward=True)
+                m |= self._phase_peak("log_probs")
             elif stage == "train":
                 m |= self.train_step(fl.batch, progress=fl.progress)
+                m |= self._phase_peak("train")
             elif stage == "ref":
                 m |= self.update_ref()
             elif stage == "sync":
                 m |= self.sync_weights()
+                m |= self._phase_peak("update_weights")
             elif stage == "eval":
                 if self._eval_on and (self.rollout_id + 1) % self.cfg.eval.interval == 0:
                     if fl.eval_mark is None:
@@ -391,11 +395,21 @@ class Trainer:
             self.engine.wake_up()
         self._phase = phase
 
+    def _phase_peak(self, phase: str) -> dict[str, float]:
+        """`perf/{phase}_peak_memory_gb`: the most device memory allocated since the previous phase's reading
+        (GiB; CUDA only, else {}); the peak counter starts again from the current allocation."""
+        if self.device.type != "cuda":
+            return {}
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return {f"perf/{phase}_peak_memory_gb": peak}
+
     def _perf(self, batch: RolloutBatch, m: dict, step_time: float) -> dict[str, float]:
         tokens = sum(s.total_length for s in batch.samples)
         out = {"perf/step_time": step_time, "perf/tokens_per_sec": tokens / step_time}
-        if self.device.type == "cuda":
-            out["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        if self.device.type == "cuda":  # the step's peak: the phases' peaks and what came after the last one
+            phases = [v for k, v in m.items() if k.endswith("_peak_memory_gb")]
+            out["perf/peak_memory_gb"] = max([torch.cuda.max_memory_allocated(self.device) / 2**30, *phases])
             peak = next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(self.device)), None)
             busy = m.get("perf/train_time", 0.0) + m.get("perf/log_probs_time", 0.0) + m.get("perf/ref_log_probs_time", 0.0)
             if peak and busy > 0:

@@ -73,6 +73,21 @@ def test_step_history_versions_and_engine_weights(trainer):
     assert trainer.eval_history[-1]["eval/pass@1"] == m["eval/pass@1"]
 
 
+def test_step_records_the_peak_memory_of_each_phase(trainer, monkeypatch):
+    # A fake CUDA allocator: each reading returns the next peak (GiB) and the trainer resets the counter.
+    readings, resets = iter([3.0, 1.0, 5.0, 2.0, 4.0]), []
+    monkeypatch.setattr(trainer, "device", torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: next(readings) * 2**30)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: resets.append(device))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a CPU test")
+    m = trainer.step()
+    assert {k: m[k] for k in m if k.endswith("peak_memory_gb")} == {
+        "perf/rollout_peak_memory_gb": 3.0, "perf/log_probs_peak_memory_gb": 1.0, "perf/train_peak_memory_gb": 5.0,
+        "perf/update_weights_peak_memory_gb": 2.0,
+        "perf/peak_memory_gb": 5.0}  # the step's peak: the phases' and the last reading's (4.0) maximum
+    assert len(resets) == 4 and "perf/mfu" not in m  # no peak FLOP/s for an unknown device
+
+
 def _write(path, lines):
     path.write_text("".join(line + "\n" for line in lines))
     return str(path)

@@ -83,7 +83,7 @@ class RolloutManager:
             temperature=c.temperature if temperature is None else temperature,
             top_p=c.top_p, top_k=c.top_k, n=n,
             max_new_tokens=max_new_tokens or c.max_response_len,
-            stop_token_ids=list(self.stop_token_ids),
+            stop_token_ids=list(self.stop_token_ids), ignore_eos=c.ignore_eos,
         )
 
     def generate(self, rollout_id: int) -> RolloutBatch:
