@@ -345,7 +345,7 @@ def _fmt(v, label: str) -> str:
         return "n/a" if label.startswith("MFU") else "—"
     if label.startswith("MFU"):
         return f"{100 * v:.1f}%"
-    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3f}"
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3f}"
 
 
 # ---------------------------------------------------------------------------------------------- driver
