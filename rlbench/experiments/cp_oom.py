@@ -177,7 +177,7 @@ class CellRunner:
         cfg = self.cfg
         fsdp = FSDPConfig(model=cfg.preset, device=cfg.device, param_dtype="bf16" if self.cuda else "fp32",
                           attn_implementation=cfg.attn_implementation, gradient_checkpointing=self.ac, seed=cfg.seed,
-                          optim=OptimConfig(lr=1e-6))
+                          compile=False, optim=OptimConfig(lr=1e-6))  # compiled layers would recompile per length
         backend = FSDPBackend(fsdp, loss_fn=token_mean_loss)
         backend.init()
         if self.cp > 1:  # importing cp_attention (above) registered the rlbench_cp attention

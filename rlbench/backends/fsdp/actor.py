@@ -78,7 +78,7 @@ class FSDPBackend:
             self.ref, _ = build_sharded_model(cfg.ref_model, cfg, self.env, offload=True)
             # compiled layers: the ref pass runs the actor's training graph (`_pass_grad_mode`), whose inputs
             # require grad; nothing ever steps or accumulates into the reference
-            self.ref.requires_grad_(cfg.compile)
+            self.ref.requires_grad_(cfg.compiled)
         if cfg.batch_invariant:  # the engine's numerics (true on-policy mode), checked on this machine first
             from rlbench import numerics
 
@@ -105,7 +105,7 @@ class FSDPBackend:
         positions = pack.position_ids.to(dev, non_blocking=True)  # [T]
         # flex on CUDA: our document BlockMask. On CPU (inductor's CPU flex template fails to compile a
         # captured-tensor mask_mod) transformers builds the BlockMask from position_ids itself.
-        use_mask = self.cfg.attn_implementation == "flex_attention" and positions.is_cuda and not self.cfg.batch_invariant
+        use_mask = self.cfg.attention == "flex_attention" and positions.is_cuda and not self.cfg.batch_invariant
         mask = document_block_mask(positions) if use_mask else None
         out = model(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask, use_cache=False)
         logits = out.logits[0]  # [T, V]
@@ -160,7 +160,7 @@ class FSDPBackend:
         the bits the training forward computes (first-micro-batch PPO KL and ref KL with ref == actor exactly
         0). Outputs are detached at once, so the graph is freed after each micro-batch.
         """
-        return torch.enable_grad() if self.cfg.compile else torch.no_grad()
+        return torch.enable_grad() if self.cfg.compiled else torch.no_grad()
 
     def compute_log_prob(
         self, packs: Sequence[Any], *, model: str = "actor", with_entropy: bool = False

@@ -86,14 +86,16 @@ class FSDPConfig:
     """"cuda" or "cpu"""
     param_dtype: str = "bf16"
     """compute dtype of all-gathered params: "bf16", "fp16" or "fp32" (fp32 = no mixed precision)"""
-    attn_implementation: str = "sdpa"
-    """"sdpa", "eager", "flex_attention" (document BlockMask), "flash_attention_2/3" when installed"""
+    attn_implementation: str | None = None
+    """"sdpa", "eager", "flex_attention" (document BlockMask), "flash_attention_2/3" when installed; None: the
+    fast tested default, flex_attention on CUDA and sdpa on CPU (`attention`)"""
     gradient_checkpointing: bool = False
     """recompute each decoder layer in backward (activation checkpointing)"""
     checkpoint_every: int = 1
     """with gradient_checkpointing: recompute every k-th decoder layer only (1 = all; 2 = half, less recompute)"""
-    compile: bool = False
-    """torch.compile each decoder layer (after checkpointing, before fully_shard)"""
+    compile: bool | None = None
+    """torch.compile each decoder layer (after checkpointing, before fully_shard); None: on CUDA unless
+    batch_invariant or cp_size > 1 (`compiled`)"""
     reshard_after_forward: bool = True
     """free gathered params after forward (ZeRO-3); False keeps them until backward (ZeRO-2-like)"""
     cpu_offload: bool = False
@@ -130,7 +132,7 @@ class FSDPConfig:
             raise ValueError(f"device={self.device!r}; use 'cuda' or 'cpu'")
         if self.param_dtype not in PARAM_DTYPES:
             raise ValueError(f"param_dtype={self.param_dtype!r}; use one of {sorted(PARAM_DTYPES)}")
-        check_attn_implementation(self.attn_implementation, self.device)
+        check_attn_implementation(self.attention, self.device)
         if self.ref_update_interval is not None and self.ref_update_interval < 1:
             raise ValueError(f"ref_update_interval={self.ref_update_interval} must be >= 1 (None = never update)")
         if self.ref_update_interval is not None and self.ref_model is None:
@@ -147,8 +149,8 @@ class FSDPConfig:
         if self.cp_size > 1 and self.batch_invariant:
             raise ValueError(f"cp_size={self.cp_size} with batch_invariant=True: CP attention (all-gathered K/V, "
                              "rlbench.distributed.cp_attention) is not the engine's batch-invariant kernel; use cp_size=1")
-        if self.cp_size > 1 and self.attn_implementation.startswith("flash_attention"):
-            raise ValueError(f"cp_size={self.cp_size} with attn_implementation={self.attn_implementation!r}: CP runs its "
+        if self.cp_size > 1 and self.attention.startswith("flash_attention"):
+            raise ValueError(f"cp_size={self.cp_size} with attn_implementation={self.attention!r}: CP runs its "
                              "own attention (rlbench_cp: SDPA on CPU, flex on CUDA); use 'sdpa' or 'flex_attention'")
         if self.checkpoint_every < 1:
             raise ValueError(f"checkpoint_every={self.checkpoint_every} must be >= 1 (1 = every layer)")
@@ -156,6 +158,21 @@ class FSDPConfig:
             raise ValueError("batch_invariant=True runs the decoder layers eagerly; set compile=False (--no-compile)")
         if self.logprob_chunk_size < 1:
             raise ValueError(f"logprob_chunk_size={self.logprob_chunk_size} must be >= 1")
+
+    @property
+    def attention(self) -> str:
+        """The attention implementation the model is built with (`attn_implementation`, or the device's default)."""
+        if self.attn_implementation is not None:
+            return self.attn_implementation
+        return "flex_attention" if self.device == "cuda" else "sdpa"
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the decoder layers are compiled (`compile`, or on by default on CUDA where it is tested: not
+        with the batch-invariant layers, not under CP)."""
+        if self.compile is not None:
+            return self.compile
+        return self.device == "cuda" and not self.batch_invariant and self.cp_size == 1
 
     @property
     def torch_param_dtype(self) -> torch.dtype:

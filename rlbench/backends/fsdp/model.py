@@ -72,11 +72,11 @@ def build_sharded_model(
         offload: FSDP CPUOffloadPolicy (params, grads and optimizer state on CPU).
     """
     hf_config = model_config(name, cfg.model_overrides)
-    hf_config._attn_implementation = cfg.attn_implementation
+    hf_config._attn_implementation = cfg.attention
     hf_config.use_cache = False
     with params_on_meta():
         model = AutoModelForCausalLM.from_config(
-            hf_config, dtype=torch.float32, attn_implementation=cfg.attn_implementation
+            hf_config, dtype=torch.float32, attn_implementation=cfg.attention
         )
     if cfg.cp_size > 1:  # context parallel: every attention layer reads the forward's rl_cp=CPContext
         from rlbench.distributed.cp_attention import CP_ATTN_NAME  # importing it registers the attention
@@ -89,7 +89,7 @@ def build_sharded_model(
     if policy is not None:
         kwargs["offload_policy"] = policy
     layers = decoder_layers(model)
-    if cfg.compile:
+    if cfg.compiled:
         # All layers share one code object, so they share dynamo's cache entries: one graph per (grad mode,
         # pack length T) whatever the layer count (tests/test_fsdp_unit.py). `dynamic=False` specialises on
         # T, so leave room for many distinct padded lengths before dynamo falls back to eager.
@@ -98,7 +98,7 @@ def build_sharded_model(
     for i, layer in enumerate(layers):
         if cfg.gradient_checkpointing and i % cfg.checkpoint_every == 0:
             _checkpoint_forward(layer)
-        if cfg.compile:
+        if cfg.compiled:
             layer.compile(**_COMPILE_OPTIONS)
         fully_shard(layer, **kwargs)
     # The root (embeddings, final norm, lm_head) is needed again right at the start of backward: keep it gathered.
