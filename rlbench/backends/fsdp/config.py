@@ -83,7 +83,7 @@ class FSDPConfig:
     ref_update_interval: int | None = None
     """every N rollouts copy the actor's weights into the reference model (shard to shard); None = never"""
     device: str = "cuda"
-    """"cuda" or "cpu"""
+    """device of the parameters and the compute: "cuda" or "cpu"."""
     param_dtype: str = "bf16"
     """compute dtype of all-gathered params: "bf16", "fp16" or "fp32" (fp32 = no mixed precision)"""
     attn_implementation: str | None = None
