@@ -341,7 +341,7 @@ class RunConfig:
     """Where the run executes: one process ("local") or Ray actors ("ray": GPUs, colocate, async; docs/distributed.md)."""
     offload: bool | None = None
     """Colocated: park the trainer state in host memory during rollout and free the engine's KV cache
-    during training (None: on for CUDA, off on CPU)."""
+    during training (None: decided at start from the measured sizes, `rlbench.memory_plan`; off on CPU)."""
     seed: int = 1234
     """Global seed (torch/numpy/python RNG at start)."""
     true_on_policy_mode: bool = False

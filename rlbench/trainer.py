@@ -32,6 +32,7 @@ from rlbench.algorithms import compute_advantages
 from rlbench.backends.fsdp.checkpoint import TRACKER, committed_dir, committed_steps, latest_step
 from rlbench.config import RunConfig
 from rlbench.interrupts import defer_sigint
+from rlbench.memory_plan import memory_plan
 from rlbench.metrics import MetricsLogger, build_sinks, to_floats
 from rlbench.rank_step import RankStep, TrainProgress
 from rlbench.rewards import check_reward, describe_sample, get_reward_fn, score_batch
@@ -74,7 +75,12 @@ class Trainer:
                                   pad_token_id=self.tokenizer.pad_token_id)
         self.logger = MetricsLogger(build_sinks(cfg.logging, cfg.to_dict()) if sinks is None else sinks)
         self.device, self.num_params = components.device, components.num_params
-        self.offload = cfg.offload if cfg.offload is not None else self.device.type == "cuda"
+        self.memory_plan = self._plan_memory()
+        self.offload = cfg.offload if cfg.offload is not None else (
+            self.memory_plan.offload if self.memory_plan is not None else self.device.type == "cuda")
+        if cfg.logging.console and self.device.type == "cuda" and self.memory_plan is not None:
+            said = "" if cfg.offload is None else f" (cfg.offload={cfg.offload} decides)"
+            print(f"[rlbench] {self.memory_plan.summary()}{said}", flush=True)
         self.history: list[dict] = []
         self.eval_history: list[dict] = []
         self.last_rollout: RolloutBatch | None = None
@@ -382,6 +388,10 @@ class Trainer:
         c = self.cfg.checkpoint
         last = self.rollout_id == self.cfg.batch.num_rollout
         return c.save_interval is not None and (self.rollout_id % c.save_interval == 0 or last)
+
+    def _plan_memory(self):
+        """The colocated memory plan of this process's trainer and engine (`rlbench.memory_plan`)."""
+        return memory_plan(self.backend, self.engine, self.cfg, self.device)
 
     def _enter(self, phase: str) -> None:
         """Colocated offload: only the active side (engine KV cache or trainer state) holds device memory."""

@@ -76,6 +76,10 @@ class RayTrainer(Trainer):
         offload = cfg.offload if cfg.offload is not None else cfg.backend.device == "cuda"
         self.offload = offload and cluster.colocate  # disaggregated engines never share a device
 
+    def _plan_memory(self):
+        """None: the actors hold the models; offload follows `cfg.offload` (None: on for colocated CUDA ranks)."""
+        return None
+
     def fit(self, num_rollout: int | None = None) -> list[dict]:
         """`Trainer.fit`; async mode generates nothing past the last rollout of this call."""
         self._fit_target = self.cfg.batch.num_rollout if num_rollout is None else num_rollout
@@ -181,3 +185,4 @@ class RayTrainer(Trainer):
             s.metadata["staleness"] = self.policy_version - s.weight_version
             lags.append(s.metadata["staleness"])
         return {"rollout/staleness_mean": float(np.mean(lags)), "rollout/staleness_max": float(max(lags))}
+

@@ -1,0 +1,65 @@
+"""The colocated memory plan: the micro-batch estimate's formula, the offload decision on measured numbers, and
+the plan a CPU Trainer reports (tensor bytes of both sides, no offload)."""
+
+from __future__ import annotations
+
+import dataclasses as dc
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlbench import presets
+from rlbench.memory_plan import GIB, MARGIN, MemoryPlan, micro_batch_bytes, tensor_bytes
+
+QWEN3_0P6B = SimpleNamespace(hidden_size=1024, num_attention_heads=16, head_dim=128, num_key_value_heads=8,
+                             num_hidden_layers=28, intermediate_size=3072, vocab_size=151936)
+
+
+def test_micro_batch_estimate_by_hand():
+    tokens = 16384
+    per_layer = 2 * (6 * 1024 + 2 * 8 * 128 + 4 * 3072)  # bf16 bytes per token and layer
+    no_ac = micro_batch_bytes(QWEN3_0P6B, tokens, checkpointing=False)
+    ac = micro_batch_bytes(QWEN3_0P6B, tokens, checkpointing=True)
+    assert no_ac["activations"] == tokens * 28 * per_layer
+    assert ac["activations"] == tokens * (28 * 2 * 1024 + per_layer)
+    assert no_ac["logits"] == ac["logits"] == 2 * tokens * 151936 * 2
+    assert 17 < no_ac["activations"] / GIB < 18 and ac["activations"] / GIB < 2
+
+
+def _plan(free, grads, activations, logits):
+    return MemoryPlan("cuda", 140 * GIB, free, 10 * GIB, GIB, 20 * GIB, 64, 16384, False, grads, activations,
+                      logits, True, "")
+
+
+@pytest.mark.parametrize("free_gib, offload", [(64, False), (20, True)])
+def test_offload_decision_follows_the_free_memory(monkeypatch, free_gib, offload):
+    """memory_plan with stand-in parts: offload only when the free memory does not cover MARGIN x the estimate."""
+    from rlbench import memory_plan as mp
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free_gib * GIB, 140 * GIB))
+    backend = SimpleNamespace(model=torch.nn.Linear(4, 4), optimizer=None, hf_config=QWEN3_0P6B)
+    cache = SimpleNamespace(k=[torch.zeros(8)], v=[torch.zeros(8)], shape=SimpleNamespace(num_slots=3))
+    engine = SimpleNamespace(model=torch.nn.Linear(4, 4), cache=cache)
+    cfg = presets.cpu_test(model="tiny")
+    cfg = cfg.replace(batch=dc.replace(cfg.batch, use_dynamic_batch_size=True, max_tokens_per_gpu=16384))
+    plan = mp.memory_plan(backend, engine, cfg, torch.device("cuda"))
+    need = plan.micro_batch
+    assert (free_gib * GIB >= MARGIN * need) == (not offload)
+    assert plan.offload is offload and plan.tokens == 16384 and plan.kv_cache == 64 and plan.kv_slots == 3
+    assert ("offload " + ("on" if offload else "off")) in plan.summary()
+    assert plan.metrics()["memory/plan_offload"] == float(offload)
+
+
+def test_cpu_trainer_reports_its_plan(tmp_path):
+    torch.set_num_threads(1)
+    from rlbench.trainer import Trainer
+
+    t = Trainer(presets.cpu_test(model="tiny", workdir=str(tmp_path)))
+    plan = t.memory_plan
+    assert plan.device == "cpu" and plan.offload is False and t.offload is False
+    params = tensor_bytes(t.backend.model.parameters())
+    assert plan.grads == params and plan.trainer_state >= 3 * params  # params + Adam's two moments
+    assert plan.engine_weights == tensor_bytes(t.engine.model.parameters()) > 0
+    assert plan.kv_cache == tensor_bytes([*t.engine.cache.k, *t.engine.cache.v]) > 0
+    assert "free ?" in plan.summary()
