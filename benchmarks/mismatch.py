@@ -184,7 +184,7 @@ def provenance(argv: list[str]) -> dict:
 
 
 def ensure_model(model: str) -> str:
-    if model == presets.DEMO_SFT_DIR and not os.path.isfile(os.path.join(model, "config.json")):
+    if model == presets.demo_sft_dir() and not os.path.isfile(os.path.join(model, "config.json")):
         print(f"[mismatch] SFT warm start -> {model} (presets.DEMO_SFT)", flush=True)
         run_sft(SFTConfig(**presets.DEMO_SFT, out=model))
     return model
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
                    help="override the preset's task (arithmetic level 1); countdown: max_response_len 24; the "
                         "arithmetic-SFT model scores ~0 on it, so use it for the mismatch numbers, with --eval-interval 0")
     p.add_argument("--lr", type=float, default=None, help="override the preset's learning rate (2e-4)")
-    p.add_argument("--model", default=presets.DEMO_SFT_DIR, help="HF dir or model preset (default: the demo's SFT)")
+    p.add_argument("--model", default=presets.demo_sft_dir(), help="HF dir or model preset (default: the demo's SFT)")
     p.add_argument("--workdir", default=os.path.join("runs", "mismatch"))
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     args = p.parse_args(argv)

@@ -1,7 +1,8 @@
 """`rlbench train|sft|demo|bench|experiment ...`: slime-named flags generated from the config dataclasses.
 
     python -m rlbench.cli demo                          # SFT warm start (cached) + GRPO on arithmetic (make run)
-    rlbench train --preset cpu_demo --hf-checkpoint runs/sft-small-arith3 --num-rollout 5 --lr 1e-4
+    rlbench train --preset cpu_demo --num-rollout 5 --lr 1e-4   # the same warm start, 5 steps
+    rlbench train --hf-checkpoint DIR --prompt-data mine.jsonl --eval-prompt-data held_out.jsonl --eval-interval 5
     rlbench train --preset cpu_demo --print-config      # the resolved RunConfig as JSON
     rlbench bench --hf-checkpoint DIR                   # qwen3-0.6b-shape loop on one GPU, per-phase times
     rlbench bench e2e [--preset qwen3-4b-shape] [--no-trl]  # the whole loop beside TRL's GRPOTrainer (benchmarks/e2e.py)
@@ -11,15 +12,23 @@
 Every config field has one flag. Its name is slime's where slime has that setting (`FLAG_NAMES`), otherwise
 `--{field}` (or `--{section}-{field}` when the bare name is ambiguous). Flags only override fields of
 the chosen preset; `build_parser()` and `FLAG_NAMES` are the single source, so names never drift.
+
+Parsing imports no torch (`--help` and a bad flag answer in a fraction of a second). A mistake is one line
+naming the flag and the fix (an unknown flag gets "did you mean"; config errors are reworded from field
+names to flags, `engine.max_seq_len` -> `--engine-max-seq-len`); `--debug` shows the traceback instead.
+Each run writes its metrics to a fresh `runs/<preset>-<time>/` (`--run-dir` to choose).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import difflib
 import functools
 import json
 import os
+import re
 import sys
 import types
 import typing
@@ -76,6 +85,12 @@ SKIP = {("loss", "mis"), ("backend", "model_overrides"), ("backend", "optim"),
 NESTED = ("backend.optim", "engine.megakernel")
 
 PRESETS = ("cpu_demo", "cpu_test", "qwen3_0p6b_gpu")
+CPU_PRESETS = ("cpu_demo", "cpu_test")
+"""Presets that start from the demo's SFT warm start when no --hf-checkpoint is given (`presets.demo_warm_start`)."""
+MODEL_FLAGS = ("hf_checkpoint", "ref_load")
+"""Flags that take a model: an HF directory or a model preset name."""
+FILE_FLAGS = ("prompt_data", "eval_prompt_data")
+"""Flags that take an existing data file."""
 
 
 def _section_types() -> dict[str, type]:
@@ -128,23 +143,32 @@ def config_flags() -> dict[str, tuple[str, str, Any, str]]:
 
 
 @functools.cache
-def _source_lines(cls) -> tuple[str, ...]:
-    import inspect
+def _module_classes(path: str) -> dict[str, ast.ClassDef]:
+    """Top-level classes of a source file, parsed once."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    return {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
 
-    try:
-        return tuple(inspect.getsource(cls).splitlines())
-    except (OSError, TypeError):
-        return ()
+
+@functools.cache
+def field_docs(cls) -> dict[str, str]:
+    """field -> the docstring under it in `cls`'s source, whitespace folded to one line ('' when missing)."""
+    path = getattr(sys.modules.get(cls.__module__), "__file__", None)
+    node = _module_classes(path).get(cls.__name__) if path else None
+    if node is None:
+        return {}
+    docs = {}
+    for stmt, nxt in zip(node.body, node.body[1:]):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
 
 
 def _field_doc(cls, name: str) -> str:
-    """The one-line docstring under a dataclass field (read from the source), or ''."""
-    lines = _source_lines(cls)
-    for i, line in enumerate(lines[:-1]):
-        if line.strip().startswith(f"{name}:"):
-            doc = lines[i + 1].strip()
-            return doc.strip('"').replace("%", "%%") if doc.startswith('"""') else ""
-    return ""
+    """The docstring under a dataclass field, '%'-escaped for argparse, or ''."""
+    return field_docs(cls).get(name, "").replace("%", "%%")
 
 
 def _argparse_kwargs(tp) -> dict:
@@ -160,10 +184,17 @@ def _argparse_kwargs(tp) -> dict:
     return {"type": json.loads}  # dicts and anything else: JSON
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (the sub-commands' usage lists hundreds of flags)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists every flag)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The `rlbench` parser with its sub-commands."""
+    """The `rlbench` parser with its sub-commands (`.commands`: name -> sub-parser)."""
     parser = argparse.ArgumentParser(prog="rlbench", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, help_ in (("train", "GRPO/PPO training from a preset + flags"),
                         ("demo", "SFT warm start (cached) then GRPO on arithmetic; what `make run` runs"),
                         ("bench", "a few colocated GRPO steps with per-phase times (GPU); "
@@ -172,28 +203,106 @@ def build_parser() -> argparse.ArgumentParser:
         default_preset = "qwen3_0p6b_gpu" if name == "bench" else "cpu_demo"
         p.add_argument("--preset", choices=PRESETS, default=default_preset, help="base configuration")
         p.add_argument("--print-config", action="store_true", default=False, help="print the RunConfig and exit")
+        p.add_argument("--debug", action="store_true", default=False,
+                       help="on an error, raise it with its traceback instead of the one-line message")
+        p.add_argument("--run-dir", default=None,
+                       help="where this run writes its metrics (default: a fresh runs/<preset>-<time>/)")
         p.add_argument("--train-backend", choices=["fsdp"], default="fsdp", help="training backend")
         p.add_argument("--adam-beta1", type=float, help="AdamW beta1")
         p.add_argument("--adam-beta2", type=float, help="AdamW beta2")
-        p.add_argument("--sft-steps", type=int, default=None, help="SFT warm-start max steps (demo/bench)")
-        p.add_argument("--sft-dir", default=None, help="where the SFT warm start is cached (demo/bench)")
+        p.add_argument("--sft-steps", type=int, default=None,
+                       help="SFT warm-start max steps (when it is built: cpu presets without --hf-checkpoint, bench)")
+        p.add_argument("--sft-dir", default=None, help="where the SFT warm start is cached (default: the user cache)")
         for flag, (_, _, tp, doc) in config_flags().items():
             p.add_argument(flag, help=doc, **_argparse_kwargs(tp))
     sft = sub.add_parser("sft", help="SFT warm start (see python -m rlbench.sft --help)", add_help=False)
     sft.add_argument("rest", nargs=argparse.REMAINDER)
     exp = sub.add_parser("experiment", help="an experiment (cp-oom; see rlbench experiment NAME --help)", add_help=False)
     exp.add_argument("rest", nargs=argparse.REMAINDER)
+    parser.commands = sub.choices
     return parser
 
 
+def unknown_args_errors(command: str, extra: list[str], known: list[str]) -> list[str]:
+    """One line per argument the parser did not know: an unknown flag with its closest known flags, or a stray value."""
+    lines, after_unknown_flag = [], False
+    for arg in extra:
+        if arg.startswith("-"):
+            name = arg.split("=", 1)[0]
+            close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+            hint = f"; did you mean {' or '.join(close)}?" if close else f"; `rlbench {command} --help` lists every flag"
+            lines.append(f"rlbench {command}: error: unknown flag {name}{hint}")
+            after_unknown_flag = "=" not in arg
+        elif not after_unknown_flag:  # the value of an unknown flag is not a second error
+            lines.append(f"rlbench {command}: error: unexpected argument {arg!r} (a boolean flag takes no value: "
+                         "--x or --no-x)")
+        else:
+            after_unknown_flag = False
+    return lines
+
+
+def flag_message(message: str) -> str:
+    """`message` with config field names written as the flags that set them: `section.field` always; a bare
+    `field=` when one flag sets it, or the word before it names the section, or one candidate is the only one
+    outside `eval` (eval's own messages say "eval ...")."""
+    flags = config_flags()
+    by_path = {f"{sec}.{name}" if sec else name: flag for flag, (sec, name, _, _) in flags.items()}
+    by_name: dict[str, list[tuple[str, str]]] = {}
+    for flag, (sec, name, _, _) in flags.items():
+        by_name.setdefault(name, []).append((sec, flag))
+    message = re.sub(r"(?<![\w.-])[a-z_]+(?:\.[a-z_]+)+\b", lambda m: by_path.get(m.group(0), m.group(0)), message)
+
+    def bare(m: re.Match) -> str:
+        word, name = m.group(1), m.group(2)
+        found = by_name.get(name, [])
+        for keep in (lambda sec, flag: sec == word, lambda sec, flag: sec != "eval"):
+            if len(found) > 1:
+                found = [c for c in found if keep(*c)] or found
+        return m.group(0)[: m.start(2) - m.start(0)] + (found[0][1] if len(found) == 1 else name)
+
+    message = re.sub(r"(?<![\w.-])(?:([a-z]+) )?([a-z][a-z0-9_]*)(?==)", bare, message)
+    return re.sub(r"(--[\w-]+) \(\1\)", r"\1", message)
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """Raise ValueError naming the flag when a given model path or data file does not exist."""
+    given = vars(args)
+    for dest in MODEL_FLAGS:
+        value = given.get(dest)
+        flag = "--" + dest.replace("_", "-")
+        if value is None:
+            continue
+        path = os.path.expanduser(value)
+        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"{flag} {value}: the directory has no config.json, so it is not a Hugging Face model "
+                             "directory; give the directory holding config.json and the weights")
+        if not os.path.isdir(path) and (os.sep in value or value.startswith((".", "~"))):
+            raise ValueError(f"{flag} {value}: no such directory (from {os.getcwd()}); give a Hugging Face model "
+                             "directory (config.json + weights) or a model preset such as tiny or small")
+    for dest in FILE_FLAGS:
+        value = given.get(dest)
+        if value is not None and not os.path.isfile(value):
+            raise ValueError(f"--{dest.replace('_', '-')} {value}: no such file (from {os.getcwd()}); "
+                             "give an existing .jsonl or .parquet file")
+
+
 def apply_flags(cfg, args: argparse.Namespace):
-    """A copy of `cfg` with every given flag applied (sections re-validated); the Adam betas are two flags."""
+    """A copy of `cfg` with every given flag applied (sections re-validated); the Adam betas are two flags.
+
+    Your own `--prompt-data` replaces the preset's synthetic task: without `--eval-prompt-data` there is no
+    evaluation (`eval.interval` None unless `--eval-interval` asks for it, which then needs the eval file), so
+    nothing is evaluated on the preset's data.
+    """
     given = vars(args)
     updates: dict[str, dict] = {}
     for flag, (section, name, _, _) in config_flags().items():
         dest = flag[2:].replace("-", "_")
         if dest in given:
             updates.setdefault(section, {})[name] = given[dest]
+    if "prompt_data" in given and "task" not in given:
+        updates.setdefault("", {})["task"] = None
+        if "eval_prompt_data" not in given and "eval_interval" not in given:
+            updates.setdefault("eval", {})["interval"] = None
     if "adam_beta1" in given or "adam_beta2" in given:
         b1, b2 = cfg.backend.optim.betas
         updates.setdefault("backend.optim", {})["betas"] = (given.get("adam_beta1", b1), given.get("adam_beta2", b2))
@@ -208,25 +317,24 @@ def apply_flags(cfg, args: argparse.Namespace):
 
 
 def preset_config(args: argparse.Namespace, model: str | None = None):
-    """The preset's RunConfig (built with `model` as the checkpoint when given) with the flags applied."""
+    """The preset's RunConfig with the flags applied. The model: `model`, else `--hf-checkpoint`, else the
+    demo's warm start directory for a cpu preset (not built here) or the preset's model shape; the metrics go
+    to `--run-dir` or a fresh `runs/<preset>-<time>/`."""
     from rlbench import presets
 
-    fn = getattr(presets, args.preset)
-    base = fn(model=model) if model is not None else (fn() if args.preset != "qwen3_0p6b_gpu" else fn(model="qwen3-0.6b-shape"))
-    return apply_flags(base, args)
+    model = model or getattr(args, "hf_checkpoint", None)
+    if model is None:
+        model = (args.sft_dir or presets.demo_sft_dir()) if args.preset in CPU_PRESETS else "qwen3-0.6b-shape"
+    workdir = getattr(args, "run_dir", None) or presets.new_run_dir(args.preset.replace("_", "-"))
+    return apply_flags(getattr(presets, args.preset)(model=model, workdir=workdir), args)
 
 
-def ensure_sft(args: argparse.Namespace, out: str) -> str:
-    """Run the demo's SFT warm start (`presets.DEMO_SFT`) into `out` unless a finished one is there."""
-    if os.path.isfile(os.path.join(out, "config.json")):
-        print(f"[rlbench] reusing SFT warm start {out}", flush=True)
-        return out
-    from rlbench.presets import DEMO_SFT
-    from rlbench.sft import SFTConfig, run_sft
+def ensure_sft(args: argparse.Namespace) -> str:
+    """The demo's SFT warm start (`presets.demo_warm_start`) in `--sft-dir` or the cache, built when missing."""
+    from rlbench.presets import demo_warm_start
 
-    print(f"[rlbench] SFT warm start -> {out}", flush=True)
-    steps = {"max_steps": args.sft_steps} if getattr(args, "sft_steps", None) else {}
-    run_sft(SFTConfig(**(DEMO_SFT | steps), out=out))
+    out = demo_warm_start(args.sft_dir, max_steps=args.sft_steps)
+    print(f"[rlbench] SFT warm start {out}", flush=True)
     return out
 
 
@@ -243,12 +351,20 @@ def run_train(cfg) -> dict:
 
 
 def summarize_run(trainer) -> dict:
-    """Start/end eval and mean per-phase times of a finished run."""
+    """Start/end eval and mean per-phase times of a finished run.
+
+    `eval/<metric>/start` is the first eval and `/end` the last one, each beside the rollout id it measured
+    (`eval/rollout_id/start`, `/end`); with a single eval there is no `/end`: nothing measured it after training.
+    """
     out: dict[str, float] = {}
     if trainer.eval_history:
         first, last = trainer.eval_history[0], trainer.eval_history[-1]
-        for key in [k for k in first if k.startswith("eval/pass@") or k == "eval/reward"]:
-            out[f"{key}/start"], out[f"{key}/end"] = first[key], last[key]
+        keys = [k for k in first if k.startswith("eval/pass@") or k == "eval/reward"]
+        out["eval/rollout_id/start"] = first["rollout/id"]
+        out |= {f"{key}/start": first[key] for key in keys}
+        if len(trainer.eval_history) > 1:
+            out["eval/rollout_id/end"] = last["rollout/id"]
+            out |= {f"{key}/end": last[key] for key in keys}
     for key in ("perf/rollout_time", "perf/log_probs_time", "perf/train_time", "perf/update_weights_time",
                 "perf/step_time", "perf/peak_memory_gb", "weights/bytes"):
         vals = [h[key] for h in trainer.history if key in h]
@@ -270,23 +386,41 @@ def main(argv: list[str] | None = None) -> int:
         return run_experiment(argv[1:])
     if argv[:2] == ["bench", "e2e"]:
         return run_bench_e2e(argv[2:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        known = [s for a in parser.commands[args.command]._actions for s in a.option_strings]
+        print("\n".join(unknown_args_errors(args.command, extra, known)), file=sys.stderr)
+        return 2
+    try:
+        return run_command(args)
+    except ValueError as exc:
+        if args.debug:
+            raise
+        print(f"rlbench {args.command}: error: {flag_message(str(exc))} (--debug: the traceback)", file=sys.stderr)
+        return 2
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """`train`, `demo` or `bench` from parsed flags: check paths, build the config, print it or train."""
+    check_paths(args)
+    model = getattr(args, "hf_checkpoint", None)
     if args.command == "demo":
         import torch
 
         torch.set_num_threads(min(2, os.cpu_count() or 1))
-        from rlbench.presets import DEMO_SFT_DIR
-
-        model = getattr(args, "hf_checkpoint", None) or ensure_sft(args, args.sft_dir or DEMO_SFT_DIR)
-        cfg = preset_config(args, model=model)
-    elif args.command == "bench":
-        model = getattr(args, "hf_checkpoint", None) or ensure_device_sft(args, "qwen3-0.6b-shape")
-        cfg = preset_config(args, model=model)
-    else:
-        cfg = preset_config(args)
+    if model is None and args.preset in CPU_PRESETS and not args.print_config:
+        model = ensure_sft(args)
+    elif model is None and args.command == "bench":
+        model = ensure_device_sft(args, "qwen3-0.6b-shape")
+    cfg = preset_config(args, model=model)
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=1, default=str))
         return 0
+    if "prompt_data" in vars(args) and "eval_prompt_data" not in vars(args):
+        print("[rlbench] --prompt-data without --eval-prompt-data: no evaluation "
+              "(give --eval-prompt-data FILE --eval-interval N to evaluate)", flush=True)
+    print(f"[rlbench] metrics -> {cfg.logging.jsonl_path}", flush=True)
     run_train(cfg)
     return 0
 

@@ -1,15 +1,22 @@
 """Named run configurations: functions returning a validated `RunConfig`.
 
-    cfg = rlbench.presets.cpu_demo()                 # what `make run` trains (after the SFT warm start)
+    cfg = rlbench.presets.cpu_demo()                 # what `make run` trains (builds the SFT warm start once)
     cfg = rlbench.presets.cpu_test(model=sft_dir)    # seconds per step, for tests and notebooks
     cfg = rlbench.presets.qwen3_0p6b_gpu(model=dir)  # one H200, colocated
 
 Change a field with `dataclasses.replace` on the section (`cfg.replace(batch=replace(cfg.batch, num_rollout=5))`).
+
+What is built once and reused (the demo's SFT warm start, generated task data) lives in the user cache
+(`cache_dir()`: $RLBENCH_CACHE, else $XDG_CACHE_HOME/rlbench, else ~/.cache/rlbench), so the presets work
+from any directory. Each run writes its metrics to a fresh `runs/<name>-<time>/` under the current directory
+(`new_run_dir`) unless given a `workdir`.
 """
 
 from __future__ import annotations
 
 import os
+import time
+from typing import TYPE_CHECKING
 
 from rlbench.config import (
     BatchConfig,
@@ -25,17 +32,71 @@ from rlbench.config import (
     TaskConfig,
     TorchEngineConfig,
 )
-from rlbench.sft import SFTConfig
 
-# The SFT warm start `make run` caches and reuses (small preset, arithmetic level 1, 32 held-out prompts).
-DEMO_SFT_DIR = os.path.join("runs", "sft-small-arith1")
+if TYPE_CHECKING:
+    from rlbench.sft import SFTConfig
+
+
+def cache_dir() -> str:
+    """Where rlbench keeps what it builds once and reuses: $RLBENCH_CACHE, else $XDG_CACHE_HOME/rlbench,
+    else ~/.cache/rlbench (read at call time)."""
+    if os.environ.get("RLBENCH_CACHE"):
+        return os.path.abspath(os.path.expanduser(os.environ["RLBENCH_CACHE"]))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "rlbench")
+
+
+def new_run_dir(name: str, root: str = "runs") -> str:
+    """A run directory `root/name-YYYYmmdd-HHMMSS` that does not exist yet (`-2`, `-3`, ... on a clash).
+    Not created here: the metric sinks create it when they first write."""
+    base = os.path.join(root, f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out, n = base, 1
+    while os.path.exists(out):
+        n += 1
+        out = f"{base}-{n}"
+    return out
+
+
+# The SFT warm start the demo builds once and reuses (small preset, arithmetic level 1, 32 held-out prompts).
+DEMO_SFT_NAME = "sft-small-arith1"
 DEMO_SFT = dict(preset="small", task="arithmetic", task_kwargs={"level": 1}, batch_size=32, eval_every=20,
                 num_eval=32, max_steps=600, target_pass_at_1=0.3)
+
+
+def demo_sft_dir() -> str:
+    """The directory of the demo's SFT warm start in the cache (it may not exist yet: `demo_warm_start`)."""
+    return os.path.join(cache_dir(), DEMO_SFT_NAME)
+
+
+def demo_warm_start(out: str | None = None, max_steps: int | None = None) -> str:
+    """The demo's SFT warm start: `out` (default `demo_sft_dir()`) when a finished one is there, else trained
+    into it first (`DEMO_SFT`; about 40 s on 2 CPU cores, announced on stdout). Returns the HF directory.
+
+    The model is trained into a temporary sibling and renamed, so an interrupted build leaves no half model.
+    `max_steps` caps the SFT (tests use a few steps; the cap only matters when it is built).
+    """
+    out = out or demo_sft_dir()
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    if os.path.exists(out) and os.listdir(out):
+        raise ValueError(f"{out!r} exists but holds no finished model (no config.json); remove it and run again")
+    from rlbench.sft import SFTConfig, run_sft
+
+    print(f"[rlbench] SFT warm start -> {out} (built once, about 40 s on 2 CPU cores)", flush=True)
+    tmp = f"{out}.tmp-{os.getpid()}"
+    steps = {"max_steps": max_steps} if max_steps else {}
+    run_sft(SFTConfig(**(DEMO_SFT | steps), out=tmp))
+    if os.path.exists(out):
+        os.rmdir(out)  # empty (checked above)
+    os.replace(tmp, out)
+    return out
 
 
 def gpu_sft(preset: str = "qwen3-0.6b-shape", out: str | None = None, steps: int = 150) -> SFTConfig:
     """A short SFT warm start of a model shape on one GPU (`rlbench bench`, tests/test_e2e_gpu.py): 3-digit
     arithmetic, `steps` AdamW steps at 3e-4, the preset's own 152k vocabulary, one pass@1 eval at the end."""
+    from rlbench.sft import SFTConfig
+
     return SFTConfig(preset=preset, task="arithmetic", task_kwargs={"level": 3}, out=out, device="cuda",
                      tokenizer_vocab=False, batch_size=64, lr=3e-4, warmup_steps=max(1, steps // 10),
                      max_steps=steps, eval_every=steps, target_pass_at_1=None)
@@ -58,12 +119,19 @@ def _task_run(model: str, task: TaskConfig, *, device: str, param_dtype: str, wo
     return RunConfig(**(parts | sections))
 
 
-def cpu_demo(model: str = DEMO_SFT_DIR, workdir: str = "runs/demo") -> RunConfig:
+def cpu_demo(model: str | None = None, workdir: str | None = None) -> RunConfig:
     """GRPO on 1-digit arithmetic from the SFT-warmed `small` model (`make run`): 60 steps, a few s each on 2 CPU cores.
 
-    The eval prompts are the SFT's held-out split (`DEMO_SFT` below uses the same task, level, n_eval, seed).
+    Args:
+        model: HF directory or model preset; None: the demo's warm start (`demo_warm_start()`, built on first use).
+        workdir: where the metrics go (`metrics.jsonl`); None: a fresh `new_run_dir("demo")`.
+
+    The eval prompts are the SFT's held-out split (`DEMO_SFT` uses the same task, level, n_eval, seed); the task
+    files are generated once into the cache.
     """
-    task = TaskConfig(name="arithmetic", level=1, n_eval=32, out_dir="runs/data")
+    model = model or demo_warm_start()
+    workdir = workdir or new_run_dir("demo")
+    task = TaskConfig(name="arithmetic", level=1, n_eval=32, out_dir=os.path.join(cache_dir(), "data"))
     return _task_run(
         model, task, device="cpu", param_dtype="fp32", workdir=workdir,
         rollout=RolloutConfig(rollout_batch_size=16, n_samples_per_prompt=8, max_response_len=12, temperature=1.0),
@@ -75,12 +143,15 @@ def cpu_demo(model: str = DEMO_SFT_DIR, workdir: str = "runs/demo") -> RunConfig
     )
 
 
-def cpu_test(model: str = DEMO_SFT_DIR, workdir: str = "runs/test", *, level: int = 3, seed: int = 0,
+def cpu_test(model: str | None = None, workdir: str = "runs/test", *, level: int = 3, seed: int = 0,
              n_eval: int = 64) -> RunConfig:
     """A smaller, faster version of `cpu_demo` for tests and notebooks (seconds per step).
 
+    `model` None: the demo's warm start (`demo_warm_start()`, built on first use).
+
     `seed` changes the sampling seeds (rollout and eval) and the prompt order, not the task split.
     """
+    model = model or demo_warm_start()
     task = TaskConfig(name="arithmetic", level=level, n_eval=n_eval, out_dir=os.path.join(workdir, "data"))
     return _task_run(
         model, task, device="cpu", param_dtype="fp32", workdir=workdir,
@@ -94,9 +165,13 @@ def cpu_test(model: str = DEMO_SFT_DIR, workdir: str = "runs/test", *, level: in
     )
 
 
-def qwen3_0p6b_gpu(model: str, workdir: str = "runs/qwen3-0.6b", *, num_rollout: int = 4) -> RunConfig:
-    """The Qwen3-0.6B shape on one H200, colocated: rbs 32 x n 8 = 256 samples, gbs 128, bf16, dynamic batches."""
-    task = TaskConfig(name="arithmetic", level=3, out_dir=os.path.join(workdir, "data"))
+def qwen3_0p6b_gpu(model: str, workdir: str | None = None, *, num_rollout: int = 4) -> RunConfig:
+    """The Qwen3-0.6B shape on one H200, colocated: rbs 32 x n 8 = 256 samples, gbs 128, bf16, dynamic batches.
+
+    `workdir` None: a fresh `new_run_dir("qwen3-0.6b")`; the task files are generated once into the cache.
+    """
+    workdir = workdir or new_run_dir("qwen3-0.6b")
+    task = TaskConfig(name="arithmetic", level=3, out_dir=os.path.join(cache_dir(), "data"))
     return _task_run(
         model, task, device="cuda", param_dtype="bf16", workdir=workdir,
         rollout=RolloutConfig(rollout_batch_size=32, n_samples_per_prompt=8, max_response_len=64, temperature=1.0),

@@ -58,7 +58,7 @@ def test_flags_map_onto_fields():
         "--kl-loss-coef", "0.02", "--kl-loss-type", "low_var_kl", "--ref-load", "tiny", "--lr", "3e-5",
         "--lr-decay-style", "cosine", "--lr-decay-iters", "50", "--adam-beta2", "0.98", "--save", "/tmp/ck",
         "--save-interval", "2", "--num-rollout", "7", "--rollout-max-response-len", "20",
-        "--rollout-temperature", "0.9", "--eval-interval", "3", "--eval-pass-k", "1", "2",
+        "--rollout-temperature", "0.9", "--eval-interval", "3", "--eval-prompt-data", "e.jsonl", "--eval-pass-k", "1", "2",
         "--n-samples-per-eval-prompt", "2", "--update-weight-buffer-size", "1048576", "--check-weight-update-equal",
     ])
     assert cfg.backend.model == "tiny" and cfg.backend.ref_model == "tiny"
@@ -73,6 +73,7 @@ def test_flags_map_onto_fields():
     assert cfg.rollout.max_response_len == 20
     assert cfg.rollout.temperature == 0.9  # the one temperature: sampling, and the backend's log-probs
     assert (cfg.eval.interval, cfg.eval.pass_k, cfg.eval.n_samples_per_prompt) == (3, (1, 2), 2)
+    assert (cfg.eval.data_path, cfg.task) == ("e.jsonl", None)  # your data: no synthetic task, your eval file
     assert cfg.weights.bucket_bytes == 1 << 20 and cfg.weights.verify
 
 

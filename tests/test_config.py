@@ -34,9 +34,10 @@ def _cfg(**sections) -> RunConfig:
 
 
 def test_presets_validate():
-    for cfg in (cpu_demo(), cpu_test(), qwen3_0p6b_gpu(model="qwen3-0.6b-shape")):
+    demo, test = cpu_demo(model="small", workdir="runs/x"), cpu_test(model="small")
+    for cfg in (demo, test, qwen3_0p6b_gpu(model="qwen3-0.6b-shape", workdir="runs/x")):
         assert cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt % cfg.batch.global_batch_size == 0
-    assert cpu_demo().optimizer_steps_per_rollout == 2 and cpu_test().optimizer_steps_per_rollout == 2
+    assert demo.optimizer_steps_per_rollout == 2 and test.optimizer_steps_per_rollout == 2
     assert _cfg().optimizer_steps_per_rollout == 2
 
 

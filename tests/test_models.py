@@ -31,7 +31,7 @@ def test_cpu_preset_vocab_matches_tokenizer(tok):
 
 
 def test_unknown_preset_names_the_choices():
-    with pytest.raises(ValueError, match="unknown model preset 'huge'.*'small'"):
+    with pytest.raises(ValueError, match="model 'huge' is neither an existing directory .* nor a model preset.*'small'"):
         build_config("huge")
 
 

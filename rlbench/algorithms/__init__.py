@@ -1,73 +1,63 @@
 """RL algorithms as pure functions (torch only, no process groups): log-probs, advantages, policy losses,
-KL estimators, aggregation weights and train–inference mismatch correction. See docs/algorithms.md."""
+KL estimators, aggregation weights and train–inference mismatch correction. See docs/algorithms.md.
 
-from .advantages import (
-    compute_advantages,
-    dr_grpo_advantages,
-    gae,
-    grpo_advantages,
-    gspo_advantages,
-    reinforce_pp_advantages,
-    reinforce_pp_baseline_advantages,
-    rloo_advantages,
-    whiten,
-)
-from .aggregation import GlobalNorm, loss_token_weights
-from .config import LossConfig, MISConfig
-from .kl import approx_kl
-from .logprobs import linear_token_logprobs, token_logprobs
-from .loss import (
-    LossInputs,
-    PolicyLoss,
-    ResponseBatch,
-    build_loss,
-    build_loss_inputs,
-    global_norm,
-    is_batch_stats,
-    old_from_forward_ok,
-)
-from .mismatch import ISResult, compute_is_weights, mis_weights, mismatch_metrics, vanilla_tis
+Light on import (`config` is read by `rlbench.config`, hence by the CLI before it parses): each name loads
+its module, and torch with it, on first access.
+"""
 
+from __future__ import annotations
+
+import importlib
+
+_MODULES = {
+    "compute_advantages": "advantages",
+    "dr_grpo_advantages": "advantages",
+    "gae": "advantages",
+    "grpo_advantages": "advantages",
+    "gspo_advantages": "advantages",
+    "reinforce_pp_advantages": "advantages",
+    "reinforce_pp_baseline_advantages": "advantages",
+    "rloo_advantages": "advantages",
+    "whiten": "advantages",
+    "GlobalNorm": "aggregation",
+    "loss_token_weights": "aggregation",
+    "LossConfig": "config",
+    "MISConfig": "config",
+    "approx_kl": "kl",
+    "linear_token_logprobs": "logprobs",
+    "token_logprobs": "logprobs",
+    "LossInputs": "loss",
+    "PolicyLoss": "loss",
+    "ResponseBatch": "loss",
+    "build_loss": "loss",
+    "build_loss_inputs": "loss",
+    "global_norm": "loss",
+    "is_batch_stats": "loss",
+    "old_from_forward_ok": "loss",
+    "ISResult": "mismatch",
+    "compute_is_weights": "mismatch",
+    "mis_weights": "mismatch",
+    "mismatch_metrics": "mismatch",
+    "vanilla_tis": "mismatch",
+}
 # Short aliases matching docs/ARCHITECTURE.md.
-grpo = grpo_advantages
-gspo = gspo_advantages
-rloo = rloo_advantages
-reinforce_pp = reinforce_pp_advantages
-reinforce_pp_baseline = reinforce_pp_baseline_advantages
+_ALIASES = {
+    "grpo": "grpo_advantages",
+    "gspo": "gspo_advantages",
+    "rloo": "rloo_advantages",
+    "reinforce_pp": "reinforce_pp_advantages",
+    "reinforce_pp_baseline": "reinforce_pp_baseline_advantages",
+}
 
-__all__ = [
-    "GlobalNorm",
-    "ISResult",
-    "LossConfig",
-    "LossInputs",
-    "MISConfig",
-    "PolicyLoss",
-    "ResponseBatch",
-    "approx_kl",
-    "build_loss",
-    "build_loss_inputs",
-    "compute_advantages",
-    "compute_is_weights",
-    "dr_grpo_advantages",
-    "gae",
-    "global_norm",
-    "grpo",
-    "grpo_advantages",
-    "gspo",
-    "gspo_advantages",
-    "is_batch_stats",
-    "linear_token_logprobs",
-    "loss_token_weights",
-    "mis_weights",
-    "mismatch_metrics",
-    "old_from_forward_ok",
-    "reinforce_pp",
-    "reinforce_pp_advantages",
-    "reinforce_pp_baseline",
-    "reinforce_pp_baseline_advantages",
-    "rloo",
-    "rloo_advantages",
-    "token_logprobs",
-    "vanilla_tis",
-    "whiten",
-]
+__all__ = sorted([*_MODULES, *_ALIASES])
+
+
+def __getattr__(name: str):
+    target = _ALIASES.get(name, name)
+    if target not in _MODULES:
+        raise AttributeError(f"module 'rlbench.algorithms' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"rlbench.algorithms.{_MODULES[target]}"), target)
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

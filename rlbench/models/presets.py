@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 from transformers import Qwen3Config
 
@@ -47,9 +48,10 @@ def build_config(preset: str, **overrides) -> Qwen3Config:
     """A `Qwen3Config` for a preset name, with keyword overrides (e.g. `vocab_size=` of a tokenizer).
 
     Raises:
-        ValueError: unknown preset name (the message lists the known ones).
+        ValueError: not a preset name (the message lists the known ones and says it is no directory either).
     """
     if preset not in PRESETS:
-        raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
+        raise ValueError(f"model {preset!r} is neither an existing directory (from {os.getcwd()}) nor a model "
+                         f"preset; give a Hugging Face model directory or one of {sorted(PRESETS)}")
     kwargs = copy.deepcopy(_QWEN3_COMMON) | copy.deepcopy(PRESETS[preset]) | overrides
     return Qwen3Config(**kwargs)
