@@ -64,10 +64,15 @@ class FSDPBackend:
         self.model = self.ref = self.optimizer = self.scheduler = self.hf_config = None
         self._stash = HostStash()
         self._asleep = False
+        self._cp_kernel = None  # `rlbench.distributed.cp_kernels.CPKernel` under CP, chosen at init
 
     # ---------------------------------------------------------------- build
     def init(self) -> int:
         cfg = self.cfg
+        if cfg.cp_size > 1:  # before any process group: a missing optional kernel package fails first
+            from rlbench.distributed.cp_kernels import cp_kernel
+
+            self._cp_kernel = cp_kernel(cfg.cp_attention)
         if self.env is None:
             self.env = init_distributed(cfg.device, cp_size=cfg.cp_size, cpu_offload=cfg.cpu_offload)
         torch.manual_seed(cfg.seed)
@@ -118,28 +123,26 @@ class FSDPBackend:
         return logp[index], (ent[index] if ent is not None else None)
 
     def _forward_pack_cp(self, model, pack, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`forward_pack` of one CP rank: the model sees the rank's zig-zag slice; the result is the FULL `[R]`.
+        """`forward_pack` of one CP rank: the model sees the rank's slice; the result is the FULL `[R]`.
 
-        Each rank scores the response tokens whose predicting position it holds (`cp_local_response`; the
-        target is the full pack's token at global index + 1, so chunk borders are right), then `_cp_assemble`
-        puts every rank's part into response order. Its backward hands each rank the gradient of its own
-        entries only, so with the loss computed identically on every CP peer the parameter gradients summed
-        over the peers are the full pack's, once.
+        The slicing is the kernel's (`cp_attention`): zig-zag for "allgather", contiguous for ring-flash-attn's
+        llama3 kernel. Each rank scores the response tokens whose predicting position it holds
+        (`cp_local_response`; the target is the full pack's token at global index + 1, so chunk borders are
+        right), then `_cp_assemble` puts every rank's part into response order. Its backward hands each rank the
+        gradient of its own entries only, so with the loss computed identically on every CP peer the parameter
+        gradients summed over the peers are the full pack's, once.
         """
-        from rlbench.distributed.cp_attention import CPContext, cp_attention_info
         from rlbench.packing.cp import cp_layout, cp_local_response, cp_slice, pad_for_cp
 
-        env, dev = self.env, self.env.device
+        env, dev, kernel = self.env, self.env.device, self._cp_kernel
         cp, rank = env.cp_size, env.cp_rank
-        slots = (pack.cu_seqlens_with_pad[1:] - pack.cu_seqlens_with_pad[:-1]).long()
-        if bool((slots % (2 * cp)).any()):  # RankStep packs are aligned already; other callers get re-laid out
-            pack = pad_for_cp(pack, cp)
-        layout = cp_layout(pack, cp)
-        info = cp_attention_info(layout, rank, dev)
+        if not _laid_out_for_cp(pack, cp, kernel.zigzag):  # RankStep packs are aligned; others get re-laid out
+            pack = pad_for_cp(pack, cp, zigzag=kernel.zigzag)
+        layout = cp_layout(pack, cp, zigzag=kernel.zigzag)
         group = env.mesh["cp"].get_group()
         tokens = cp_slice(pack.tokens, layout, rank).to(dev, non_blocking=True)  # [T/cp]
         positions = cp_slice(pack.position_ids, layout, rank).to(dev, non_blocking=True)  # [T/cp]
-        ctx = CPContext(info, group, kv_head_chunk=self.cfg.cp_kv_head_chunk, recompute=self.cfg.cp_recompute)
+        ctx = kernel.context(layout, rank, group, self.cfg.cp_kv_head_chunk, self.cfg.cp_recompute, dev)
         out = model(input_ids=tokens[None], position_ids=positions[None], rl_cp=ctx, use_cache=False)
         local_pos, resp_ids = cp_local_response(pack, layout, rank)  # [R_r]
         targets = pack.tokens[layout.indices[rank][local_pos] + 1].to(dev, non_blocking=True)  # [R_r]
@@ -396,6 +399,15 @@ def _cp_assemble(local: torch.Tensor, resp_ids: torch.Tensor, num_response: int,
     partition range(R), the others contribute exact zeros, so the sum is bit-exact)."""
     full = local.new_zeros(num_response).index_copy(0, resp_ids, local)
     return _SumOverPeers.apply(full, group)
+
+
+def _laid_out_for_cp(pack, cp: int, zigzag: bool) -> bool:
+    """Whether `cp_layout(pack, cp, zigzag=)` accepts the pack as it is (zig-zag: every slot divisible by 2*cp;
+    contiguous: the token count divisible by cp)."""
+    if not zigzag:
+        return pack.num_tokens % cp == 0
+    slots = (pack.cu_seqlens_with_pad[1:] - pack.cu_seqlens_with_pad[:-1]).long()
+    return not bool((slots % (2 * cp)).any())
 
 
 def _check_kv_head_chunk(cfg: FSDPConfig, hf_config) -> None:

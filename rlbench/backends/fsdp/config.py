@@ -16,6 +16,8 @@ PARAM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 """`FSDPConfig.param_dtype` name -> the torch dtype's name."""
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 """Attention backends whose packed-sequence isolation is tested (`rlbench.backends.fsdp.attention` builds the masks)."""
+CP_ATTENTIONS = ("allgather", "ring_flash_llama3")
+"""`FSDPConfig.cp_attention` kernels (`rlbench.distributed.cp_kernels`)."""
 
 
 def check_attn_implementation(name: str, device: str) -> None:
@@ -110,11 +112,14 @@ class FSDPConfig:
     """reduce-scatter gradients only on the last micro-batch of a step (fp32 unsharded accumulation)"""
     cp_size: int = 1
     """context-parallel size (mesh is (dp, cp); FSDP shards over dp x cp); > 1 replaces the model's attention
-    with `rlbench.distributed.cp_attention` ("rlbench_cp", zig-zag slices, all-gathered K/V)"""
+    with the `cp_attention` kernel (default `rlbench.distributed.cp_attention`: zig-zag slices, all-gathered K/V)"""
     cp_kv_head_chunk: int | None = None
     """CP attention all-gathers this many KV heads at a time (must divide the model's KV heads); None = all at once"""
     cp_recompute: bool = False
     """CP attention: backward re-gathers each head chunk's K/V instead of keeping every layer's gathered K/V"""
+    cp_attention: str = "allgather"
+    """CP attention kernel: "allgather" (rlbench_cp, zig-zag slices) or "ring_flash_llama3" (ring-flash-attn's
+    llama3 varlen kernel, contiguous slices; CUDA, bf16/fp16, pip install flash-attn ring-flash-attn)"""
     checkpoint_dir: str | None = None
     """where save()/load() write/read iter_XXXXXXX directories"""
     checkpoint_format: str = "sharded"
@@ -146,6 +151,7 @@ class FSDPConfig:
         if self.cp_size == 1 and (self.cp_kv_head_chunk is not None or self.cp_recompute):
             warnings.warn(f"cp_kv_head_chunk={self.cp_kv_head_chunk}, cp_recompute={self.cp_recompute} have no "
                           "effect with cp_size=1 (they schedule the CP attention)", UserWarning, stacklevel=3)
+        self._check_cp_attention()
         if self.cp_size > 1 and self.batch_invariant:
             raise ValueError(f"cp_size={self.cp_size} with batch_invariant=True: CP attention (all-gathered K/V, "
                              "rlbench.distributed.cp_attention) is not the engine's batch-invariant kernel; use cp_size=1")
@@ -158,6 +164,24 @@ class FSDPConfig:
             raise ValueError("batch_invariant=True runs the decoder layers eagerly; set compile=False (--no-compile)")
         if self.logprob_chunk_size < 1:
             raise ValueError(f"logprob_chunk_size={self.logprob_chunk_size} must be >= 1")
+
+    def _check_cp_attention(self) -> None:
+        name = self.cp_attention
+        if name not in CP_ATTENTIONS:
+            raise ValueError(f"cp_attention={name!r}; use one of {CP_ATTENTIONS}")
+        if name == "allgather":
+            return
+        if self.cp_size == 1:
+            warnings.warn(f"cp_attention={name!r} has no effect with cp_size=1", UserWarning, stacklevel=4)
+        if self.device != "cuda":
+            raise ValueError(f"cp_attention={name!r} needs device='cuda' (flash-attn has no CPU kernel); "
+                             "use cp_attention='allgather'")
+        if self.param_dtype == "fp32":
+            raise ValueError(f"cp_attention={name!r} runs flash-attn, which takes bf16/fp16 only; set "
+                             "param_dtype='bf16' or use cp_attention='allgather'")
+        if self.cp_recompute:
+            warnings.warn(f"cp_recompute has no effect with cp_attention={name!r} (its backward re-gathers K/V "
+                          "by itself)", UserWarning, stacklevel=4)
 
     @property
     def attention(self) -> str:

@@ -78,10 +78,10 @@ def build_sharded_model(
         model = AutoModelForCausalLM.from_config(
             hf_config, dtype=torch.float32, attn_implementation=cfg.attention
         )
-    if cfg.cp_size > 1:  # context parallel: every attention layer reads the forward's rl_cp=CPContext
-        from rlbench.distributed.cp_attention import CP_ATTN_NAME  # importing it registers the attention
+    if cfg.cp_size > 1:  # context parallel: every attention layer reads the forward's rl_cp= context
+        from rlbench.distributed.cp_kernels import cp_kernel  # importing the kernel registers its attention
 
-        model.config._attn_implementation = CP_ATTN_NAME
+        model.config._attn_implementation = cp_kernel(cfg.cp_attention).attn_name
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}  # FSDP does not manage buffers
     mp = MixedPrecisionPolicy(param_dtype=cfg.torch_param_dtype, reduce_dtype=torch.float32)
     policy = CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if offload else None
