@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BatchConfig", "CheckpointConfig", "ClusterConfig", "DataConfig", "EvalConfig", "FSDPConfig",
-    "LoggingConfig", "LossConfig", "OptimConfig", "RolloutConfig", "RunConfig", "TaskConfig",
+    "LoggingConfig", "LossConfig", "OptimConfig", "RolloutConfig", "RunConfig", "SGLangEngineConfig", "TaskConfig",
     "TorchEngineConfig", "WeightSyncConfig",
 ]
 
@@ -252,6 +252,68 @@ WEIGHT_DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclass
+class SGLangEngineConfig:
+    """The SGLang rollout engine (`rollout_engine="sglang"`): `sglang.Engine` arguments under SGLang's `ServerArgs`
+    names, so the flags are slime's (`--sglang-mem-fraction-static`, ...). Needs `sglang>=0.5.23`."""
+
+    model_path: str | None = None
+    """HF model directory the engine loads (None: the trainer's model, backend.model; it must be a directory)."""
+    tp_size: int = 1
+    """Tensor-parallel GPUs of the engine (slime sets it from --rollout-num-gpus-per-engine)."""
+    mem_fraction_static: float = 0.6
+    """Fraction of GPU memory for the engine's weights + KV cache."""
+    attention_backend: str | None = None
+    """SGLang attention kernels ("fa3", "triton", "flashinfer", ...; None: SGLang picks for the GPU)."""
+    enable_deterministic_inference: bool = True
+    """SGLang's batch-invariant mode. SGLang honours a request's `sampling_seed` only with it on, and rlbench's
+    rollouts are seeded, so it is on by default; off is faster but then seeded generate calls are refused
+    (unless allow_unseeded)."""
+    rl_on_policy_target: str | None = None
+    """SGLang's true on-policy numerics for a trainer ("fsdp", its only choice; turns deterministic inference on).
+    It matches an FSDP trainer running SGLang's batch-invariant kernels, not rlbench's: see docs/rollout.md."""
+    allow_unseeded: bool = False
+    """With deterministic inference off, sample anyway and ignore the per-sample seeds (warned once)."""
+    enable_memory_saver: bool = True
+    """Needed for sleep/wake_up (SGLang's release/resume_memory_occupation)."""
+    random_seed: int = 0
+    """Server seed (a request's sampling_seed overrides it in deterministic mode)."""
+    extra: dict = field(default_factory=dict)
+    """Any other `ServerArgs` field, passed to `sglang.Engine` unchanged (JSON on the command line)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"sglang mem_fraction_static={self.mem_fraction_static} must be in (0, 1)")
+        if self.tp_size < 1:
+            raise ValueError(f"sglang tp_size={self.tp_size} must be >= 1")
+        if self.rl_on_policy_target not in (None, "fsdp"):
+            raise ValueError(f"sglang rl_on_policy_target={self.rl_on_policy_target!r}: SGLang 0.5.23 knows only "
+                             "'fsdp' (or None)")
+        named = sorted(set(self.extra) & {f.name for f in dataclasses.fields(self)})
+        if named:
+            raise ValueError(f"sglang extra sets {named}, which are fields of their own; set those fields instead")
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether SGLang runs its deterministic mode (rl_on_policy_target turns it on too)."""
+        return self.enable_deterministic_inference or self.rl_on_policy_target is not None
+
+    def engine_kwargs(self, model_path: str) -> dict:
+        """Keyword arguments of `sglang.Engine(...)` for this config and model directory."""
+        kwargs = dict(model_path=model_path, tp_size=self.tp_size, mem_fraction_static=self.mem_fraction_static,
+                      enable_memory_saver=self.enable_memory_saver, random_seed=self.random_seed,
+                      enable_deterministic_inference=self.deterministic)
+        if self.attention_backend is not None:
+            kwargs["attention_backend"] = self.attention_backend
+        if self.rl_on_policy_target is not None:
+            kwargs["rl_on_policy_target"] = self.rl_on_policy_target
+        return kwargs | self.extra
+
+
+ROLLOUT_ENGINES = ("torch", "sglang")
+"""The values of `RunConfig.rollout_engine`."""
+
+
+@dataclass
 class WeightSyncConfig:
     """How trainer weights reach the rollout engine."""
 
@@ -327,6 +389,11 @@ class RunConfig:
     """Batch sizes and the number of rollouts."""
     engine: TorchEngineConfig = field(default_factory=TorchEngineConfig)
     """The embedded rollout engine (sequence length, slots, CUDA graphs, compile)."""
+    rollout_engine: str = "torch"
+    """Which rollout engine generates: "torch" (the embedded one, `engine`) or "sglang" (`sglang`; in this process,
+    cluster.backend="local"; extra rlbench[sglang])."""
+    sglang: SGLangEngineConfig = field(default_factory=SGLangEngineConfig)
+    """The SGLang engine, when rollout_engine="sglang"."""
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """Trainer-to-engine weight sync."""
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -350,6 +417,7 @@ class RunConfig:
     `engine.batch_invariant` and `backend.batch_invariant`; docs/true_on_policy.md says what it costs."""
 
     def __post_init__(self) -> None:
+        self._check_rollout_engine()
         self._check_on_policy()
         self._check_batch()
         self._check_algorithm()
@@ -368,6 +436,21 @@ class RunConfig:
                 "cluster.backend='local' runs one process; set cluster.backend='ray' with actor_num_gpus_per_node a "
                 "multiple of the CP size"
             )
+
+    def _check_rollout_engine(self) -> None:
+        if self.rollout_engine not in ROLLOUT_ENGINES:
+            raise ValueError(f"rollout_engine={self.rollout_engine!r}{did_you_mean(self.rollout_engine, ROLLOUT_ENGINES)}; "
+                             f"choose one of {list(ROLLOUT_ENGINES)}")
+        if self.rollout_engine != "sglang":
+            return
+        if self.cluster.backend != "local":
+            raise ValueError(f"rollout_engine='sglang' with cluster.backend={self.cluster.backend!r}: the Ray actors "
+                             "build only the torch engine so far; use cluster.backend='local' (docs/rollout.md)")
+        if self.true_on_policy_mode:
+            raise ValueError("true_on_policy_mode makes the torch engine's log-probs equal the trainer's bit for bit; "
+                             "SGLang's kernels are not rlbench's, so no such guarantee holds. Use rollout_engine='torch', "
+                             "or sglang.rl_on_policy_target='fsdp' without true_on_policy_mode and watch "
+                             "train/train_rollout_logprob_abs_diff")
 
     def _check_on_policy(self) -> None:
         if not self.true_on_policy_mode:
