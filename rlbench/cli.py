@@ -331,11 +331,12 @@ def preset_config(args: argparse.Namespace, model: str | None = None):
 
 def ensure_sft(args: argparse.Namespace) -> str:
     """The demo's SFT warm start (`presets.demo_warm_start`) in `--sft-dir` or the cache, built when missing."""
-    from rlbench.presets import demo_warm_start
+    from rlbench.presets import demo_sft_dir, demo_warm_start
 
-    out = demo_warm_start(args.sft_dir, max_steps=args.sft_steps)
-    print(f"[rlbench] SFT warm start {out}", flush=True)
-    return out
+    out = args.sft_dir or demo_sft_dir()
+    if os.path.isfile(os.path.join(out, "config.json")):
+        print(f"[rlbench] reusing SFT warm start {out}", flush=True)
+    return demo_warm_start(out, max_steps=args.sft_steps)  # announces a build itself
 
 
 def run_train(cfg) -> dict:
@@ -420,7 +421,8 @@ def run_command(args: argparse.Namespace) -> int:
     if "prompt_data" in vars(args) and "eval_prompt_data" not in vars(args):
         print("[rlbench] --prompt-data without --eval-prompt-data: no evaluation "
               "(give --eval-prompt-data FILE --eval-interval N to evaluate)", flush=True)
-    print(f"[rlbench] metrics -> {cfg.logging.jsonl_path}", flush=True)
+    if cfg.logging.jsonl_path:
+        print(f"[rlbench] metrics -> {cfg.logging.jsonl_path}", flush=True)
     run_train(cfg)
     return 0
 
