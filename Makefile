@@ -28,7 +28,9 @@ test: $(STAMP)
 	$(VPY) -m ruff check rlbench tests benchmarks tools
 	$(VPY) -m pytest -q -m "not gpu and not browser" tests
 	$(VPY) -m pytest -q --nbval-lax notebooks
-	$(VPY) -m pytest -q -m browser tests/test_browser.py
+	$(VPY) -m pytest -q -rs -m browser tests/test_browser.py
+	@[ -x "$${PLAYWRIGHT_CHROMIUM_EXECUTABLE:-$$(command -v chromium || echo /usr/bin/chromium)}" ] || \
+	  echo '*** make test: the BROWSER TEST DID NOT RUN (no chromium): apt-get install -y chromium, as .ci/run does ***'
 
 lint: $(STAMP)
 	$(VPY) -m ruff check rlbench tests benchmarks tools
