@@ -1,27 +1,75 @@
-"""SGLang engine translation, against a fake `sglang.Engine` (no sglang needed)."""
+"""The SGLang adapter against a test double of `sglang.Engine` that keeps SGLang 0.5.23's contract (no sglang needed)."""
 
 from __future__ import annotations
 
 import builtins
+import json
+from dataclasses import dataclass
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
-from rlbench.rollout import SamplingParams
-from rlbench.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig, to_sglang_params
+from rlbench.config import RunConfig, SGLangEngineConfig, WeightSyncConfig
+from rlbench.data.config import DataConfig
+from rlbench.orchestration.ray_config import ClusterConfig
+from rlbench.rollout import SamplingParams, sglang_engine
+from rlbench.rollout.sglang_engine import SGLangEngine, to_sglang_params
+from rlbench.weights import WeightSync
+
+EMBED, NORM = "model.embed_tokens.weight", "model.norm.weight"
+ALL_TAGS = ["kv_cache", "weights", "cuda_graph"]  # srt/constants.py:2-10 (GPU_MEMORY_ALL_TYPES)
+
+
+class SchedulerDied(RuntimeError):
+    """What an exception in SGLang's scheduler process amounts to: it SIGQUITs its parent, whose handler kills
+    the whole process tree, the caller included (managers/scheduler.py:6369-6372, entrypoints/engine.py:1976-1982)."""
+
+
+@dataclass
+class FlushCacheReqOutput:  # managers/io_struct.py:1859-1861; what Engine.flush_cache returns (engine.py:1506-1507)
+    success: bool
+    message: str = ""
 
 
 class FakeSGLang:
-    """Records calls; answers like `sglang.Engine.generate(input_ids=..., return_logprob=True)`."""
+    """`sglang.Engine` 0.5.23 as the adapter sees it; paths under python/sglang/srt/.
 
-    def __init__(self):
-        self.calls = []
+    - weight updates need an open session: `update_weights_from_tensor` / `_from_distributed` answer
+      `(False, msg)` outside `begin_weight_update()` / `end_weight_update()`, which answer `(False, msg)` when
+      the session is already open / not open (managers/scheduler_components/weight_updater.py:187-197, 232-239,
+      309-335; the tokenizer side returns the `(success, message)` pair: managers/tokenizer_control_mixin.py:485-501,
+      503-537, 563-597).
+    - a name the model does not have is logged and skipped, and the update still succeeds (models/qwen3.py:753-760).
+    - `release_memory_occupation(tags)` adds tags (None or [] = all) to a set; `resume_memory_occupation` removes
+      each, so resuming a tag that was not released raises KeyError in the scheduler (weight_updater.py:337-390).
+    - `sampling_seed` is used only with deterministic inference on (sampling/sampling_batch_info.py:128, 157-171);
+      otherwise the draw depends on the batch (here: the request's position in the batch).
+    - `get_weights_by_name(name, truncate_size)` returns `weight.float().tolist()[:truncate_size]`, the embeddings
+      for a tied lm_head, or None for models without it (models/llama.py:819-884, Qwen3 has none:
+      model_executor/model_runner_components/weight_exporter.py:169-188).
+    - `init_weights_update_group` answers `(ok, msg)`; receiving on an unknown group fails with SGLang's message
+      (model_runner_components/weight_updater.py:100-144, 260-276; scheduler_components/weight_updater.py:203-212).
+    """
 
-    def generate(self, input_ids, sampling_params, return_logprob):
+    def __init__(self, deterministic: bool = True, exports_weights: bool = True):
+        self.deterministic, self.exports_weights = deterministic, exports_weights
+        self.weights = {EMBED: torch.zeros(4, 2, dtype=torch.bfloat16), NORM: torch.ones(2)}
+        self.session_open = False
+        self.offload_tags: set[str] = set()
+        self.groups: set[str] = set()
+        self.calls: list[tuple] = []
+        self.skipped: list[str] = []
+        self.refuse_next: str | None = None  # a loader failure message for the next update_weights_from_tensor
+
+    def generate(self, input_ids, sampling_params, return_logprob=False):
         self.calls.append(("generate", input_ids, sampling_params, return_logprob))
+        if self.offload_tags & {"kv_cache", "weights"}:
+            raise RuntimeError("generate while memory is released")
         outs = []
-        for ids, p in zip(input_ids, sampling_params):
-            toks = [p["sampling_seed"] % 100, len(ids)]
+        for position, p in enumerate(sampling_params):
+            draw = p.get("sampling_seed", 42) if self.deterministic else position
+            toks = [draw % 100, int(self.weights[NORM].sum())]
             kind = "length" if p["max_new_tokens"] == 2 else "stop"
             outs.append({"text": "..", "output_ids": toks, "meta_info": {
                 "output_token_logprobs": [(-0.5, toks[0], None), (-1.25, toks[1], None)],
@@ -29,55 +77,235 @@ class FakeSGLang:
             }})
         return outs
 
-    def __getattr__(self, name):
-        def record(*args, **kwargs):
-            self.calls.append((name, args, kwargs))
-        return record
+    def begin_weight_update(self, selector: str = "all"):
+        self.calls.append(("begin_weight_update",))
+        if self.session_open:
+            return False, "a weight-update session is already open; call end_weight_update() first"
+        self.session_open = True
+        return True, "Success"
+
+    def end_weight_update(self):
+        self.calls.append(("end_weight_update",))
+        if not self.session_open:
+            return False, "no weight-update session is open; call begin_weight_update() first"
+        self.session_open = False
+        return True, "Success"
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        self.calls.append(("update_weights_from_tensor", [n for n, _ in named_tensors], flush_cache))
+        if not self.session_open:
+            return False, ("update_weights_from_tensor must run between begin_weight_update() and "
+                           "end_weight_update()")
+        if self.refuse_next is not None:
+            message, self.refuse_next = self.refuse_next, None
+            return False, message
+        for name, tensor in named_tensors:
+            if name in self.weights:
+                self.weights[name].copy_(tensor)
+            elif name != "lm_head.weight":  # tied: SGLang's lm_head is the embedding
+                self.skipped.append(name)  # logger.warning(f"Parameter {name} not found in params_dict")
+        return True, "Success"
+
+    def flush_cache(self):
+        self.calls.append(("flush_cache",))
+        return FlushCacheReqOutput(success=True)
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100):
+        if not self.exports_weights:
+            return None
+        weight = self.weights[EMBED if name == "lm_head.weight" else name]
+        return weight.cpu().to(torch.float32).numpy().tolist()[:truncate_size]
+
+    def release_memory_occupation(self, tags=None):
+        self.calls.append(("release_memory_occupation", tags))
+        self.offload_tags.update(tags or ALL_TAGS)
+
+    def resume_memory_occupation(self, tags=None):
+        self.calls.append(("resume_memory_occupation", tags))
+        for tag in tags or ALL_TAGS:
+            if tag not in self.offload_tags:
+                raise SchedulerDied(f"KeyError: {tag!r} (resume of a tag that was not released)")
+            self.offload_tags.remove(tag)
+
+    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
+                                  backend="nccl"):
+        self.calls.append(("init_weights_update_group", group_name, world_size))
+        self.groups.add(group_name)
+        return True, "Succeeded to initialize custom process group."
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
+                                        flush_cache=True, load_format=None):
+        self.calls.append(("update_weights_from_distributed", names, shapes))
+        if not self.session_open:
+            return False, ("update_weights_from_distributed must run between begin_weight_update() and "
+                           "end_weight_update()")
+        if group_name not in self.groups:
+            return False, (f"Failed to receive weights: Group {group_name} not in {sorted(self.groups)}. "
+                           "Please call `init_weights_update_group` first.")
+        return True, "Succeeded to update parameter online."
+
+    def shutdown(self):
+        self.calls.append(("shutdown",))
 
 
-def test_generate_translates_requests_and_responses():
-    fake = FakeSGLang()
-    engine = SGLangEngine(engine=fake)
+@pytest.fixture
+def model_dir(tmp_path):
+    save_file({EMBED: torch.zeros(4, 2, dtype=torch.bfloat16), NORM: torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    return str(tmp_path)
+
+
+def make(model_dir, fake=None, **cfg):
+    fake = fake or FakeSGLang(deterministic=cfg.get("enable_deterministic_inference", True))
+    return SGLangEngine(SGLangEngineConfig(model_path=model_dir, **cfg), engine=fake), fake
+
+
+def new_weights():
+    embed = torch.full((4, 2), 0.5, dtype=torch.bfloat16)
+    return [[(EMBED, embed)], [(NORM, torch.full((2,), 3.0)), ("lm_head.weight", embed)]]  # tied: the same tensor
+
+
+def test_generate_translates_requests_and_responses(model_dir):
+    engine, fake = make(model_dir)
     sampling = SamplingParams(temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=2, n=2, stop=["</a>"],
                               stop_token_ids=[7])
     out = engine.generate([[1, 2, 3], [4]], sampling, seeds=[10, 20])
     _, ids, params, logprob = fake.calls[0]
     assert logprob is True and ids == [[1, 2, 3], [1, 2, 3], [4], [4]]
     assert [p["sampling_seed"] for p in params] == [10, 11, 20, 21]
-    assert params[0] == dict(temperature=0.7, top_p=0.9, top_k=-1, max_new_tokens=2, min_new_tokens=0,
-                             stop=["</a>"], stop_token_ids=[7], ignore_eos=False, sampling_seed=10)
+    assert params[0] == dict(temperature=0.7, top_p=0.9, top_k=-1, max_new_tokens=2, stop=["</a>"],
+                             stop_token_ids=[7], ignore_eos=False, sampling_seed=10)
     assert [(g.prompt_index, g.sample_index) for g in out] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert out[1].token_ids == [11, 3] and out[1].log_probs == [-0.5, -1.25]
-    assert out[3].token_ids == [21, 1] and all(g.finish_reason == "length" for g in out)
+    assert out[1].token_ids == [11, 2] and out[1].log_probs == [-0.5, -1.25]
+    assert out[3].token_ids == [21, 2] and all(g.finish_reason == "length" for g in out)
     stop = engine.generate([[5]], SamplingParams(max_new_tokens=3, seed=0))[0]
     assert stop.finish_reason == "stop" and stop.weight_version == 0
 
 
-def test_weights_and_memory_calls():
-    fake = FakeSGLang()
-    engine = SGLangEngine(engine=fake)
-    buckets = [[("model.embed_tokens.weight", torch.zeros(2))], [("lm_head.weight", torch.ones(2))]]
-    engine.update_weights(buckets, version=3)
-    names = [c[0] for c in fake.calls]
-    assert names == ["update_weights_from_tensor", "update_weights_from_tensor", "flush_cache"]
-    assert fake.calls[0][2]["flush_cache"] is False and engine.weight_version == 3
-    fake.calls.clear()
+def test_weight_update_runs_in_a_session_and_changes_what_is_sampled(model_dir):
+    engine, fake = make(model_dir)
+    assert engine.generate([[1]], SamplingParams(max_new_tokens=2, seed=0))[0].token_ids == [0, 2]
+    engine.update_weights(new_weights(), version=3)
+    assert [c[0] for c in fake.calls[1:]] == ["begin_weight_update", "update_weights_from_tensor",
+                                              "update_weights_from_tensor", "end_weight_update", "flush_cache"]
+    assert fake.calls[2][2] is False and not fake.session_open and fake.skipped == []
+    assert torch.equal(fake.weights[EMBED], torch.full((4, 2), 0.5, dtype=torch.bfloat16))
+    gen = engine.generate([[1]], SamplingParams(max_new_tokens=2, seed=0))[0]
+    assert gen.token_ids == [0, 6] and gen.weight_version == 3 and engine.weight_version == 3
+
+
+def test_a_refused_update_raises_with_sglangs_message_and_keeps_the_version(model_dir):
+    engine, fake = make(model_dir)
+    fake.refuse_next = "Failed to update parameter online: shape mismatch"
+    with pytest.raises(RuntimeError, match="update_weights_from_tensor failed: Failed to update parameter online"):
+        engine.update_weights(new_weights(), version=1)
+    assert engine.weight_version == 0 and not fake.session_open  # the session is closed again
+    fake.session_open = True  # a session left open elsewhere: begin refuses, nothing is sent
+    with pytest.raises(RuntimeError, match="begin_weight_update failed: a weight-update session is already open"):
+        engine.update_weights(new_weights(), version=1)
+    assert engine.weight_version == 0 and fake.calls[-1] == ("begin_weight_update",)
+
+
+def test_unknown_weight_names_are_an_error_before_anything_is_sent(model_dir):
+    engine, fake = make(model_dir)
+    with pytest.raises(ValueError, match=r"\['model.layers.0.mlp.up.weight'\].*not in the checkpoint"):
+        engine.update_weights([[("model.layers.0.mlp.up.weight", torch.ones(2))]], version=1)
+    assert "update_weights_from_tensor" not in [c[0] for c in fake.calls] and not fake.session_open
+    assert engine.weight_version == 0 and fake.skipped == []
+    assert sglang_engine.checkpoint_weight_names(model_dir) == {EMBED, NORM, "lm_head.weight"}
+
+
+def test_verify_reads_the_engines_weights_back(model_dir):
+    engine, fake = make(model_dir)
+
+    class Backend:
+        def named_weights_for_sync(self, bucket_bytes, dtype):
+            yield from new_weights()
+
+    sync = WeightSync(WeightSyncConfig(verify=True), Backend(), engine)
+    assert sync.push(version=2)["weights/verified"] == 1.0 and engine.weight_version == 2
+    real_copy = fake.update_weights_from_tensor
+
+    def lossy(named_tensors, **kw):  # an engine that stores something else than it was sent
+        return real_copy([(n, t + 1) for n, t in named_tensors], **kw)
+
+    fake.update_weights_from_tensor = lossy
+    with pytest.raises(RuntimeError, match="tensors differ after sync"):
+        sync.push(version=3)
+    fake.exports_weights = False
+    with pytest.raises(RuntimeError, match="get_weights_by_name.*returned None"):
+        sync.push(version=4)
+
+
+def test_wake_up_resumes_exactly_what_sleep_released(model_dir, monkeypatch):
+    monkeypatch.delenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", raising=False)
+    engine, fake = make(model_dir)
+    engine.wake_up()  # the Trainer's first rollout: nothing was released, nothing is resumed
+    assert fake.calls == []
     engine.sleep()
+    engine.sleep()
+    assert fake.offload_tags == {"kv_cache"}
     engine.wake_up()
+    engine.wake_up()
+    monkeypatch.setenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "1")
     engine.sleep(release_weights=True)
     engine.wake_up()
-    assert [(c[0], c[2].get("tags", "-")) for c in fake.calls] == [
-        ("flush_cache", "-"), ("release_memory_occupation", ["kv_cache", "cuda_graph"]),
-        ("resume_memory_occupation", ["kv_cache", "cuda_graph"]),
-        ("flush_cache", "-"), ("release_memory_occupation", None), ("resume_memory_occupation", None)]
-    fake.calls.clear()
+    assert [c for c in fake.calls if c[0] != "flush_cache"] == [
+        ("release_memory_occupation", ["kv_cache"]), ("resume_memory_occupation", ["kv_cache"]),
+        ("release_memory_occupation", ["kv_cache", "cuda_graph", "weights"]),
+        ("resume_memory_occupation", ["kv_cache", "cuda_graph", "weights"])]
+    assert fake.offload_tags == set()
+    with pytest.raises(SchedulerDied):  # what the old "resume everything" wake_up did to a fresh engine
+        fake.resume_memory_occupation(tags=None)
+
+
+def test_seeds_are_honoured_in_deterministic_mode_or_refused(model_dir):
+    engine, _ = make(model_dir)
+    sampling = SamplingParams(max_new_tokens=2, n=1)
+    alone = engine.generate([[1]], sampling, seeds=[7])[0].token_ids
+    batched = engine.generate([[9], [8], [1]], sampling, seeds=[3, 4, 7])[2].token_ids
+    assert alone == batched == [7, 2]  # the same seed gives the same sample whatever else is in the batch
+    engine, fake = make(model_dir, enable_deterministic_inference=False)
+    with pytest.raises(ValueError, match="ignores sampling_seed"):
+        engine.generate([[1]], sampling, seeds=[7])
+    assert fake.calls == []
+    unseeded = engine.generate([[1]], SamplingParams(max_new_tokens=2))  # no seed asked for: fine
+    assert "sampling_seed" not in fake.calls[0][2][0] and unseeded[0].token_ids == [0, 2]
+    engine, fake = make(model_dir, enable_deterministic_inference=False, allow_unseeded=True)
+    with pytest.warns(UserWarning, match="seeds are ignored"):
+        engine.generate([[1]], sampling, seeds=[7])
+    assert "sampling_seed" not in fake.calls[0][2][0]
+    assert SGLangEngineConfig(enable_deterministic_inference=False, rl_on_policy_target="fsdp").engine_kwargs("/m")[
+        "enable_deterministic_inference"] is True
+
+
+def test_exact_length_and_min_new_tokens():
+    exact = to_sglang_params(SamplingParams(max_new_tokens=4, ignore_eos=True, stop=["x"], stop_token_ids=[2]), 1)
+    assert (exact["ignore_eos"], exact["stop"], exact["stop_token_ids"]) == (True, [], [])
+    assert to_sglang_params(SamplingParams(max_new_tokens=4, min_new_tokens=4, stop=["x"]), 1)["ignore_eos"] is True
+    with pytest.raises(ValueError, match="masks the stop tokens"):
+        to_sglang_params(SamplingParams(max_new_tokens=4, min_new_tokens=2), 1)
+    assert to_sglang_params(SamplingParams(top_k=5), None) == dict(
+        temperature=1.0, top_p=1.0, top_k=5, max_new_tokens=128, stop=[], stop_token_ids=[], ignore_eos=False)
+
+
+def test_disaggregated_calls_are_checked(model_dir):
+    engine, fake = make(model_dir)
+    with pytest.raises(RuntimeError, match="Group rlbench not in"):
+        engine.update_weights_from_distributed([NORM], ["float32"], [[2]], version=4)
+    assert engine.weight_version == 0 and not fake.session_open
     engine.init_weights_update_group("10.0.0.1", 29500, rank_offset=1, world_size=2)
-    engine.update_weights_from_distributed(["w"], ["bfloat16"], [[2, 2]], version=4)
-    assert fake.calls[0][2]["world_size"] == 2 and fake.calls[1][2]["shapes"] == [[2, 2]]
-    assert engine.weight_version == 4
+    engine.update_weights_from_distributed([NORM], ["float32"], [[2]], version=4)
+    assert engine.weight_version == 4 and fake.calls[-2] == ("update_weights_from_distributed", [NORM], [[2]])
+    with pytest.raises(ValueError, match="not in the checkpoint"):
+        engine.update_weights_from_distributed(["nope"], ["float32"], [[2]], version=5)
 
 
-def test_missing_sglang_names_the_extra(monkeypatch):
+def test_version_and_missing_sglang(monkeypatch, model_dir):
+    sglang_engine.check_version("0.5.23")
+    sglang_engine.check_version("0.6.0rc1")
+    with pytest.raises(ImportError, match="older than 0.5.23"):
+        sglang_engine.check_version("0.5.9")
     real_import = builtins.__import__
 
     def no_sglang(name, *args, **kwargs):
@@ -87,14 +315,31 @@ def test_missing_sglang_names_the_extra(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_sglang)
     with pytest.raises(ImportError, match=r"rlbench\[sglang\]"):
-        SGLangEngine(SGLangEngineConfig(model_path="/nowhere"))
+        SGLangEngine(SGLangEngineConfig(model_path=model_dir))
+    with pytest.raises(ValueError, match="HF model directory"):
+        SGLangEngine(SGLangEngineConfig(model_path="tiny"))
 
 
-def test_bad_finish_reason_is_loud():
+def test_bad_finish_reason_is_loud(model_dir):
     class Weird(FakeSGLang):
-        def generate(self, input_ids, sampling_params, return_logprob):
+        def generate(self, input_ids, sampling_params, return_logprob=False):
             return [{"meta_info": {"output_token_logprobs": [], "finish_reason": {"type": "timeout"}}}]
 
+    engine, _ = make(model_dir, fake=Weird())
     with pytest.raises(ValueError, match="finish_reason"):
-        SGLangEngine(engine=Weird()).generate([[1]], SamplingParams(max_new_tokens=2))
-    assert to_sglang_params(SamplingParams(top_k=5), 1)["top_k"] == 5
+        engine.generate([[1]], SamplingParams(max_new_tokens=2))
+
+
+def test_run_config_selects_sglang():
+    data = DataConfig(path="x.jsonl")
+    cfg = RunConfig(data=data, rollout_engine="sglang", sglang=SGLangEngineConfig(mem_fraction_static=0.5))
+    assert cfg.sglang.engine_kwargs("/m")["mem_fraction_static"] == 0.5
+    with pytest.raises(ValueError, match="did you mean 'sglang'"):
+        RunConfig(data=data, rollout_engine="sglng")
+    with pytest.raises(ValueError, match="cluster.backend='local'"):
+        RunConfig(data=data, rollout_engine="sglang",
+                  cluster=ClusterConfig(backend="ray", actor_num_gpus_per_node=1, colocate=True))
+    with pytest.raises(ValueError, match="true_on_policy_mode"):
+        RunConfig(data=data, rollout_engine="sglang", true_on_policy_mode=True)
+    with pytest.raises(ValueError, match="sets \\['tp_size'\\]"):
+        SGLangEngineConfig(extra={"tp_size": 2})

@@ -74,7 +74,12 @@ def hf_config_for(model: str, overrides: dict) -> PretrainedConfig:
 def build_engine(cfg: RunConfig, device: torch.device, tokenizer):
     """The torch engine over an uninitialised copy of the architecture (the Trainer's first weight sync fills it),
     in `engine.dtype` (None: the backend's param dtype). Its buffers (rotary `inv_freq`) are computed on the CPU,
-    like the trainer's, so both sides apply the same RoPE."""
+    like the trainer's, so both sides apply the same RoPE. `rollout_engine="sglang"`: an `sglang.Engine` loading
+    `sglang.model_path` (None: the trainer's model directory)."""
+    if cfg.rollout_engine == "sglang":
+        from rlbench.rollout.sglang_engine import SGLangEngine
+
+        return SGLangEngine(dataclasses.replace(cfg.sglang, model_path=cfg.sglang.model_path or cfg.backend.model))
     from rlbench.backends.fsdp.config import PARAM_DTYPES
     from rlbench.engine.torch_engine import TorchEngine
 

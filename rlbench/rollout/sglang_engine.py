@@ -1,58 +1,45 @@
-"""`RolloutEngine` over SGLang's offline `sglang.Engine` (optional; `pip install rlbench[sglang]`).
+"""`RolloutEngine` over SGLang's offline `sglang.Engine` (optional; `pip install rlbench[sglang]`, sglang>=0.5.23).
 
-Only the request/response translation lives here (pure functions, unit-tested with a fake engine):
-- generate: `input_ids` + per-sample `sampling_params` dicts + `return_logprob=True`; each prompt is sent n
-  times (one request per sample, each with its own `sampling_seed`; SGLang's radix cache shares the
-  prompt's prefill). Tokens and log-probs come from `meta_info.output_token_logprobs`
-  (`(logprob, token_id, text)` triples), the finish reason from `meta_info.finish_reason["type"]`.
-- colocated weights: `update_weights_from_tensor(named_tensors=bucket, flush_cache=False)` per bucket, then
-  one `flush_cache()`; disaggregated: `init_weights_update_group` / `update_weights_from_distributed`
-  (the trainer broadcasts over NCCL).
-- memory: `release_memory_occupation(tags)` / `resume_memory_occupation(tags)` (needs
-  `enable_memory_saver=True`).
+Held to SGLang 0.5.23's API (paths under `python/sglang/srt/`; docs/rollout.md lists what was checked and
+what was never run):
+- generate: `input_ids` + one `sampling_params` dict per sample + `return_logprob=True`; each prompt is sent n
+  times, each request with its own `sampling_seed` (the radix cache shares the prompt's prefill). SGLang
+  honours `sampling_seed` only in its deterministic mode (`sampling/sampling_batch_info.py:128, 157-171`), so a
+  seeded call without it is refused unless `allow_unseeded`. Tokens and log-probs come from
+  `meta_info["output_token_logprobs"]` (`(logprob, token_id, text)` triples), the finish reason from
+  `meta_info["finish_reason"]["type"]`.
+- weights: every update runs inside `begin_weight_update()` / `end_weight_update()` (without the session
+  `update_weights_from_tensor` answers `(False, msg)`: `managers/scheduler_components/weight_updater.py:232-239,
+  309-335`). Every call's `(ok, message)` is checked and a failure raises with SGLang's message; names the
+  checkpoint does not have are refused before anything is sent (SGLang logs and skips them: `models/qwen3.py:760`);
+  the version changes only after the whole update, the session end and the cache flush succeeded.
+- memory: `sleep` releases tags and `wake_up` resumes exactly those (resuming a tag that was not released raises
+  `KeyError` in the scheduler, `weight_updater.py:383-390`, which then kills the whole process tree,
+  `managers/scheduler.py:6369-6372`, `entrypoints/engine.py:1976-1982`); a `wake_up` without `sleep` does nothing.
 
-Log-prob definition: SGLang reports log-probs of its processed logits; which processing (temperature or
-not) depends on the SGLang version and flags. Check the rollout/train log-prob gap metric before trusting
-it for TIS/MIS; the torch engine is exact by construction.
+Log-probs: log_softmax(logits / T) of the sampled token, before top-p/top-k (`layers/sampler.py:275, 315`);
+greedy: T = 1 (`layers/sampler.py:208-222`), the `Generation` contract.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+import json
+import os
+import struct
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+import torch
+
+from rlbench.config import SGLangEngineConfig
 from rlbench.rollout.base import Generation, SamplingParams, WeightBucket, expand_seeds
 
+__all__ = ["SGLangEngine", "SGLangEngineConfig", "checkpoint_weight_names", "to_sglang_params"]
+
+MIN_VERSION = (0, 5, 23)
+"""The oldest SGLang whose API this adapter follows (weight-update sessions, `(ok, msg)` returns)."""
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-
-
-@dataclass
-class SGLangEngineConfig:
-    """Arguments for `sglang.Engine` (SGLang `ServerArgs` names)."""
-
-    model_path: str
-    """Local HF model directory (the trainer's checkpoint format)."""
-    tp_size: int = 1
-    """Tensor-parallel GPUs per engine."""
-    mem_fraction_static: float = 0.6
-    """Fraction of GPU memory for weights + KV cache."""
-    enable_memory_saver: bool = True
-    """Needed for sleep/wake_up (release/resume memory occupation)."""
-    random_seed: int = 0
-    """Server seed (per-request `sampling_seed` overrides it)."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Any other `ServerArgs` field, passed through unchanged."""
-
-    def __post_init__(self) -> None:
-        if not 0 < self.mem_fraction_static < 1:
-            raise ValueError(f"mem_fraction_static={self.mem_fraction_static} must be in (0, 1)")
-        if self.tp_size < 1:
-            raise ValueError(f"tp_size={self.tp_size} must be >= 1")
-
-    def engine_kwargs(self) -> dict[str, Any]:
-        return dict(model_path=self.model_path, tp_size=self.tp_size, mem_fraction_static=self.mem_fraction_static,
-                    enable_memory_saver=self.enable_memory_saver, random_seed=self.random_seed, **self.extra)
 
 
 def _import_sglang():
@@ -60,19 +47,70 @@ def _import_sglang():
         import sglang
     except ImportError as err:  # optional dependency: say which extra installs it
         raise ImportError("the sglang rollout engine needs SGLang: pip install 'rlbench[sglang]' "
-                          "(or use the default torch engine)") from err
+                          "(or use the default torch engine, rollout_engine='torch')") from err
+    check_version(sglang.__version__)
     return sglang
 
 
-def to_sglang_params(sampling: SamplingParams, seed: int) -> dict[str, Any]:
-    """Our `SamplingParams` (one sample) -> an SGLang `sampling_params` dict."""
-    return dict(
+def check_version(version: str) -> None:
+    """Raise ImportError when `version` is older than `MIN_VERSION` (or not a release number)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        release = Version(version).release
+    except InvalidVersion as err:
+        raise ImportError(f"sglang.__version__={version!r} is not a version; install sglang>=0.5.23") from err
+    if release < MIN_VERSION:
+        raise ImportError(f"sglang {version} is older than 0.5.23, whose weight-update API (begin/end_weight_update, "
+                          "(ok, message) returns) this adapter follows; pip install 'sglang>=0.5.23'")
+
+
+def checkpoint_weight_names(model_path: str) -> set[str]:
+    """The tensor names of an HF checkpoint directory (safetensors headers or the index), plus `lm_head.weight`
+    when the embeddings are tied (trainers send it; the engine shares it with `embed_tokens`)."""
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            names = set(json.load(f)["weight_map"])
+    else:
+        files = [f for f in sorted(os.listdir(model_path)) if f.endswith(".safetensors")]
+        if not files:
+            raise ValueError(f"{model_path} has no *.safetensors: SGLang needs an HF checkpoint directory")
+        names = set()
+        for file in files:
+            with open(os.path.join(model_path, file), "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                names |= set(json.loads(f.read(size))) - {"__metadata__"}
+    with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
+        if json.load(f).get("tie_word_embeddings"):
+            names.add("lm_head.weight")
+    return names
+
+
+def to_sglang_params(sampling: SamplingParams, seed: int | None) -> dict[str, Any]:
+    """Our `SamplingParams` (one sample) -> an SGLang `sampling_params` dict.
+
+    `ignore_eos` means "never stop before max_new_tokens" here; SGLang's own `ignore_eos` still stops on stop
+    strings (`managers/schedule_batch.py:1857`), so stops are dropped. `min_new_tokens == max_new_tokens` is the
+    same exact-length request. SGLang's `min_new_tokens` sets the stop tokens' logits to -inf
+    (`sampling/penaltylib/min_new_tokens.py:65-90`), which biases the log-probs, where the torch engine samples them
+    and keeps going; any other `min_new_tokens` is refused.
+    """
+    exact = sampling.ignore_eos or sampling.min_new_tokens == sampling.max_new_tokens
+    if sampling.min_new_tokens and not exact:
+        raise ValueError(
+            f"min_new_tokens={sampling.min_new_tokens}: SGLang masks the stop tokens until then (log-probs of a "
+            "masked distribution); use min_new_tokens=0, or ignore_eos=True / min_new_tokens=max_new_tokens for "
+            "exact-length samples")
+    params = dict(
         temperature=sampling.temperature, top_p=sampling.top_p,
-        top_k=sampling.top_k if sampling.top_k > 0 else -1,
-        max_new_tokens=sampling.max_new_tokens, min_new_tokens=sampling.min_new_tokens,
-        stop=list(sampling.stop), stop_token_ids=list(sampling.stop_token_ids),
-        ignore_eos=sampling.ignore_eos, sampling_seed=seed,
+        top_k=sampling.top_k if sampling.top_k > 0 else -1, max_new_tokens=sampling.max_new_tokens,
+        stop=[] if exact else list(sampling.stop), stop_token_ids=[] if exact else list(sampling.stop_token_ids),
+        ignore_eos=exact,
     )
+    if seed is not None:
+        params["sampling_seed"] = seed
+    return params
 
 
 def from_sglang_output(out: dict, prompt_index: int, sample_index: int, version: int) -> Generation:
@@ -89,71 +127,171 @@ def from_sglang_output(out: dict, prompt_index: int, sample_index: int, version:
     return Generation(prompt_index, tokens, [float(t[0]) for t in triples], _FINISH[kind], version, sample_index)
 
 
+def _check(result, call: str) -> None:
+    """Raise with SGLang's message unless `result` (an `(ok, message)` pair or an object with `.success`) is ok."""
+    ok, message = (result.success, result.message) if hasattr(result, "success") else result
+    if not ok:
+        raise RuntimeError(f"SGLang {call} failed: {message}")
+
+
 class SGLangEngine:
     """The `RolloutEngine` protocol over `sglang.Engine`.
 
     Args:
-        cfg: how to start the engine (ignored when `engine` is given).
-        engine: an already constructed `sglang.Engine` (or any object with its methods, e.g. a test fake).
+        cfg: how the engine is (or was) started; `cfg.model_path` must be set (the checkpoint whose tensor names
+            an update may carry).
+        engine: an already constructed `sglang.Engine` started with `cfg` (or an object with its methods, e.g.
+            a test double); None starts one.
+        weight_names: the names an update may carry (None: read from `cfg.model_path`).
     """
 
-    def __init__(self, cfg: SGLangEngineConfig | None = None, engine: Any = None):
+    def __init__(self, cfg: SGLangEngineConfig, engine: Any = None, weight_names: Iterable[str] | None = None):
+        if cfg.model_path is None or not os.path.isfile(os.path.join(cfg.model_path, "config.json")):
+            raise ValueError(f"sglang model_path={cfg.model_path!r} must be an HF model directory (config.json + "
+                             "safetensors); a model preset name cannot be loaded by SGLang")
         if engine is None:
-            if cfg is None:
-                raise ValueError("pass SGLangEngineConfig(model_path=...) or a ready sglang.Engine as engine=")
-            engine = _import_sglang().Engine(**cfg.engine_kwargs())
+            engine = _import_sglang().Engine(**cfg.engine_kwargs(cfg.model_path))
+        self.cfg = cfg
         self.engine = engine
+        self.weight_names = set(weight_names) if weight_names is not None else checkpoint_weight_names(cfg.model_path)
         self.weight_version = 0
-        self._released: list[str] | None = None
+        self.dtype = None  # SGLang casts what it loads into its own parameters' dtype
+        self._released: list[str] = []
+        self._sent: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}  # what the last update carried (for verify)
+        self._warned_unseeded = False
 
+    # ------------------------------------------------------------------ generation
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seeds: Sequence[int] | None = None
     ) -> list[Generation]:
-        """One SGLang request per sample; results ordered by (prompt_index, sample_index)."""
+        """One SGLang request per sample; results ordered by (prompt_index, sample_index).
+
+        Raises:
+            ValueError: the call is seeded (`seeds` or `sampling.seed`) but SGLang's deterministic mode is off
+                (it would ignore the seeds) and `allow_unseeded` is False.
+        """
+        seeded = seeds is not None or sampling.seed is not None
+        if seeded and not self.cfg.deterministic:
+            if not self.cfg.allow_unseeded:
+                raise ValueError(
+                    "seeded generate with sglang enable_deterministic_inference=False: SGLang ignores sampling_seed "
+                    "outside its deterministic mode (samples would depend on batch composition); set "
+                    "enable_deterministic_inference=True (--sglang-enable-deterministic-inference), or "
+                    "allow_unseeded=True to sample without the seeds")
+            if not self._warned_unseeded:
+                warnings.warn("sglang: deterministic inference is off, the per-sample seeds are ignored", stacklevel=2)
+                self._warned_unseeded = True
         per_prompt = expand_seeds(len(prompts), sampling, seeds)
         keys = [(i, j) for i in range(len(prompts)) for j in range(sampling.n)]
         outs = self.engine.generate(
             input_ids=[list(prompts[i]) for i, _ in keys],
-            sampling_params=[to_sglang_params(sampling, per_prompt[i][j]) for i, j in keys],
+            sampling_params=[to_sglang_params(sampling, per_prompt[i][j] if self.cfg.deterministic else None)
+                             for i, j in keys],
             return_logprob=True,
         )
         if len(outs) != len(keys):
             raise RuntimeError(f"SGLang returned {len(outs)} results for {len(keys)} requests")
         return [from_sglang_output(o, i, j, self.weight_version) for o, (i, j) in zip(outs, keys)]
 
+    # ------------------------------------------------------------------ weights
     def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
-        """Colocated sync: each bucket through `update_weights_from_tensor`, then one cache flush."""
-        for bucket in buckets:
-            self.engine.update_weights_from_tensor(named_tensors=list(bucket), flush_cache=False)
-        self.engine.flush_cache()
+        """Colocated sync: one weight-update session, each bucket through `update_weights_from_tensor`, then one
+        cache flush; `weight_version = version` only when all of it succeeded.
+
+        Raises:
+            ValueError: a tensor name the checkpoint does not have (nothing of that bucket is sent).
+            RuntimeError: SGLang refused a call (its message is included); the engine may hold a mix of old and
+                new weights and keeps its old version.
+        """
+        _check(self.engine.begin_weight_update(), "begin_weight_update")
+        sent: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        try:
+            for bucket in buckets:
+                unknown = sorted(name for name, _ in bucket if name not in self.weight_names)
+                if unknown:
+                    raise ValueError(f"weight update names {unknown[:5]} (of {len(unknown)}) are not in the checkpoint "
+                                     f"{self.cfg.model_path}; SGLang would skip them silently (name mapping?)")
+                _check(self.engine.update_weights_from_tensor(named_tensors=list(bucket), flush_cache=False),
+                       "update_weights_from_tensor")
+                sent.update((name, (t.dtype, tuple(t.shape))) for name, t in bucket)
+        finally:
+            _check(self.engine.end_weight_update(), "end_weight_update")
+        _check(self.engine.flush_cache(), "flush_cache")
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.ipc_collect()  # free the CUDA IPC handles SGLang opened on our buckets
+        self._sent = sent
         self.weight_version = version
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The engine's copy of every tensor the last update sent, by HF name, in the dtype it was sent in (for
+        `WeightSyncConfig.verify`). Reads `get_weights_by_name` (`entrypoints/engine.py:1736-1741`), which SGLang
+        implements for Llama-family models at TP=1 only (`models/llama.py:819-884`); others answer None.
+
+        Raises:
+            RuntimeError: tp_size > 1, or SGLang returned no weights for a name.
+        """
+        if self.cfg.tp_size > 1:
+            raise RuntimeError("weight sync verify with the sglang engine needs tp_size=1: get_weights_by_name returns "
+                               "rank-local shards of the fused projections")
+        for name, (dtype, shape) in self._sent.items():
+            values = self.engine.get_weights_by_name(name, truncate_size=shape[0] if shape else 1)
+            if values is None:
+                raise RuntimeError(
+                    f"weight sync verify: SGLang's get_weights_by_name({name!r}) returned None (SGLang 0.5.23 "
+                    "implements it for Llama-family models only, model_executor/model_runner_components/"
+                    "weight_exporter.py:169-188); turn weights.verify off for this model")
+            yield name, torch.tensor(values, dtype=torch.float32).reshape(shape).to(dtype)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "rlbench", backend: str = "nccl") -> None:
-        """Disaggregated sync: join the trainer's NCCL group (the trainer is rank 0)."""
-        self.engine.init_weights_update_group(master_address=master_address, master_port=master_port,
-                                              rank_offset=rank_offset, world_size=world_size,
-                                              group_name=group_name, backend=backend)
+        """Disaggregated sync: join a broadcast group whose rank 0 is the trainer (see docs/rollout.md: rlbench's
+        own broadcast group does not do SGLang's rendezvous yet)."""
+        _check(self.engine.init_weights_update_group(master_address=master_address, master_port=master_port,
+                                                     rank_offset=rank_offset, world_size=world_size,
+                                                     group_name=group_name, backend=backend),
+               "init_weights_update_group")
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         version: int, group_name: str = "rlbench") -> None:
-        """Receive one broadcast bucket from the trainer; `version` is set after it."""
-        self.engine.update_weights_from_distributed(names=names, dtypes=dtypes, shapes=shapes,
-                                                    group_name=group_name, flush_cache=True)
+        """Receive one broadcast per tensor (in `names` order) from the trainer, inside a weight-update session;
+        `version` is set only after it succeeded. Blocks until the broadcasts arrive."""
+        unknown = sorted(set(names) - self.weight_names)
+        if unknown:
+            raise ValueError(f"weight update names {unknown[:5]} are not in the checkpoint {self.cfg.model_path}")
+        _check(self.engine.begin_weight_update(), "begin_weight_update")
+        try:
+            _check(self.engine.update_weights_from_distributed(names=names, dtypes=dtypes, shapes=shapes,
+                                                               group_name=group_name, flush_cache=True),
+                   "update_weights_from_distributed")
+        finally:
+            _check(self.engine.end_weight_update(), "end_weight_update")
         self.weight_version = version
 
+    # ------------------------------------------------------------------ memory
     def sleep(self, release_weights: bool = False) -> None:
-        """Flush, then release the KV cache (+ CUDA graphs), and the weights when asked."""
-        self.engine.flush_cache()
-        self._released = None if release_weights else ["kv_cache", "cuda_graph"]
-        self.engine.release_memory_occupation(tags=self._released)
+        """Flush, then release the KV cache (and the CUDA graphs when SGLANG_MEMORY_SAVER_CUDA_GRAPH=1, the only
+        case their release frees memory: `model_executor/runner_backend/full_cuda_graph_backend.py:121-124`), and
+        the weights when asked. Sleeping twice releases nothing more."""
+        if self._released:
+            return
+        _check(self.engine.flush_cache(), "flush_cache")
+        tags = ["kv_cache"]
+        if os.environ.get("SGLANG_MEMORY_SAVER_CUDA_GRAPH") == "1":
+            tags.append("cuda_graph")
+        if release_weights:
+            tags.append("weights")
+        self.engine.release_memory_occupation(tags=tags)
+        self._released = tags
 
     def wake_up(self) -> None:
+        """Resume exactly what `sleep` released (nothing when it was not called)."""
+        if not self._released:
+            return
         self.engine.resume_memory_occupation(tags=self._released)
-        self._released = None
+        self._released = []
 
     def flush_cache(self) -> None:
-        self.engine.flush_cache()
+        _check(self.engine.flush_cache(), "flush_cache")
 
     def shutdown(self) -> None:
         self.engine.shutdown()
