@@ -106,10 +106,13 @@ def largest_micro_batch(cfg) -> int:
     return b.micro_batch_size * cfg.engine.max_seq_len
 
 
-def memory_plan(backend, engine, cfg, device: torch.device) -> MemoryPlan:
-    """Measure both sides, estimate a micro-batch, decide offload (see the module docstring)."""
+def memory_plan(backend, engine, cfg, device: torch.device) -> MemoryPlan | None:
+    """Measure both sides, estimate a micro-batch, decide offload (see the module docstring); None for an engine
+    whose memory is not ours to measure (SGLang: its own `mem_fraction_static`)."""
     from rlbench.backends.fsdp.offload import state_tensors
 
+    if not hasattr(engine, "cache") or not hasattr(engine, "model"):
+        return None
     state = tensor_bytes(state_tensors(backend.model, backend.optimizer))
     params = tensor_bytes(backend.model.parameters())
     weights = tensor_bytes(engine.model.parameters())

@@ -390,7 +390,8 @@ class Trainer:
         return c.save_interval is not None and (self.rollout_id % c.save_interval == 0 or last)
 
     def _plan_memory(self):
-        """The colocated memory plan of this process's trainer and engine (`rlbench.memory_plan`)."""
+        """The colocated memory plan of this process's trainer and engine (`rlbench.memory_plan`; None: not
+        measured, offload defaults to on for CUDA)."""
         return memory_plan(self.backend, self.engine, self.cfg, self.device)
 
     def _enter(self, phase: str) -> None:

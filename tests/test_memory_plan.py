@@ -63,3 +63,11 @@ def test_cpu_trainer_reports_its_plan(tmp_path):
     assert plan.engine_weights == tensor_bytes(t.engine.model.parameters()) > 0
     assert plan.kv_cache == tensor_bytes([*t.engine.cache.k, *t.engine.cache.v]) > 0
     assert "free ?" in plan.summary()
+
+
+def test_no_plan_for_an_engine_without_a_torch_cache():
+    """An SGLang engine manages its own memory: no plan, and the Trainer falls back to offload on CUDA."""
+    from rlbench.memory_plan import memory_plan
+
+    backend = SimpleNamespace(model=torch.nn.Linear(4, 4), optimizer=None, hf_config=QWEN3_0P6B)
+    assert memory_plan(backend, SimpleNamespace(), presets.cpu_test(model="tiny"), torch.device("cpu")) is None

@@ -125,7 +125,8 @@ def build_components(cfg: RunConfig) -> Components:
     backend = build_backend(cfg)
     device = backend.env.device
     engine = build_engine(cfg, device, tokenizer)
-    num_params = sum(p.numel() for p in engine.model.parameters())
+    model = getattr(engine, "model", None) or backend.model  # an SGLang engine holds no torch model here
+    num_params = sum(p.numel() for p in model.parameters())
     return Components(tokenizer, dataset, eval_items, backend, engine, device, num_params)
 
 
