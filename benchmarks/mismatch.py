@@ -5,6 +5,8 @@ matched-precision references.
     python benchmarks/mismatch.py                       # 60 steps per setting, bf16 engine, eval every 20
     python benchmarks/mismatch.py --quick               # smoke run: 2 steps per setting, no eval (runs/mismatch/quick.json)
     python benchmarks/mismatch.py --engine-dtype fp16 --steps 30 --out /tmp/m.json
+    python benchmarks/mismatch.py --device cuda --engine-weight-format nvfp4 --steps 30 --eval-interval 10 \
+        --settings standard tis mis matched_standard     # one GPU: the 0.6B shape (SFT warm start), NVFP4 rollouts
     python benchmarks/mismatch.py --engine-weight-format fp8_e4m3   # FP8 rollout weights (mismatch_fp8_<date>.json)
     python benchmarks/mismatch.py --engine-weight-format nvfp4      # 4-bit rollout weights (mismatch_nvfp4_<date>.json)
     python benchmarks/mismatch.py --engine-weight-format fp8_e4m3 --temperature 1.5 --steps 3 --eval-interval 0 \
@@ -85,11 +87,24 @@ def settings(engine_dtype: str, names: list[str] | None = None, weight_format: s
     return all_settings
 
 
+GPU_PRESET = "qwen3-0.6b-shape"
+GPU_SFT_DIR = os.path.join("runs", f"sft-{GPU_PRESET}")
+"""`--device cuda`: the 0.6B shape, SFT-warmed on 3-digit arithmetic (`presets.gpu_sft`), in `qwen3_0p6b_gpu`."""
+
+
+def base_config(model: str, workdir: str, device: str):
+    """The run every setting starts from: `cpu_demo` (fp32 trainer) or, on CUDA, `qwen3_0p6b_gpu` (bf16 compute,
+    fp32 master weights; the less precise engine then differs by its weight format)."""
+    if device == "cuda":
+        return presets.qwen3_0p6b_gpu(model=model, workdir=workdir)
+    return presets.cpu_demo(model=model, workdir=workdir)
+
+
 def build_config(model: str, workdir: str, setting: dict, *, steps: int, eval_interval: int | None,
                  lr: float | None, seed_offset: int = 0, temperature: float | None = None,
-                 task: str | None = None):
-    """cpu_demo with the setting's engine dtype and loss; the trainer stays fp32 (`backend.param_dtype`)."""
-    cfg = presets.cpu_demo(model=model, workdir=workdir)
+                 task: str | None = None, device: str = "cpu"):
+    """The base run (`base_config`) with the setting's engine dtype / weight format and loss."""
+    cfg = base_config(model, workdir, device)
     loss = dc.replace(cfg.loss, **setting["loss"])
     optim = cfg.backend.optim if lr is None else dc.replace(cfg.backend.optim, lr=lr)
     sections = dict(
@@ -183,7 +198,15 @@ def provenance(argv: list[str]) -> dict:
     }
 
 
-def ensure_model(model: str) -> str:
+def ensure_model(model: str | None, device: str = "cpu") -> str:
+    """The model every setting loads; the default SFT warm start (CPU demo's, or the GPU one) is trained if missing."""
+    if device == "cuda":
+        model = model or GPU_SFT_DIR
+        if model == GPU_SFT_DIR and not os.path.isfile(os.path.join(model, "config.json")):
+            print(f"[mismatch] SFT warm start of {GPU_PRESET} on cuda -> {model} (presets.gpu_sft)", flush=True)
+            run_sft(presets.gpu_sft(GPU_PRESET, model))
+        return model
+    model = model or presets.demo_sft_dir()
     if model == presets.demo_sft_dir() and not os.path.isfile(os.path.join(model, "config.json")):
         print(f"[mismatch] SFT warm start -> {model} (presets.DEMO_SFT)", flush=True)
         run_sft(SFTConfig(**presets.DEMO_SFT, out=model))
@@ -212,7 +235,11 @@ def main(argv: list[str] | None = None) -> dict:
                    help="override the preset's task (arithmetic level 1); countdown: max_response_len 24; the "
                         "arithmetic-SFT model scores ~0 on it, so use it for the mismatch numbers, with --eval-interval 0")
     p.add_argument("--lr", type=float, default=None, help="override the preset's learning rate (2e-4)")
-    p.add_argument("--model", default=presets.demo_sft_dir(), help="HF dir or model preset (default: the demo's SFT)")
+    p.add_argument("--model", default=None, help="HF dir or model preset (default: the demo's SFT; on cuda the "
+                   f"0.6B shape's, {GPU_SFT_DIR})")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: qwen3_0p6b_gpu (bf16 compute) from a 0.6B-shape SFT warm start; give the less precise "
+                        "engine a weight format (e.g. --engine-weight-format nvfp4), its dtype is the trainer's")
     p.add_argument("--workdir", default=os.path.join("runs", "mismatch"))
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     args = p.parse_args(argv)
@@ -223,24 +250,26 @@ def main(argv: list[str] | None = None) -> dict:
     date = datetime.date.today().isoformat()
     fmt = args.engine_weight_format
     fmt_tag = f"{fmt.split('_')[0]}_" if fmt else ""  # fp8_e4m3 -> fp8_, mxfp4 -> mxfp4_
+    fmt_tag += "gpu_" if args.device == "cuda" else ""
     default_out = (os.path.join(args.workdir, "quick.json") if args.quick  # never overwrite a committed result
                    else os.path.join(ROOT, "benchmarks", "results", f"mismatch_{fmt_tag}{date}.json"))
     out_path = args.out or default_out
-    model = ensure_model(args.model)
+    model = ensure_model(args.model, args.device)
     eval_interval = args.eval_interval or None
     result = {
-        "what": "train-inference mismatch: cpu_demo GRPO, fp32 trainer, engine in --engine-dtype"
+        "what": ("train-inference mismatch: qwen3_0p6b_gpu GRPO, bf16 trainer" if args.device == "cuda" else
+                 "train-inference mismatch: cpu_demo GRPO, fp32 trainer") + ", engine in --engine-dtype"
                 + (f" with {args.engine_weight_format} weights" if args.engine_weight_format else "") + " vs matched",
         "provenance": provenance(argv),
         "args": vars(args),
-        "trainer_param_dtype": presets.cpu_demo(model=model).backend.param_dtype,
+        "trainer_param_dtype": base_config(model, args.workdir, args.device).backend.param_dtype,
         "settings": {},
     }
     window = max(1, min(10, args.steps // 4))
     for name, setting in settings(args.engine_dtype, args.settings, args.engine_weight_format).items():
         cfg = build_config(model, os.path.join(args.workdir, name), setting, steps=args.steps,
                            eval_interval=eval_interval, lr=args.lr, seed_offset=args.seed_offset,
-                           temperature=args.temperature, task=args.task)
+                           temperature=args.temperature, task=args.task, device=args.device)
         run = run_setting(name, cfg, args.steps)
         run["config"] = {"engine_dtype": cfg.engine.dtype or f"{cfg.backend.param_dtype} (matched)",
                          "engine_weight_format": cfg.engine.weight_format,
