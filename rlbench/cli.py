@@ -4,6 +4,7 @@
     rlbench train --preset cpu_demo --num-rollout 5 --lr 1e-4   # the same warm start, 5 steps
     rlbench train --hf-checkpoint DIR --prompt-data mine.jsonl --eval-prompt-data held_out.jsonl --eval-interval 5
     rlbench train --preset cpu_demo --print-config      # the resolved RunConfig as JSON
+    rlbench quickstart --hf-checkpoint DIR --prompt-data mine.jsonl   # no preset: sizes from the device and data
     rlbench bench --hf-checkpoint DIR                   # qwen3-0.6b-shape loop on one GPU, per-phase times
     rlbench bench e2e [--preset qwen3-4b-shape] [--no-trl]  # the whole loop beside TRL's GRPOTrainer (benchmarks/e2e.py)
     rlbench sft --preset small --task arithmetic --out runs/sft
@@ -91,6 +92,12 @@ MODEL_FLAGS = ("hf_checkpoint", "ref_load")
 """Flags that take a model: an HF directory or a model preset name."""
 FILE_FLAGS = ("prompt_data", "eval_prompt_data")
 """Flags that take an existing data file."""
+QUICKSTART_ARGS = {"hf_checkpoint": "model", "prompt_data": "data", "eval_prompt_data": "eval_data",
+                   "device": "device", "input_key": "input_key", "label_key": "label_key",
+                   "rollout_max_prompt_len": "max_prompt_len", "rollout_max_response_len": "max_response_len",
+                   "engine_max_seq_len": "max_seq_len"}
+"""`rlbench quickstart` flags the config is derived from (flag dest -> `presets.quickstart` argument); the other
+flags are applied after, as for `rlbench train`."""
 
 
 def _section_types() -> dict[str, type]:
@@ -198,10 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_ in (("train", "GRPO/PPO training from a preset + flags"),
                         ("demo", "SFT warm start (cached) then GRPO on arithmetic; what `make run` runs"),
                         ("bench", "a few colocated GRPO steps with per-phase times (GPU); "
-                                  "`rlbench bench e2e --help`: the whole loop beside TRL")):
+                                  "`rlbench bench e2e --help`: the whole loop beside TRL"),
+                        ("quickstart", "GRPO on --hf-checkpoint DIR + --prompt-data FILE without a preset: device, "
+                                       "dtype, sizes and --engine-max-seq-len chosen for you; any train flag")):
         p = sub.add_parser(name, help=help_, argument_default=argparse.SUPPRESS)
-        default_preset = "qwen3_0p6b_gpu" if name == "bench" else "cpu_demo"
-        p.add_argument("--preset", choices=PRESETS, default=default_preset, help="base configuration")
+        if name == "quickstart":
+            p.set_defaults(preset="quickstart")
+        else:
+            default_preset = "qwen3_0p6b_gpu" if name == "bench" else "cpu_demo"
+            p.add_argument("--preset", choices=PRESETS, default=default_preset, help="base configuration")
         p.add_argument("--print-config", action="store_true", default=False, help="print the RunConfig and exit")
         p.add_argument("--debug", action="store_true", default=False,
                        help="on an error, raise it with its traceback instead of the one-line message")
@@ -210,9 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--train-backend", choices=["fsdp"], default="fsdp", help="training backend")
         p.add_argument("--adam-beta1", type=float, help="AdamW beta1")
         p.add_argument("--adam-beta2", type=float, help="AdamW beta2")
-        p.add_argument("--sft-steps", type=int, default=None,
-                       help="SFT warm-start max steps (when it is built: cpu presets without --hf-checkpoint, bench)")
-        p.add_argument("--sft-dir", default=None, help="where the SFT warm start is cached (default: the user cache)")
+        if name != "quickstart":  # quickstart starts from your model: no warm start
+            p.add_argument("--sft-steps", type=int, default=None, help="SFT warm-start max steps (when it is "
+                           "built: cpu presets without --hf-checkpoint, bench)")
+            p.add_argument("--sft-dir", default=None, help="where the SFT warm start is cached (default: the user cache)")
         for flag, (_, _, tp, doc) in config_flags().items():
             p.add_argument(flag, help=doc, **_argparse_kwargs(tp))
     sft = sub.add_parser("sft", help="SFT warm start (see python -m rlbench.sft --help)", add_help=False)
@@ -329,6 +342,57 @@ def preset_config(args: argparse.Namespace, model: str | None = None):
     return apply_flags(getattr(presets, args.preset)(model=model, workdir=workdir), args)
 
 
+def check_quickstart_paths(args: argparse.Namespace) -> None:
+    """Raise ValueError naming the flag unless `--hf-checkpoint` is a model directory with a tokenizer and
+    `--prompt-data` is given (`check_paths` checks that the files exist)."""
+    given = vars(args)
+    if "hf_checkpoint" not in given or "prompt_data" not in given:
+        raise ValueError("quickstart needs --hf-checkpoint DIR (a Hugging Face model directory) and --prompt-data "
+                         "FILE.jsonl (rows with a prompt and a label)")
+    model = given["hf_checkpoint"]
+    if not os.path.isdir(os.path.expanduser(model)):
+        raise ValueError(f"--hf-checkpoint {model}: no such directory (from {os.getcwd()}); quickstart takes a "
+                         "Hugging Face model directory (config.json + weights + tokenizer files)")
+    if not any(os.path.isfile(os.path.join(os.path.expanduser(model), name))
+               for name in ("tokenizer.json", "tokenizer_config.json")):
+        raise ValueError(f"--hf-checkpoint {model}: no tokenizer files (tokenizer.json / tokenizer_config.json); "
+                         "save the tokenizer beside the model (tokenizer.save_pretrained(DIR))")
+
+
+def quickstart_config(args: argparse.Namespace):
+    """`presets.quickstart` from the flags it derives sizes from (`QUICKSTART_ARGS`), then every flag applied."""
+    from rlbench import presets
+
+    given = vars(args)
+    kwargs = {arg: given[dest] for dest, arg in QUICKSTART_ARGS.items() if dest in given}
+    kwargs["model"] = os.path.expanduser(kwargs["model"])
+    cfg = presets.quickstart(**kwargs, workdir=given.get("run_dir") or presets.new_run_dir("quickstart"))
+    return apply_flags(cfg, args)
+
+
+def quickstart_summary(cfg, args: argparse.Namespace) -> str:
+    """The choices `rlbench quickstart` made, one line each, with the flag that changes each."""
+    given = vars(args)
+    r, b, e = cfg.rollout, cfg.batch, cfg.eval
+    seq_from = "given" if "engine_max_seq_len" in given else "longest prompt + max response, rounded up to 16"
+    evaluation = f"{e.data_path} every {e.interval} rollouts (--eval-interval)" if e.interval else \
+        "none (--eval-prompt-data FILE)"
+    lines = [
+        f"model      {cfg.backend.model} on {cfg.backend.device}, {cfg.backend.param_dtype} (--device, --param-dtype)",
+        f"data       {cfg.data.path}: prompt key {cfg.data.input_key!r}, label key {cfg.data.label_key!r} "
+        "(--input-key, --label-key)",
+        f"reward     {r.rm_type} (--rm-type)",
+        f"lengths    max response {r.max_response_len} (--rollout-max-response-len), engine max_seq_len "
+        f"{cfg.engine.max_seq_len} ({seq_from}; --engine-max-seq-len)",
+        f"batch      {r.rollout_batch_size} prompts x {r.n_samples_per_prompt} samples per rollout, global batch "
+        f"{b.global_batch_size}, {b.num_rollout} rollouts (--rollout-batch-size, --n-samples-per-prompt, "
+        "--global-batch-size, --num-rollout)",
+        f"eval       {evaluation}",
+        f"metrics    {cfg.logging.jsonl_path}",
+    ]
+    return "\n".join(["[rlbench] quickstart:", *("  " + line for line in lines)])
+
+
 def ensure_sft(args: argparse.Namespace) -> str:
     """The demo's SFT warm start (`presets.demo_warm_start`) in `--sft-dir` or the cache, built when missing."""
     from rlbench.presets import demo_sft_dir, demo_warm_start
@@ -403,7 +467,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """`train`, `demo` or `bench` from parsed flags: check paths, build the config, print it or train."""
+    """`train`, `demo`, `bench` or `quickstart` from parsed flags: check paths, build the config, print it or train."""
+    if args.command == "quickstart":
+        check_quickstart_paths(args)
     check_paths(args)
     model = getattr(args, "hf_checkpoint", None)
     if args.command == "demo":
@@ -414,11 +480,13 @@ def run_command(args: argparse.Namespace) -> int:
         model = ensure_sft(args)
     elif model is None and args.command == "bench":
         model = ensure_device_sft(args, "qwen3-0.6b-shape")
-    cfg = preset_config(args, model=model)
+    cfg = quickstart_config(args) if args.command == "quickstart" else preset_config(args, model=model)
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=1, default=str))
         return 0
-    if "prompt_data" in vars(args) and "eval_prompt_data" not in vars(args):
+    if args.command == "quickstart":
+        print(quickstart_summary(cfg, args), flush=True)
+    if args.command != "quickstart" and "prompt_data" in vars(args) and "eval_prompt_data" not in vars(args):
         print("[rlbench] --prompt-data without --eval-prompt-data: no evaluation "
               "(give --eval-prompt-data FILE --eval-interval N to evaluate)", flush=True)
     if cfg.logging.jsonl_path:

@@ -3,6 +3,7 @@
     cfg = rlbench.presets.cpu_demo()                 # what `make run` trains (builds the SFT warm start once)
     cfg = rlbench.presets.cpu_test(model=sft_dir)    # seconds per step, for tests and notebooks
     cfg = rlbench.presets.qwen3_0p6b_gpu(model=dir)  # one H200, colocated
+    cfg = rlbench.presets.quickstart(model=hf_dir, data="mine.jsonl")  # no preset: sizes from device and data
 
 Change a field with `dataclasses.replace` on the section (`cfg.replace(batch=replace(cfg.batch, num_rollout=5))`).
 
@@ -182,3 +183,64 @@ def qwen3_0p6b_gpu(model: str, workdir: str | None = None, *, num_rollout: int =
         engine=TorchEngineConfig(max_seq_len=256, compile=False),
         eval=EvalConfig(interval=2, n_samples_per_prompt=4, pass_k=(1, 4), temperature=1.0),
     )
+
+
+QUICKSTART_MAX_RESPONSE_LEN = {"cpu": 64, "cuda": 512}
+"""Default new tokens per response of `quickstart`, by device."""
+
+
+def quickstart(model: str, data: str, *, eval_data: str | None = None, workdir: str | None = None,
+               device: str | None = None, input_key: str = "prompt", label_key: str = "label",
+               max_prompt_len: int | None = None, max_response_len: int | None = None,
+               max_seq_len: int | None = None) -> RunConfig:
+    """GRPO on your HF model directory and your prompt file, without a preset (`rlbench quickstart`).
+
+    Args:
+        model: a Hugging Face model directory (config.json, weights, tokenizer files).
+        data: training rows (.jsonl/.parquet) with `input_key` (the prompt) and `label_key` (the answer).
+        eval_data: held-out rows with the same keys, evaluated every 5 rollouts; None: no evaluation.
+        workdir: where the metrics go; None: a fresh `new_run_dir("quickstart")`.
+        device: "cuda" or "cpu"; None: cuda when available. bf16 parameters on cuda, fp32 on cpu.
+        max_prompt_len: drop longer prompts (tokens); None keeps all.
+        max_response_len: new tokens per response; None: `QUICKSTART_MAX_RESPONSE_LEN[device]`.
+        max_seq_len: the engine's sequence length; None: the longest prompt of `data` (and of `eval_data`)
+            in the model's tokens (or `max_prompt_len`) + `max_response_len`, rounded up to 16.
+
+    The reward is `exact`: the last `\\boxed{}` content (or the whole response) equals the label.
+    """
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    workdir = workdir or new_run_dir("quickstart")
+    max_response_len = max_response_len or QUICKSTART_MAX_RESPONSE_LEN[device]
+    data_cfg = DataConfig(path=data, input_key=input_key, label_key=label_key, max_prompt_length=max_prompt_len)
+    if max_seq_len is None:
+        prompt_len = max_prompt_len or max(longest_prompt(model, data_cfg, path) for path in (data, eval_data) if path)
+        max_seq_len = prompt_len + max_response_len
+    gpu = device == "cuda"
+    rollout = RolloutConfig(rollout_batch_size=32 if gpu else 4, n_samples_per_prompt=8 if gpu else 4,
+                            max_response_len=max_response_len, rm_type="exact", temperature=1.0)
+    return RunConfig(
+        data=data_cfg,
+        backend=FSDPConfig(model=model, device=device, param_dtype="bf16" if gpu else "fp32",
+                           optim=OptimConfig(lr=1e-6 if gpu else 1e-5, betas=(0.9, 0.98), clip_grad=1.0)),
+        rollout=rollout,
+        batch=BatchConfig(global_batch_size=128 if gpu else 16, use_dynamic_batch_size=True,
+                          max_tokens_per_gpu=max(16384 if gpu else 1024, max_seq_len), num_rollout=10),
+        loss=LossConfig(advantage_estimator="grpo", eps_clip=0.2, eps_clip_high=0.28),
+        engine=TorchEngineConfig(max_seq_len=max_seq_len),
+        eval=EvalConfig(interval=5 if eval_data else None, data_path=eval_data, n_samples_per_prompt=1),
+        logging=LoggingConfig(jsonl_path=os.path.join(workdir, "metrics.jsonl")),
+    )
+
+
+def longest_prompt(model: str, data: DataConfig, path: str) -> int:
+    """Tokens of the longest prompt in `path` as the run renders it (`data`'s keys and chat template, `model`'s
+    tokenizer). The whole file is validated on the way (`PromptDataset`: every bad line at once)."""
+    from rlbench.data.datasets import PromptDataset
+    from rlbench.models import load_tokenizer
+
+    dataset = PromptDataset(DataConfig(path=path, input_key=data.input_key, label_key=data.label_key,
+                                       apply_chat_template=data.apply_chat_template), load_tokenizer(model))
+    return max(len(item.prompt_token_ids) for item in dataset.items)
