@@ -251,7 +251,9 @@ def build_loss_inputs(
         if not old_from_forward_ok(cfg):
             raise ValueError("old_from_forward=True with bypass mode or batch-normalised MIS weights: these need "
                              "the whole batch's old log-probs first; recompute them (compute_log_probs)")
-        return [_forward_old_inputs(cfg, mb, norm) for mb in micro_batches]
+        # the per-sequence mismatch metrics come in the loss call, when the rollout has log-probs
+        return [_micro_batch_inputs(cfg, mb, norm, None, None, {}, seq_weights=mb.rollout_log_probs is not None,
+                                    old_from_forward=True) for mb in micro_batches]
     if not cfg.use_rollout_logprobs and any(mb.old_log_probs is None for mb in micro_batches):
         raise ValueError("old_log_probs missing: recompute them, or set use_rollout_logprobs=True (bypass)")
     res = _step_is(cfg, micro_batches, batch_stats)
@@ -260,30 +262,21 @@ def build_loss_inputs(
     is_w = split(res.weights) if res.weights is not None else [None] * len(sizes)
     per_mb_metrics = [dict(zip(res.metrics, vals)) for vals in zip(*(split(v) for v in res.metrics.values()))]
     per_mb_metrics = per_mb_metrics or [{} for _ in sizes]
-    out = []
-    for mb, w_is, tm in zip(micro_batches, is_w, per_mb_metrics):
-        tw = loss_token_weights(mb.loss_mask, mb.response_lengths, cfg.loss_aggregation, norm)
-        mw = None
-        if cfg.loss_aggregation == "seq_sum_constant":
-            mw = loss_token_weights(mb.loss_mask, mb.response_lengths, "sample_mean", norm)
-        sw = None
-        if any(name in SEQUENCE_METRICS for name in tm):
-            sw = sequence_metric_weights(mb.loss_mask, mb.response_lengths, norm, dtype=tw.dtype)
-        old = mb.rollout_log_probs if cfg.use_rollout_logprobs else mb.old_log_probs
-        out.append(
-            LossInputs(old, mb.advantages, mb.loss_mask, tw, list(mb.response_lengths), mb.ref_log_probs,
-                       mb.rollout_log_probs, w_is, tm, mw, sw)
-        )
-    return out
+    return [
+        _micro_batch_inputs(cfg, mb, norm, mb.rollout_log_probs if cfg.use_rollout_logprobs else mb.old_log_probs,
+                            w_is, tm, seq_weights=any(name in SEQUENCE_METRICS for name in tm))
+        for mb, w_is, tm in zip(micro_batches, is_w, per_mb_metrics)
+    ]
 
 
-def _forward_old_inputs(cfg: LossConfig, mb: ResponseBatch, norm: GlobalNorm) -> LossInputs:
+def _micro_batch_inputs(cfg: LossConfig, mb: ResponseBatch, norm: GlobalNorm, old, is_weights, token_metrics, *,
+                        seq_weights: bool, old_from_forward: bool = False) -> LossInputs:
+    """One micro-batch's `LossInputs`: its loss weights under `norm` (and the sample-mean metric weights of
+    seq_sum_constant), plus the per-sequence metric weights when `seq_weights`."""
     tw = loss_token_weights(mb.loss_mask, mb.response_lengths, cfg.loss_aggregation, norm)
     mw = None
     if cfg.loss_aggregation == "seq_sum_constant":
         mw = loss_token_weights(mb.loss_mask, mb.response_lengths, "sample_mean", norm)
-    sw = None  # the per-sequence mismatch metrics come in the loss call, when the rollout has log-probs
-    if mb.rollout_log_probs is not None:
-        sw = sequence_metric_weights(mb.loss_mask, mb.response_lengths, norm, dtype=tw.dtype)
-    return LossInputs(None, mb.advantages, mb.loss_mask, tw, list(mb.response_lengths), mb.ref_log_probs,
-                      mb.rollout_log_probs, None, {}, mw, sw, old_from_forward=True)
+    sw = sequence_metric_weights(mb.loss_mask, mb.response_lengths, norm, dtype=tw.dtype) if seq_weights else None
+    return LossInputs(old, mb.advantages, mb.loss_mask, tw, list(mb.response_lengths), mb.ref_log_probs,
+                      mb.rollout_log_probs, is_weights, token_metrics, mw, sw, old_from_forward=old_from_forward)
