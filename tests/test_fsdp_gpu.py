@@ -1,4 +1,5 @@
-"""FSDP backend on one CUDA device (world of one): flex_attention packing, sleep/wake_up memory, ref KL, ref update.
+"""FSDP backend on one CUDA device (world of one): flex_attention packing, sleep/wake_up memory, ref KL, ref update,
+the log-prob passes == the training forward.
 
 Run on the GPU machine: `pytest -m gpu tests/test_fsdp_gpu.py -q -s`.
 """
@@ -108,3 +109,32 @@ def test_update_ref_copies_trained_actor_and_ref_stays_on_cpu(env):
     print(m)
     assert all(p.to_local().device.type == "cpu" for p in b.ref.parameters())  # still CPU-offloaded
     assert torch.equal(b.compute_log_prob([pack], model="ref")[0].log_probs, actor)
+
+
+@pytest.mark.parametrize("ac", [False, True], ids=["no_ac", "ac"])
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("attn", ["sdpa", "flex_attention"])
+def test_log_prob_pass_is_the_training_forward(env, attn, compile, ac):
+    """For every attention backend, with and without compiled layers and activation checkpointing, the actor's
+    and the reference's log-prob passes return the bits the training forward computes (first-micro-batch PPO KL
+    and ref KL with ref == actor exactly 0)."""
+    seen = []
+
+    def capture(logp, ent, inputs):
+        seen.append(logp.detach().cpu())
+        return (logp * 0).sum(), {}
+
+    b = _backend(env, attn_implementation=attn, compile=compile, gradient_checkpointing=ac, ref_model="small")
+    packs = [pack_samples(_samples(seed=s), pad_multiple=128) for s in (0, 1)]
+    actor = [o.log_probs for o in b.compute_log_prob(packs)]
+    ref = [o.log_probs for o in b.compute_log_prob(packs, model="ref")]
+    with torch.no_grad():  # for the record: what a plain no-grad pass would give
+        plain = [b.forward_pack(b.model, p, False)[0].cpu() for p in packs]
+    b.model.reshard()
+    b.train(packs, [{} for _ in packs], loss_fn=capture)  # the captures come before the optimizer step
+    print(f"{attn} compile={compile} ac={ac}: max|no-grad pass - training forward| = "
+          f"{[float((p - t).abs().max()) for p, t in zip(plain, seen)]}")
+    diffs = [(float((a - t).abs().max()), float((r - t).abs().max())) for a, r, t in zip(actor, ref, seen)]
+    print(f"{attn} compile={compile} ac={ac}: max|pass - training forward| actor/ref = {diffs}")
+    assert all(torch.equal(a, t) for a, t in zip(actor, seen)), diffs
+    assert all(torch.equal(r, t) for r, t in zip(ref, seen)), diffs
