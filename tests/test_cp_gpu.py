@@ -24,21 +24,14 @@ from rlbench.experiments import cp_oom
 from rlbench.packing import cp_gather, cp_layout, cp_slice, pack_samples, pad_for_cp
 from rlbench.types import Sample
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.usefixtures("no_tf32")]
 
 H, N_KV, HD = 8, 2, 128
 LENGTHS = [1000, 77, 1501, 300]  # not multiples of 2*cp; the padding adds a trailing pad slot
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # max |err| / max |ref| against float64: fp32 flex is IEEE fp32 (no TF32); bf16 against SDPA's own bf16 error
 FP32_TOL = {"out": 1e-5, "grad": 1e-4}
-
-
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def make_layout(cp: int, pad_multiple: int = 128):

@@ -20,7 +20,8 @@ from test_numerics_triton import decode_inputs, packed_attention, padded_attenti
 
 from rlbench.numerics import triton_ops as ops  # noqa: E402
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.usefixtures("no_tf32")]
 
 DTYPES = [torch.bfloat16, torch.float32]
 M_VALUES = [1, 2, 7, 64, 128, 129, 511, 4096]
@@ -28,14 +29,6 @@ MATMUL_SHAPES = [(2048, 1024), (1024, 3072), (9728, 2560), (151936, 1024)]
 """(N, K): Qwen3-0.6B q_proj and down_proj, Qwen3-4B gate/up, the 0.6B lm_head."""
 
 DIFFER = "small-M and large-M configs disagree: use one config (a single-entry MATMUL_CONFIGS)"
-
-
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def _sites(m: int) -> list[int]:
