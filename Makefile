@@ -18,7 +18,7 @@ else
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==2.13.0
 endif
-	$(VPY) -m pip install -q -e ".[notebook,dev,data]"
+	$(VPY) -m pip install -q -e ".[notebook,dev,data,megatron]"
 	touch $(STAMP)
 
 run: $(STAMP)
