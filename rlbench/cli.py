@@ -76,9 +76,10 @@ FLAG_NAMES: dict[tuple[str, str], str] = {
     ("task", "name"): "--task",
     ("cluster", "colocate"): "--colocate",
     ("engine.megakernel", "enabled"): "--engine-megakernel",
+    ("megatron", "attention"): "--megatron-attention",
 }
 # Sections whose field names are used bare (`--eps-clip`, `--global-batch-size`, `--lr`).
-BARE_SECTIONS = ("loss", "batch", "backend.optim", "rollout", "backend", "data", "cluster", "")
+BARE_SECTIONS = ("loss", "batch", "backend.optim", "rollout", "backend", "data", "cluster", "megatron", "")
 SKIP = {("loss", "mis"), ("backend", "model_overrides"), ("backend", "optim"),
         ("logging", "console_keys"), ("backend.optim", "betas"), ("", "task"), ("engine", "megakernel"),
         ("engine.megakernel", "sync"), ("engine.megakernel", "gluon"), ("engine.megakernel", "head")}
@@ -219,7 +220,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on an error, raise it with its traceback instead of the one-line message")
         p.add_argument("--run-dir", default=None,
                        help="where this run writes its metrics (default: a fresh runs/<preset>-<time>/)")
-        p.add_argument("--train-backend", choices=["fsdp"], default="fsdp", help="training backend")
         p.add_argument("--adam-beta1", type=float, help="AdamW beta1")
         p.add_argument("--adam-beta2", type=float, help="AdamW beta2")
         if name != "quickstart":  # quickstart starts from your model: no warm start

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from rlbench.algorithms.config import LossConfig
 from rlbench.backends.fsdp.config import PARAM_DTYPES, FSDPConfig, OptimConfig
+from rlbench.backends.megatron.config import MegatronConfig
 from rlbench.data.config import DataConfig
 from rlbench.engine.config import TorchEngineConfig
 from rlbench.orchestration.ray_config import ClusterConfig, check_batch_layout
@@ -311,6 +312,8 @@ class SGLangEngineConfig:
 
 ROLLOUT_ENGINES = ("torch", "sglang")
 """The values of `RunConfig.rollout_engine`."""
+TRAIN_BACKENDS = ("fsdp", "megatron")
+"""`RunConfig.train_backend` choices (`rlbench.orchestration.local.build_backend`)."""
 
 
 @dataclass
@@ -380,7 +383,13 @@ class RunConfig:
     data: DataConfig
     """Training prompts (slime's --prompt-data, --input-key, --label-key, ...)."""
     backend: FSDPConfig = field(default_factory=FSDPConfig)
-    """The training backend (model, precision, optimizer, schedule)."""
+    """The training backend's model, precision, optimizer and schedule (shared by both backends; the FSDP-only
+    fields are refused by the megatron backend)."""
+    train_backend: str = "fsdp"
+    """Which backend trains: "fsdp" (FSDP2 on the HF model) or "megatron" (megatron-core GPTModel, `megatron`;
+    extra rlbench[megatron]; docs/megatron.md)."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """The megatron-core layout (TP, PP, SP, recompute, distributed optimizer), when train_backend="megatron"."""
     loss: LossConfig = field(default_factory=LossConfig)
     """Advantages, policy loss, KL and entropy terms."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -417,6 +426,7 @@ class RunConfig:
     `engine.batch_invariant` and `backend.batch_invariant`; docs/true_on_policy.md says what it costs."""
 
     def __post_init__(self) -> None:
+        self._check_train_backend()
         self._check_rollout_engine()
         self._check_on_policy()
         self._check_batch()
@@ -436,6 +446,25 @@ class RunConfig:
                 "cluster.backend='local' runs one process; set cluster.backend='ray' with actor_num_gpus_per_node a "
                 "multiple of the CP size"
             )
+
+    def _check_train_backend(self) -> None:
+        if self.train_backend not in TRAIN_BACKENDS:
+            raise ValueError(f"train_backend={self.train_backend!r}{did_you_mean(self.train_backend, TRAIN_BACKENDS)}; "
+                             f"choose one of {list(TRAIN_BACKENDS)}")
+        if self.train_backend != "megatron":
+            return
+        m = self.megatron
+        if self.cluster.backend != "local":
+            raise ValueError(f"train_backend='megatron' with cluster.backend={self.cluster.backend!r}: the Ray actors "
+                             "build the FSDP backend only so far; use cluster.backend='local' (docs/megatron.md)")
+        if m.tensor_model_parallel_size * m.pipeline_model_parallel_size > 1:
+            raise ValueError(
+                f"tensor_model_parallel_size={m.tensor_model_parallel_size} x pipeline_model_parallel_size="
+                f"{m.pipeline_model_parallel_size} needs that many trainer processes, but cluster.backend='local' "
+                "runs one; drive MegatronBackend under torchrun (docs/megatron.md) or use TP = PP = 1")
+        if self.true_on_policy_mode:
+            raise ValueError("true_on_policy_mode runs rlbench's batch-invariant HF layers in the trainer; "
+                             "use train_backend='fsdp'")
 
     def _check_rollout_engine(self) -> None:
         if self.rollout_engine not in ROLLOUT_ENGINES:

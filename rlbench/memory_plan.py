@@ -109,11 +109,9 @@ def largest_micro_batch(cfg) -> int:
 def memory_plan(backend, engine, cfg, device: torch.device) -> MemoryPlan | None:
     """Measure both sides, estimate a micro-batch, decide offload (see the module docstring); None for an engine
     whose memory is not ours to measure (SGLang: its own `mem_fraction_static`)."""
-    from rlbench.backends.fsdp.offload import state_tensors
-
     if not hasattr(engine, "cache") or not hasattr(engine, "model"):
         return None
-    state = tensor_bytes(state_tensors(backend.model, backend.optimizer))
+    state = tensor_bytes(backend.state_tensors())
     params = tensor_bytes(backend.model.parameters())
     weights = tensor_bytes(engine.model.parameters())
     cache = engine.cache

@@ -38,7 +38,8 @@ def test_offload_decision_follows_the_free_memory(monkeypatch, free_gib, offload
     from rlbench import memory_plan as mp
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free_gib * GIB, 140 * GIB))
-    backend = SimpleNamespace(model=torch.nn.Linear(4, 4), optimizer=None, hf_config=QWEN3_0P6B)
+    model = torch.nn.Linear(4, 4)
+    backend = SimpleNamespace(model=model, state_tensors=lambda: list(model.parameters()), hf_config=QWEN3_0P6B)
     cache = SimpleNamespace(k=[torch.zeros(8)], v=[torch.zeros(8)], shape=SimpleNamespace(num_slots=3))
     engine = SimpleNamespace(model=torch.nn.Linear(4, 4), cache=cache)
     cfg = presets.cpu_test(model="tiny")

@@ -60,6 +60,10 @@ class TrainBackend(Protocol):
         """Restore a checkpoint (default: the latest finished one); returns its step."""
         ...
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The device tensors of the training state (what `sleep` parks; the memory plan measures them)."""
+        ...
+
     def sleep(self) -> dict:
         """Release device memory held by training state; returns `memory/*` and `perf/*` metrics."""
         ...

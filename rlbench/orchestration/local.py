@@ -1,6 +1,6 @@
 """Single-process composition: build the tokenizer, datasets, train backend and rollout engine of a run.
 
-This is the only place that names concrete classes (`FSDPBackend`, `TorchEngine`); the Trainer receives
+This is the only place that names concrete classes (`FSDPBackend` / `MegatronBackend`, `TorchEngine`); the Trainer receives
 the built `Components` and talks to them through the TrainBackend / RolloutEngine protocols.
 
     parts = build_components(cfg)      # what Trainer(cfg) does by default
@@ -92,13 +92,19 @@ def build_engine(cfg: RunConfig, device: torch.device, tokenizer):
 
 
 def build_backend(cfg: RunConfig):
-    """The FSDP backend, initialised (process group, sharded model, optimizer)."""
-    from rlbench.backends.fsdp.actor import FSDPBackend
-
+    """The training backend of `cfg.train_backend` (FSDP or megatron-core), initialised (process group, model,
+    optimizer); log-probs at the sampling temperature."""
     backend_cfg = cfg.backend
     if cfg.checkpoint.save_dir and not backend_cfg.checkpoint_dir:
         backend_cfg = dataclasses.replace(backend_cfg, checkpoint_dir=cfg.checkpoint.save_dir)
-    backend = FSDPBackend(backend_cfg, temperature=cfg.rollout.temperature)  # log-probs at the sampling temperature
+    if cfg.train_backend == "megatron":
+        from rlbench.backends.megatron.backend import MegatronBackend
+
+        backend = MegatronBackend(backend_cfg, cfg.megatron, temperature=cfg.rollout.temperature)
+    else:
+        from rlbench.backends.fsdp.actor import FSDPBackend
+
+        backend = FSDPBackend(backend_cfg, temperature=cfg.rollout.temperature)
     backend.init()
     return backend
 

@@ -348,6 +348,10 @@ class FSDPBackend:
         return named_weight_buckets(self.model, bucket_bytes, dtype)
 
     # ---------------------------------------------------------------- memory
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The device tensors of the training state (local parameter shards, grads, AdamW state): what sleep parks."""
+        return state_tensors(self.model, self.optimizer)
+
     def sleep(self) -> dict:
         """Park params, grads and optimizer state in host memory; the device copies are freed."""
         if self._asleep:
@@ -355,7 +359,7 @@ class FSDPBackend:
         t0 = time.perf_counter()
         self.model.reshard()  # registered params must be the sharded ones
         allocated = self._allocated()
-        moved = self._stash.offload(state_tensors(self.model, self.optimizer), self.env.device)
+        moved = self._stash.offload(self.state_tensors(), self.env.device)
         self._asleep = True
         gc.collect()
         if self.env.device.type == "cuda":

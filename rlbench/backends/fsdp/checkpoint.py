@@ -206,6 +206,11 @@ def _commit(root: str, tmp: str, final: str, step: int) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def commit(root: str, tmp: str, final: str, step: int) -> None:
+    """Publish a fully written `tmp` checkpoint as step `step` (`_commit`; other backends' saves use it)."""
+    _commit(root, tmp, final, step)
+
+
 def load_checkpoint(
     root: str, model: nn.Module, optimizer, scheduler, env: DistEnv, step: int | None = None, optim_cfg=None
 ) -> int:

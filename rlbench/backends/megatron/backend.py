@@ -365,7 +365,7 @@ class MegatronBackend:
     def save(self, step: int | None = None, extra: dict | None = None) -> str:
         """Atomic checkpoint under `cfg.checkpoint_dir`: each rank's model and optimizer shard (rank{r}.pt), the
         layout (resumed only on the same tp/pp/world), `extra` files from rank 0; the FSDP backend's commit."""
-        from rlbench.backends.fsdp.checkpoint import _commit, clean_stale, iter_dir
+        from rlbench.backends.fsdp.checkpoint import clean_stale, commit, iter_dir
 
         root, step = self._checkpoint_root(), self.step if step is None else step
         final, tmp = iter_dir(root, step), iter_dir(root, step) + ".tmp"
@@ -388,7 +388,7 @@ class MegatronBackend:
                     torch.save(obj, os.path.join(tmp, name))
             barrier(self.env)
             if self.env.is_main:
-                _commit(root, tmp, final, step)
+                commit(root, tmp, final, step)
         except BaseException:
             if self.env.is_main:
                 import shutil
@@ -423,7 +423,8 @@ class MegatronBackend:
         return self.step
 
     # ---------------------------------------------------------------- memory
-    def _state_tensors(self) -> list[torch.Tensor]:
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The device tensors of the training state (params, grad buffers, fp32 main params, Adam state)."""
         out = [p for p in self.model.parameters()]
         out += [p.main_grad for p in self.model.parameters() if getattr(p, "main_grad", None) is not None]
         for buf in getattr(self.model, "buffers", []):
@@ -439,7 +440,7 @@ class MegatronBackend:
         if self._asleep:
             raise ValueError("sleep() called twice; call wake_up() first")
         t0 = time.perf_counter()
-        moved = self._stash.offload(self._state_tensors(), self.env.device)
+        moved = self._stash.offload(self.state_tensors(), self.env.device)
         self._asleep = True
         gc.collect()
         if self.env.device.type == "cuda":

@@ -109,6 +109,7 @@ def hf_state_dict(name: str, fcfg: FSDPConfig, device: torch.device) -> tuple[di
     with params_on_meta():
         model = AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
     model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives the tied lm_head its own storage; tie it back before loading
     if os.path.isdir(name):
         load_hf_weights(model, name)
     else:
