@@ -484,3 +484,6 @@ def _check_supported(cfg: FSDPConfig, m: MegatronConfig) -> None:
     if cfg.device == "cpu" and m.pipeline_model_parallel_size > 1:
         raise ValueError("megatron pipeline parallelism on CPU is not supported (its tied-embedding sync calls "
                          "tensor.cuda()); use device='cuda' for pipeline_model_parallel_size > 1")
+    if cfg.device == "cpu" and m.use_distributed_optimizer:
+        raise ValueError("megatron's distributed optimizer on CPU is not supported (DistributedOptimizer accepts "
+                         "torch.cuda.*Tensor parameters only); use device='cuda' or use_distributed_optimizer=False")
