@@ -363,11 +363,6 @@ def _check_resume(got: dict, tag: str) -> None:
 
 
 TP_NAMES = ["tp2", "tp2_sp"]
-TP_GRAD_NORM_BUG = (
-    "megatron-core 0.16 sets the tensor_model_parallel / partition_dim attributes of TP-split weights only in its "
-    "init functions, which perform_initialization=False (model.transformer_config) skips; get_grad_norm then "
-    "counts every parameter as a TP duplicate (rank 0's shard only): TP2 grad norm 2.199 vs 3.315, so clipping "
-    "scales wrongly. Fix: set_tensor_model_parallel_attributes(p, True, convert.tp_partition_dim(n), 1) in build_gpt")
 
 
 @pytest.mark.parametrize("name", TP_NAMES)
@@ -384,7 +379,6 @@ def test_tensor_parallel_checkpoint_round_trip(dist_runs, name):
         _check_resume(res[name], f"{name} rank {rank}")
 
 
-@pytest.mark.xfail(strict=True, reason=TP_GRAD_NORM_BUG)
 @pytest.mark.parametrize("name", TP_NAMES)
 def test_tensor_parallel_training_matches_tp1(dist_runs, tp1_entropy, name):
     """2 entropy-regularised steps (the entropy's gradient through the vocab-parallel kernel; clipping active):

@@ -96,6 +96,14 @@ def build_gpt(hf: PretrainedConfig, config, device: torch.device):
         share_embeddings_and_output_weights=bool(hf.tie_word_embeddings), position_embedding_type="rope",
         rotary_base=int(theta),
     )
+    # megatron marks its split weights (which the grad norm counts once per TP rank) in its init functions,
+    # which perform_initialization=False skips: mark them here from the converter's layout table
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for name, param in model.named_parameters():
+        dim = convert.tp_partition_dim(name)
+        if dim is not None:
+            set_tensor_model_parallel_attributes(param, True, dim, 1)
     return model.to(device)
 
 
