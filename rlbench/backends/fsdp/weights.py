@@ -44,18 +44,23 @@ def named_weight_buckets(
 
     A single tensor larger than `bucket_bytes` forms its own bucket. Collective: all ranks must iterate.
     """
+    full = ((name, _full(t.detach())) for name, t in sync_tensors(model))
+    yield from buckets(((n, t.to(dtype) if dtype is not None else t) for n, t in full), bucket_bytes)
+
+
+def buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group `(name, tensor)` pairs into lists of at most `bucket_bytes` (a larger tensor is its own list), lazily:
+    at most one bucket of tensors is alive at a time."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0 (e.g. 512 MiB = 536870912)")
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
-    for name, tensor in sync_tensors(model):
-        full = _full(tensor.detach())
-        full = full.to(dtype) if dtype is not None else full
-        nbytes = full.numel() * full.element_size()
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0
-        bucket.append((name, full))
+        bucket.append((name, tensor))
         size += nbytes
     if bucket:
         yield bucket

@@ -27,6 +27,7 @@ from rlbench.backends.fsdp.actor import to_device
 from rlbench.backends.fsdp.config import FSDPConfig
 from rlbench.backends.fsdp.offload import HostStash
 from rlbench.backends.fsdp.optim import lr_at
+from rlbench.backends.fsdp.weights import buckets
 from rlbench.backends.megatron import convert
 from rlbench.backends.megatron.config import MegatronConfig
 from rlbench.distributed.mesh import DistEnv, barrier, init_distributed
@@ -326,18 +327,7 @@ class MegatronBackend:
 
     def named_weights_for_sync(self, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = torch.bfloat16
                                ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        if bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0 (e.g. 512 MiB = 536870912)")
-        bucket, size = [], 0
-        for name, t in self._hf_tensors(dtype):
-            nbytes = t.numel() * t.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, t))
-            size += nbytes
-        if bucket:
-            yield bucket
+        return buckets(self._hf_tensors(dtype), bucket_bytes)
 
     def export_hf(self, path: str, dtype: torch.dtype | None = None) -> None:
         """A plain HF directory of the current actor weights (from_pretrained loads it); collective."""
