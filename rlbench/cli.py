@@ -183,13 +183,23 @@ def _argparse_kwargs(tp) -> dict:
     """argparse options for a field type: bools get --x/--no-x, tuples take several values."""
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     base = args[0] if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1 else tp
+    optional = base is not tp  # `X | None`: the word none unsets it (`--label-key none`: rows without labels)
     if base is bool:
         return {"action": argparse.BooleanOptionalAction}
     if typing.get_origin(base) is tuple:
         return {"nargs": "+", "type": typing.get_args(base)[0]}
     if base in (int, float, str):
-        return {"type": base}
-    return {"type": json.loads}  # dicts and anything else: JSON
+        return {"type": _or_none(base) if optional else base}
+    return {"type": json.loads}  # dicts and anything else: JSON (null unsets an optional one)
+
+
+def _or_none(base: type):
+    """An argparse type: `none` (any case) -> None, anything else -> `base(text)`."""
+    def parse(text: str):
+        return None if text.lower() == "none" else base(text)
+
+    parse.__name__ = base.__name__  # argparse names the type in its "invalid int value" message
+    return parse
 
 
 class _Parser(argparse.ArgumentParser):

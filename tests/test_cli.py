@@ -63,6 +63,8 @@ def test_flags_map_onto_fields():
     ])
     assert cfg.backend.model == "tiny" and cfg.backend.ref_model == "tiny"
     assert (cfg.data.path, cfg.data.input_key, cfg.data.label_key) == ("p.jsonl", "q", "a")
+    unset = _cfg(["--preset", "cpu_test", "--label-key", "none", "--metadata-key", "None", "--lr-decay-iters", "NONE"])
+    assert (unset.data.label_key, unset.data.metadata_key, unset.backend.optim.decay_steps) == (None, None, None)
     assert (cfg.rollout.rm_type, cfg.rollout.n_samples_per_prompt, cfg.rollout.rollout_batch_size) == ("exact", 4, 6)
     assert (cfg.batch.global_batch_size, cfg.batch.use_dynamic_batch_size, cfg.batch.max_tokens_per_gpu) == (12, True, 512)
     assert (cfg.loss.advantage_estimator, cfg.loss.policy_loss) == ("gspo", "ppo")

@@ -14,7 +14,8 @@ class DataConfig:
     input_key: str = "prompt"
     """Row key of the prompt: a string or a chat-message list (slime's --input-key)."""
     label_key: str | None = "label"
-    """Row key of the ground truth passed to the reward; None for no label (slime's --label-key)."""
+    """Row key of the ground truth passed to the reward; None (`--label-key none`) for rows without a label (slime's
+    --label-key)."""
     metadata_key: str | None = "metadata"
     """Row key of a per-row dict copied into the item (optional in each row; slime's --metadata-key)."""
     apply_chat_template: bool = True
