@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-EXPERIMENTS = {"cp-oom": "rlbench.experiments.cp_oom"}
+EXPERIMENTS = {"cp-oom": "rlbench.experiments.cp_oom", "fsdp-vs-megatron": "rlbench.experiments.fsdp_vs_megatron"}
 """`rlbench experiment` name -> the module whose `main(argv)` runs it."""
 
 
