@@ -11,8 +11,7 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from dist_utils import free_port
+from dist_utils import free_port, spawn
 
 from rlbench.distributed.cp_attention import CPAttnInfo, cp_attention_info, cp_block_tables, cp_dense_mask
 from rlbench.models import build_model
@@ -121,7 +120,7 @@ def results(tmp_path_factory) -> dict:
     out = {}
     for world in WORLDS:
         root = str(tmp_path_factory.mktemp(f"cp{world}"))
-        mp.spawn(_worker, args=(world, free_port(), root), nprocs=world, join=True)
+        spawn(_worker, args=(world, free_port(), root), nprocs=world)
         out[world] = [torch.load(os.path.join(root, f"rank{r}.pt")) for r in range(world)]
     return out
 

@@ -21,8 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from dist_utils import free_port
+from dist_utils import free_port, spawn
 from test_cp_train import _per_sample, _snapshot, full_response_loss, loss_inputs, make_samples, rel
 
 from rlbench.packing import cp_layout, pack_samples, pad_for_cp
@@ -172,7 +171,7 @@ def results(tmp_path_factory) -> dict:
     out: dict = {}
     for world in RUNS:
         root = str(tmp_path_factory.mktemp(f"ring{world}"))
-        mp.spawn(_worker, args=(world, free_port(), root), nprocs=world, join=True)
+        spawn(_worker, args=(world, free_port(), root), nprocs=world)
         ranks = [torch.load(os.path.join(root, f"rank{r}.pt")) for r in range(world)]
         out.update({k: [r[k] for r in ranks] for k in ranks[0]})
     return out

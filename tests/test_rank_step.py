@@ -11,8 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from dist_utils import free_port
+from dist_utils import free_port, spawn
 
 from rlbench.algorithms import LossConfig, MISConfig
 from rlbench.config import BatchConfig
@@ -117,7 +116,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
     out = str(tmp_path_factory.mktemp("rank_step"))
-    mp.spawn(_worker, args=(free_port(), out), nprocs=WORLD, join=True)
+    spawn(_worker, args=(free_port(), out), nprocs=WORLD)
     return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
 
 
@@ -160,7 +159,7 @@ def _cp_pack_worker(rank: int, port: int, out: str) -> None:
 
 
 def test_cp_alignment_counts_are_equal_over_dp_and_within_budget(tmp_path):
-    mp.spawn(_cp_pack_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(_cp_pack_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD)
     ranks = [torch.load(os.path.join(tmp_path, f"cp_rank{r}.pt")) for r in range(WORLD)]
     assert [len(r["tokens"]) for r in ranks] == [2, 2]  # the DP MAX of the aligned counts (2, 1)
     budget = CP_BATCH.max_tokens_per_gpu * 2

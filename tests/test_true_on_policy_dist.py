@@ -7,8 +7,7 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from dist_utils import free_port
+from dist_utils import free_port, spawn
 
 from rlbench.engine import TorchEngine, TorchEngineConfig
 from rlbench.models import build_model, load_model, save_pretrained
@@ -70,7 +69,7 @@ def runs(tmp_path_factory):
         gens = engine.generate(prompts, SamplingParams(temperature=TEMPERATURE, max_new_tokens=16, n=2, seed=1))
         torch.save({"samples": _samples(gens, prompts)}, os.path.join(root, f"gens_{name}.pt"))
         engines[name] = gens
-    mp.spawn(_worker, args=(root, free_port()), nprocs=WORLD, join=True)
+    spawn(_worker, args=(root, free_port()), nprocs=WORLD)
     ranks = [torch.load(os.path.join(root, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
     return engines, ranks
 
