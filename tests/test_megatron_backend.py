@@ -137,6 +137,9 @@ def tp1(world1, tmp_path_factory):
     r["step4"], r["w4"] = mb.train(packs, inputs, pg_loss), weights(mb)
     r["loaded_step"] = mb.load()
     r["w_loaded"], r["opt_loaded"], r["opt3"] = weights(mb), opt_state(mb), opt3
+    r["slept_bytes"] = mb.sleep()["memory/sleep_moved_bytes"]  # the loaded state parks and returns too
+    mb.wake_up()
+    r["w_woken"], r["opt_woken"] = weights(mb), opt_state(mb)
     r["step4_again"], r["w4_again"] = mb.train(packs, inputs, pg_loss), weights(mb)
 
     # another layout / model in the checkpoint's metadata: refused before anything is loaded
@@ -216,11 +219,14 @@ def test_tp1_reference_model_and_update_ref(tp1):
 
 
 def test_checkpoint_round_trip_is_exact(tp1):
-    """save(); step; load() restores weights and Adam state exactly; the repeated step equals the first."""
+    """save(); step; load() restores weights and Adam state exactly (and they sleep / wake bit-exactly after it);
+    the repeated step equals the first."""
     assert tp1["saved_path"].endswith("iter_0000003") and tp1["loaded_step"] == 3
     assert maxdiff(tp1["w_loaded"], tp1["mg_w3"]) == 0.0
     assert len(tp1["opt_loaded"]) == len(tp1["opt3"]) > 0
     assert all(torch.equal(x, y) for x, y in zip(tp1["opt_loaded"], tp1["opt3"]))
+    assert tp1["slept_bytes"] > 0 and maxdiff(tp1["w_woken"], tp1["mg_w3"]) == 0.0
+    assert all(torch.equal(x, y) for x, y in zip(tp1["opt_woken"], tp1["opt3"]))
     assert tp1["step4_again"]["train/loss"] == tp1["step4"]["train/loss"]
     assert tp1["step4_again"]["train/grad_norm"] == tp1["step4"]["train/grad_norm"]
     assert tp1["step4_again"]["train/step"] == tp1["step4"]["train/step"] == 4.0

@@ -404,6 +404,8 @@ class MegatronBackend:
                              "(saved, now); resume with the same settings, or export_hf() and start from the HF dir")
         state = torch.load(os.path.join(path, f"rank{self.env.rank}.pt"), weights_only=False,
                            map_location=self.env.device)
+        if self.env.device.type == "cpu":  # torch.load's CPU storages cannot be resized, so sleep() could not free them
+            state["optimizer"] = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, state["optimizer"])
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.mcfg.use_distributed_optimizer:
