@@ -97,12 +97,21 @@ def build_gpt(hf: PretrainedConfig, config, device: torch.device):
         rotary_base=int(theta),
     )
     # megatron marks its split weights (which the grad norm counts once per TP rank) in its init functions,
-    # which perform_initialization=False skips: mark them here from the converter's layout table
+    # which perform_initialization=False skips before megatron-core 0.19: mark the unmarked ones here from the
+    # converter's layout table (and check megatron's own marks agree with it)
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     for name, param in model.named_parameters():
         dim = convert.tp_partition_dim(name)
-        if dim is not None:
+        if dim is None:
+            continue
+        if getattr(param, "tensor_model_parallel", False):
+            if param.partition_dim != dim:
+                raise RuntimeError(f"megatron splits {name} on dim {param.partition_dim}, the converter on {dim}")
+        else:
+            for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+                if hasattr(param, attr):
+                    delattr(param, attr)
             set_tensor_model_parallel_attributes(param, True, dim, 1)
     return model.to(device)
 
