@@ -45,6 +45,7 @@ import platform
 import subprocess
 import sys
 import time
+import zlib
 
 import torch
 
@@ -131,6 +132,74 @@ def build_config(model: str, workdir: str, setting: dict, *, steps: int, eval_in
     return cfg.replace(**sections)
 
 
+class EngineWeightNoise:
+    """A deliberately perturbed rollout engine: wraps `engine.update_weights` so that every matrix the engine
+    receives (2-D and up: projections, MLP, the tied embedding / lm_head; 1-D norms stay as sent) is stored as
+    `w * (1 + sigma * N(0, 1))`, elementwise. The noise is re-drawn at every weight sync, from a generator seeded
+    by `(seed, policy version, tensor name)`: one draw per policy version, reproducible, and the same draw again
+    when the same version is re-sent. The engine samples from the perturbed weights and reports their log-probs
+    (the rollout log-probs); the trainer keeps the clean weights, so pi_old / pi_rollout is a real mismatch.
+
+    `enabled = False` passes the weights through unchanged (the clean engine, e.g. for a clean eval)."""
+
+    def __init__(self, engine, sigma: float, seed: int = 0, *, redraw: bool = True, norm_scale: float = 1.0) -> None:
+        if sigma < 0:
+            raise ValueError(f"engine weight noise sigma={sigma} must be >= 0")
+        self.engine, self.sigma, self.seed = engine, float(sigma), int(seed)
+        self.redraw, self.norm_scale = redraw, float(norm_scale)
+        self.enabled = True
+        self.inner = engine.update_weights
+        self.syncs: list[tuple[int, bool]] = []  # (version, perturbed) per sync, for tests and the record
+        engine.update_weights = self
+
+    def generator(self, version: int, name: str) -> torch.Generator:
+        seed = (self.seed * 1_000_003 + version) * 4_294_967_311 + zlib.crc32(name.encode())
+        return torch.Generator().manual_seed(seed % (2 ** 63))
+
+    def perturb(self, name: str, tensor: torch.Tensor, version: int) -> torch.Tensor:
+        if name == "model.norm.weight" and self.norm_scale != 1.0:
+            return tensor * self.norm_scale
+        if tensor.dim() < 2 or self.sigma == 0:
+            return tensor
+        version = version if self.redraw else 0
+        noise = torch.randn(tensor.shape, generator=self.generator(version, name), dtype=torch.float32)
+        return (tensor.float() * (1 + self.sigma * noise.to(tensor.device))).to(tensor.dtype)
+
+    def __call__(self, buckets, version: int) -> None:
+        on = self.enabled and (self.sigma > 0 or self.norm_scale != 1.0)
+        self.syncs.append((int(version), on))
+        if on:
+            buckets = ([(name, self.perturb(name, t, version)) for name, t in bucket] for bucket in buckets)
+        return self.inner(buckets, version)
+
+
+def add_engine_noise(trainer: Trainer, sigma: float, seed: int, **kw) -> EngineWeightNoise:
+    """Perturb `trainer`'s engine (`EngineWeightNoise`), re-send the current weights through it, and make each
+    `trainer.evaluate()` score the clean weights as `eval/*` (the policy being trained) and the perturbed engine
+    as `eval_engine/*` (the behaviour policy that samples the rollouts)."""
+    noise = EngineWeightNoise(trainer.engine, sigma, seed, **kw)
+    trainer.sync_weights()  # the engine now holds the perturbed version-0 weights
+    engine_evaluate = trainer.evaluate
+
+    def evaluate() -> dict[str, float]:
+        noisy = engine_evaluate()  # appends the perturbed engine's eval to eval_history
+        noise.enabled = False
+        try:
+            trainer.sync_weights()
+            trainer._enter("rollout")  # sync_weights leaves the trainer side awake (colocated offload)
+            clean = trainer.rollouts.evaluate(trainer.eval_items, trainer.cfg.eval)
+        finally:
+            noise.enabled = True
+            trainer.sync_weights()  # the same version: the same draw as before
+        entry = trainer.eval_history[-1]
+        entry.update({f"eval_engine/{k[5:]}": v for k, v in noisy.items() if k.startswith("eval/")})
+        entry.update(clean)
+        return clean
+
+    trainer.evaluate = evaluate
+    return noise
+
+
 def _keep(metrics: dict) -> dict:
     return {k: float(v) for k, v in metrics.items() if k.startswith(KEEP_PREFIXES)}
 
@@ -158,14 +227,17 @@ def summarize(steps: list[dict], evals: list[dict], window: int) -> dict:
     if diffs:
         out["max_step train/train_rollout_logprob_abs_diff"] = max(diffs)
     if evals:
-        for key in [k for k in evals[0] if k.startswith("eval/pass@") or k == "eval/reward"]:
+        for key in [k for k in evals[0] if k.startswith(("eval/pass@", "eval_engine/pass@"))
+                    or k in ("eval/reward", "eval/truncated_ratio")]:
             out[f"{key} start"], out[f"{key} end"] = evals[0][key], evals[-1][key]
     return out
 
 
-def run_setting(name: str, cfg, steps: int) -> dict:
+def run_setting(name: str, cfg, steps: int, noise_sigma: float = 0.0, noise_seed: int = 0, **noise_kw) -> dict:
     start = time.perf_counter()
     trainer = Trainer(cfg)
+    perturbed = noise_sigma or noise_kw.get("norm_scale", 1.0) != 1.0
+    noise = add_engine_noise(trainer, noise_sigma, noise_seed, **noise_kw) if perturbed else None
     rows = []
     for i in range(steps):
         m = trainer.step()
@@ -174,10 +246,15 @@ def run_setting(name: str, cfg, steps: int) -> dict:
                         if k in ("rollout/raw_reward", "eval/pass@1", "train/train_rollout_logprob_abs_diff",
                                  "train/mismatch_kl", "train/ppo_kl", "train/grad_norm"))
         print(f"[{name}] step {i + 1}/{steps} {line}", flush=True)
-    evals = [{"rollout/id": float(e.get("rollout/id", -1)), **{k: float(v) for k, v in e.items() if k.startswith("eval/")}}
+    evals = [{"rollout/id": float(e.get("rollout/id", -1)),
+              **{k: float(v) for k, v in e.items() if k.startswith(("eval/", "eval_engine/"))}}
              for e in trainer.eval_history]
     trainer.close()
-    return {"steps": rows, "eval": evals, "wall_s": time.perf_counter() - start}
+    out = {"steps": rows, "eval": evals, "wall_s": time.perf_counter() - start}
+    if noise is not None:
+        out["engine_weight_noise"] = {"sigma": noise.sigma, "seed": noise.seed, "redraw": noise.redraw,
+                                      "norm_scale": noise.norm_scale, "syncs": len(noise.syncs)}
+    return out
 
 
 def provenance(argv: list[str]) -> dict:
@@ -234,6 +311,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--task", default=None, choices=("arithmetic", "countdown"),
                    help="override the preset's task (arithmetic level 1); countdown: max_response_len 24; the "
                         "arithmetic-SFT model scores ~0 on it, so use it for the mismatch numbers, with --eval-interval 0")
+    p.add_argument("--engine-weight-noise", type=float, default=0.0, metavar="SIGMA",
+                   help="a perturbed engine for the less precise settings: every matrix it receives is stored as "
+                        "w * (1 + SIGMA * N(0,1)), re-drawn at each weight sync (seeded; EngineWeightNoise); eval/* "
+                        "then scores the clean weights and eval_engine/* the perturbed engine")
+    p.add_argument("--noise-fixed", action="store_true", help="one noise draw for the whole run (not re-drawn per sync)")
+    p.add_argument("--engine-norm-scale", type=float, default=1.0,
+                   help="scale the perturbed engine's final norm weight (its logits) by this: < 1 a hotter engine")
+    p.add_argument("--noise-seed", type=int, default=0, help="seed of the engine weight noise (+ --seed-offset)")
     p.add_argument("--lr", type=float, default=None, help="override the preset's learning rate (2e-4)")
     p.add_argument("--model", default=None, help="HF dir or model preset (default: the demo's SFT; on cuda the "
                    f"0.6B shape's, {GPU_SFT_DIR})")
@@ -250,6 +335,7 @@ def main(argv: list[str] | None = None) -> dict:
     date = datetime.date.today().isoformat()
     fmt = args.engine_weight_format
     fmt_tag = f"{fmt.split('_')[0]}_" if fmt else ""  # fp8_e4m3 -> fp8_, mxfp4 -> mxfp4_
+    fmt_tag += "noise_" if args.engine_weight_noise else ""
     fmt_tag += "gpu_" if args.device == "cuda" else ""
     default_out = (os.path.join(args.workdir, "quick.json") if args.quick  # never overwrite a committed result
                    else os.path.join(ROOT, "benchmarks", "results", f"mismatch_{fmt_tag}{date}.json"))
@@ -259,7 +345,9 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "what": ("train-inference mismatch: qwen3_0p6b_gpu GRPO, bf16 trainer" if args.device == "cuda" else
                  "train-inference mismatch: cpu_demo GRPO, fp32 trainer") + ", engine in --engine-dtype"
-                + (f" with {args.engine_weight_format} weights" if args.engine_weight_format else "") + " vs matched",
+                + (f" with {args.engine_weight_format} weights" if args.engine_weight_format else "")
+                + (f", weights * (1 + {args.engine_weight_noise} N(0,1)) re-drawn per sync" if args.engine_weight_noise
+                   else "") + " vs matched",
         "provenance": provenance(argv),
         "args": vars(args),
         "trainer_param_dtype": base_config(model, args.workdir, args.device).backend.param_dtype,
@@ -270,12 +358,15 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = build_config(model, os.path.join(args.workdir, name), setting, steps=args.steps,
                            eval_interval=eval_interval, lr=args.lr, seed_offset=args.seed_offset,
                            temperature=args.temperature, task=args.task, device=args.device)
-        run = run_setting(name, cfg, args.steps)
+        noisy = setting["engine_dtype"] is not None and (args.engine_weight_noise > 0 or args.engine_norm_scale != 1)
+        run = run_setting(name, cfg, args.steps, args.engine_weight_noise if noisy else 0.0,
+                          args.noise_seed + args.seed_offset + setting.get("seed_offset", 0),
+                          redraw=not args.noise_fixed, norm_scale=args.engine_norm_scale if noisy else 1.0)
         run["config"] = {"engine_dtype": cfg.engine.dtype or f"{cfg.backend.param_dtype} (matched)",
                          "engine_weight_format": cfg.engine.weight_format,
                          "loss_mode": cfg.loss.mode, "loss_overrides": {k: str(v) for k, v in setting["loss"].items()},
                          "rollout_seed": cfg.rollout.seed, "rollout_temperature": cfg.rollout.temperature,
-                         "task": cfg.task.name,
+                         "task": cfg.task.name, "engine_weight_noise": args.engine_weight_noise if noisy else 0.0,
                          "lr": cfg.backend.optim.lr}
         run["summary"] = summarize(run["steps"], run["eval"], window)
         run["summary"]["window_steps"] = window
