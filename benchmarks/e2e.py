@@ -17,7 +17,9 @@ times and peak memory (rlbench: rollout, log-probs, train, sync, other = the res
 packing, offload; TRL: rollout = `_generate_and_score_completions`, train = the rest of the step), rollout
 tokens/s (generated tokens / rollout time), and MFU = model FLOPs / time / the device's dense bf16 peak
 (`rlbench.trainer.PEAK_FLOPS`; "n/a" elsewhere): rollout 2*N*generated tokens, log-probs 2*N*tokens,
-train and whole step 6*N*tokens (N = parameters, tokens = prompt + response tokens of the step).
+train and whole step 6*N*tokens (N = parameters, tokens = prompt + response tokens of the step; log-probs: the
+tokens the old/ref passes ran over, `perf/log_probs_tokens`), and the graphs torch.compile built after the first
+step (`perf/compiles`: 0 when nothing recompiles).
 """
 
 from __future__ import annotations
@@ -199,7 +201,8 @@ def run_rlbench(w: Workload, model_dir: str, rollouts: int, fast: bool) -> dict:
                       "peak_gb": m.get("perf/peak_memory_gb"),
                       "tokens": round(m["perf/tokens_per_sec"] * m["perf/step_time"]),  # counts, as rates
                       "generated_tokens": round(m["perf/rollout_tokens_per_sec"] * m["perf/rollout_time"]),
-                      "response_len": m["rollout/response_len/mean"]})
+                      "log_prob_tokens": m.get("perf/log_probs_tokens", 0.0) + m.get("perf/ref_log_probs_tokens", 0.0),
+                      "compiles": m.get("perf/compiles"), "response_len": m["rollout/response_len/mean"]})
     return {"build_s": build_s, "num_params": trainer.num_params, "steps": steps}
 
 
@@ -301,7 +304,8 @@ def summarize(run: dict, peak_flops: float | None) -> dict:
     steady = med(lambda s: s["step_s"])
     phases = {p: med(lambda s, p=p: s["phases"][p]) for p in PHASES if p in first["phases"]}
     tokens, generated = med(lambda s: s["tokens"]), med(lambda s: s["generated_tokens"])
-    flops = {"rollout": 2 * generated, "log_probs": 2 * tokens, "train": 6 * tokens}
+    log_prob_tokens = med(lambda s: s.get("log_prob_tokens", s["tokens"]))  # the tokens the passes ran over
+    flops = {"rollout": 2 * generated, "log_probs": 2 * log_prob_tokens, "train": 6 * tokens}
     mfu = {p: (flops[p] * run["num_params"] / phases[p] / peak_flops if peak_flops and phases.get(p) else None)
            for p in flops if p in phases}
     mfu["step"] = 6 * tokens * run["num_params"] / steady / peak_flops if peak_flops else None
@@ -311,6 +315,7 @@ def summarize(run: dict, peak_flops: float | None) -> dict:
             "first_step_phases_s": first["phases"], "peak_memory_gb": max(peaks.values()) if peaks else None,
             "phase_peak_memory_gb": peaks, "rollout_tokens_per_s": generated / phases["rollout"],
             "mfu": mfu, "tokens_per_step": tokens, "response_len": med(lambda s: s["response_len"]),
+            "steady_compiles": _total(s.get("compiles") for s in rest if s is not first),
             "num_params": run["num_params"], "steps": run["steps"]}
 
 
@@ -327,6 +332,7 @@ def table(rows: dict[str, dict]) -> str:
     lines += [(f"MFU {p}", lambda r, p=p: r["mfu"].get(p)) for p in ("rollout", "log_probs", "train", "step")]
     lines += [("peak memory GiB", lambda r: r["peak_memory_gb"])]
     lines += [(f"peak memory {p} GiB", lambda r, p=p: r["phase_peak_memory_gb"].get(p)) for p in PHASES[:4]]
+    lines += [("graphs compiled after the first step", lambda r: r.get("steady_compiles"))]
     head = ["| | " + " | ".join(names) + "".join(f" | {n} / trl" for n in ratios) + " |",
             "|---" * (1 + len(names) + len(ratios)) + "|"]
     out = []
@@ -338,6 +344,12 @@ def table(rows: dict[str, dict]) -> str:
                   for n in ratios]
         out.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(head + out)
+
+
+def _total(values) -> float | None:
+    """The sum, None when a value is missing (a system that does not report it)."""
+    values = list(values)
+    return None if not values or None in values else sum(values)
 
 
 def _fmt(v, label: str) -> str:

@@ -21,6 +21,7 @@ samples, so they are not in the DP group; a CP group shares the token budget of 
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -120,6 +121,7 @@ class RankStep:
         self.cp_size, self.pad_token_id = cp_size, pad_token_id
         self.reduce = reduce or SingleRank()
         self.loss = build_loss(loss)
+        self._graphs = _dynamo_graphs()  # for `perf/compiles`
 
     # ------------------------------------------------------------------ pack
     def pack(self, steps: Sequence[Sequence[Sample]]) -> list[list[Pack]]:
@@ -129,6 +131,9 @@ class RankStep:
         # CP: every slot (sequence + alignment pad, trailing pad) a multiple of 2*cp, the zig-zag layout
         # (`rlbench.packing.cp.pad_for_cp`); the CP peers of a DP rank get the same samples, hence the same packs
         align = 2 * self.cp_size if self.cp_size > 1 else 1
+        # a backend that compiles one graph per pack length (`pack_buckets`) gets a few bucketed lengths; the
+        # training, old and ref passes all run these packs, so they share the graphs
+        bucket = bool(getattr(self.backend, "pack_buckets", False))
         if b.use_dynamic_batch_size:
             # counted at the aligned slot sizes the packs will have, so no rank needs more than the DP MAX
             mode = {"max_tokens": b.max_tokens_per_gpu, "cp_size": self.cp_size, "seq_align": align}
@@ -138,7 +143,7 @@ class RankStep:
         packs = []
         for samples in steps:
             n_mb = num_micro_batches([s.total_length for s in samples], **mode, reduce_max=self.reduce.max)
-            packs.append(make_step_packs(samples, n_mb, budget, pad_multiple=align, seq_align=align,
+            packs.append(make_step_packs(samples, n_mb, budget, pad_multiple=align, seq_align=align, bucket=bucket,
                                          pad_token_id=self.pad_token_id))
         return packs
 
@@ -152,21 +157,22 @@ class RankStep:
                           ) -> tuple[StepTensors | None, StepTensors | None, dict]:
         """Old (actor) log-probs unless the loss uses the rollout's (bypass), and ref log-probs when it needs them.
 
-        Returns `(old, ref, metrics)`: `[step][micro-batch] -> [R]` (None when not computed), and `perf/*_time`
-        plus the global `rollout/log_probs`, `rollout/ref_log_probs`, `rollout/rollout_log_probs` (mean over
-        samples of each sample's masked mean). With `first_from_forward` (and `old_from_forward`), `old[0]` is
+        Returns `(old, ref, metrics)`: `[step][micro-batch] -> [R]` (None when not computed), and `perf/*_time`,
+        the global real-token count of each pass (`perf/log_probs_tokens`, `perf/ref_log_probs_tokens`: the
+        FLOPs of `perf/mfu`), the global `rollout/log_probs`, `rollout/ref_log_probs`, `rollout/rollout_log_probs`
+        (mean over samples of each sample's masked mean). With `first_from_forward` (and `old_from_forward`), `old[0]` is
         None: the first optimizer step's training forward supplies it, `train` fills it in and reports
         `rollout/log_probs` then; only the later steps' old log-probs are recomputed here (none with one step).
         """
         out: dict[str, float] = {}
         old = ref = None
         if not self.loss_cfg.use_rollout_logprobs and first_from_forward and self.old_from_forward:
-            old = [None] + (self._log_probs(packs[1:], "actor", out, "perf/log_probs_time") if len(packs) > 1 else [])
+            old = [None] + (self._log_probs(packs[1:], "actor", out, "perf/log_probs") if len(packs) > 1 else [])
         elif not self.loss_cfg.use_rollout_logprobs:
-            old = self._log_probs(packs, "actor", out, "perf/log_probs_time")
+            old = self._log_probs(packs, "actor", out, "perf/log_probs")
             out["rollout/log_probs"] = self._sample_mean(old, packs)
         if self.loss_cfg.needs_ref:
-            ref = self._log_probs(packs, "ref", out, "perf/ref_log_probs_time")
+            ref = self._log_probs(packs, "ref", out, "perf/ref_log_probs")
             out["rollout/ref_log_probs"] = self._sample_mean(ref, packs)
         rollout = [[p.rollout_log_probs for p in step] for step in packs]
         out["rollout/rollout_log_probs"] = self._sample_mean(rollout, packs)
@@ -181,9 +187,11 @@ class RankStep:
         return ref is None and self.loss_cfg.needs_ref
 
     def _log_probs(self, packs, model: str, out: dict, key: str) -> StepTensors:
+        """`model`'s log-probs of `packs`; writes `{key}_time` and `{key}_tokens` (real tokens, all DP ranks)."""
         start = time.perf_counter()
         result = [[o.log_probs for o in self.backend.compute_log_prob(step, model=model)] for step in packs]
-        out[key] = time.perf_counter() - start
+        out[f"{key}_time"] = time.perf_counter() - start
+        out[f"{key}_tokens"] = float(self.reduce.sum([sum(p.num_real_tokens for step in packs for p in step)])[0])
         return result
 
     def _sample_mean(self, values: list[list[torch.Tensor | None]], packs: list[list[Pack]]) -> float:
@@ -227,7 +235,8 @@ class RankStep:
         """`backend.train` once per optimizer step; `train/*` averaged over the steps (the backend's are global).
 
         `train/ppo_kl_first_mb` is |old − new| summed over every rank's very first micro-batch: exactly 0.0
-        while the policy is unchanged (old log-probs recomputed by the same weights and kernels).
+        while the policy is unchanged (old log-probs recomputed by the same weights and kernels). `perf/compiles`:
+        graphs torch.compile built in this process since the previous call (since construction for the first).
 
         `progress` (resumable): the optimizer steps already finished are skipped, each finished one is recorded
         as it completes; a `backend.train` call and its record run with SIGINT held back except between
@@ -276,6 +285,15 @@ class RankStep:
         metrics["perf/train_time"] = float(sum(m["perf/train_time"] for m in per_step))
         metrics["train/optimizer_steps"] = float(len(per_step))
         metrics["train/ppo_kl_first_mb"] = self.reduce.sum([progress.first_kl or 0.0])[0]
+        graphs = _dynamo_graphs()  # 0 in a steady state: nothing recompiles (bucketed pack lengths)
+        metrics["perf/compiles"], self._graphs = float(max(0, graphs - self._graphs)), graphs
         if progress.old_from_forward:  # what compute_log_probs did not report (every rank takes this branch)
             metrics["rollout/log_probs"] = self._sample_mean(old, packs)
         return metrics
+
+
+def _dynamo_graphs() -> int:
+    """Graphs torch.compile (dynamo) has compiled in this process so far: decoder layers, flex_attention, a
+    compiled engine's decode step. 0 while dynamo was never imported."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0

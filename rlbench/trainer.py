@@ -424,9 +424,16 @@ class Trainer:
             peak = next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(self.device)), None)
             busy = m.get("perf/train_time", 0.0) + m.get("perf/log_probs_time", 0.0) + m.get("perf/ref_log_probs_time", 0.0)
             if peak and busy > 0:
-                forwards = 2 * ("perf/log_probs_time" in m) + 2 * ("perf/ref_log_probs_time" in m)
-                out["perf/mfu"] = (6 + forwards) * self.num_params * tokens / (busy * peak)
+                out["perf/mfu"] = train_flops(self.num_params, tokens, m) / (busy * peak)
         return to_floats(out)
+
+
+def train_flops(num_params: int, tokens: int, m: dict) -> float:
+    """Model FLOPs of a step's train phases: 6N per trained token (forward + backward), 2N per token of each
+    log-prob forward that ran (`perf/log_probs_tokens`, `perf/ref_log_probs_tokens` from `RankStep`: with π_old
+    from the first step's training forward, only the later optimizer steps' tokens are recomputed)."""
+    forward_tokens = m.get("perf/log_probs_tokens", 0.0) + m.get("perf/ref_log_probs_tokens", 0.0)
+    return num_params * (6.0 * tokens + 2.0 * forward_tokens)
 
 
 def _point_backend_at(backend, path: str) -> None:

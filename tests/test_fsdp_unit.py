@@ -294,3 +294,70 @@ def test_attention_and_compile_defaults_follow_the_device():
         FSDPConfig(device="cuda", batch_invariant=True, compile=True)
     with pytest.raises(ValueError, match="needs device='cuda'"):
         FSDPConfig(device="cpu", attn_implementation="flex_attention")
+
+
+def test_bucketed_pack_lengths_bound_the_compiled_graphs(monkeypatch):
+    """Compiled layers through RankStep over rollouts of many response lengths: the backend asks for bucketed
+    packs (`pack_buckets`), so the old-log-prob, ref and training passes together compile exactly one graph per
+    bucket length (at most 4 under a 512-token budget: 128..512), reported as `perf/compiles`, while the packs'
+    unpadded lengths are all different (one graph each before). Padding does not change results: the eager
+    (`attn_implementation="eager"`) log-probs of a bucketed pack equal the unbucketed pack's bit for bit."""
+    import dataclasses
+    import random
+
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    from rlbench.algorithms import LossConfig
+    from rlbench.backends.fsdp import model as fsdp_model
+    from rlbench.backends.fsdp.actor import FSDPBackend
+    from rlbench.config import BatchConfig
+    from rlbench.packing.pack import make_step_packs
+    from rlbench.rank_step import RankStep
+
+    torch.set_num_threads(1)
+    monkeypatch.setitem(fsdp_model._COMPILE_OPTIONS, "backend", "aot_eager")  # dynamo's graph count, any backend
+    rng = random.Random(0)
+
+    def rollout() -> list[list[Sample]]:  # 2 optimizer steps of 6 samples, 40..100 tokens each
+        samples = []
+        for _ in range(12):
+            prompt, resp = rng.randint(8, 40), rng.randint(1, 60)
+            samples.append(Sample(tokens=[rng.randint(1, 127) for _ in range(prompt + resp)], response_length=resp,
+                                  advantage=rng.uniform(-1, 1)))
+        return [samples[:6], samples[6:]]
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        cfg = FSDPConfig(model="tiny", ref_model="tiny", device="cpu", param_dtype="fp32", compile=True,
+                         optim=OptimConfig(lr=1e-3))
+        backend = FSDPBackend(cfg)
+        backend.init()
+        batch = BatchConfig(global_batch_size=6, use_dynamic_batch_size=True, max_tokens_per_gpu=512)
+        step = RankStep(batch, LossConfig(use_kl_loss=True, kl_loss_coef=0.01), backend)
+        lengths, unpadded, compiles = set(), set(), []
+        for _ in range(6):
+            packs = step.pack(rollout())
+            old, ref, metrics = step.compute_log_probs(packs, first_from_forward=True)
+            metrics |= step.train(packs, old, ref)
+            compiles.append(metrics["perf/compiles"])
+            lengths |= {p.num_tokens for mbs in packs for p in mbs}
+            unpadded |= {int(p.cu_seqlens[-1]) for mbs in packs for p in mbs}
+        graphs = int(counters["stats"]["unique_graphs"])
+
+        eager = FSDPBackend(dataclasses.replace(cfg, ref_model=None, compile=False, attn_implementation="eager"))
+        eager.init()
+        samples = rollout()[0]
+        plain, bucketed = (make_step_packs(samples, 1, 512, bucket=b)[0] for b in (False, True))
+        got, want = (eager.compute_log_prob([p])[0].log_probs for p in (bucketed, plain))
+    finally:
+        torch._dynamo.reset()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    print(f"pack lengths {sorted(lengths)} (unpadded: {len(unpadded)} distinct), graphs {graphs}, "
+          f"perf/compiles per rollout {compiles}")
+    assert lengths <= {128, 256, 384, 512} and graphs == len(lengths)
+    assert sum(compiles) == graphs
+    assert len(unpadded) > 2 * len(lengths)  # without buckets, every one of these lengths was a new graph
+    assert bucketed.num_tokens > plain.num_tokens and torch.equal(got, want)

@@ -7,6 +7,7 @@ import torch
 
 from rlbench.packing import (
     PackingReport,
+    bucket_length,
     make_step_packs,
     pack_samples,
     response_values,
@@ -89,6 +90,45 @@ def _check_pack(p, samples, extras, pad_multiple, seq_align):
             assert g.tolist() == torch.tensor(getattr(samples[i], name), dtype=torch.float32).tolist()
     for g, i in zip(unpack_response(p, p.extras["ref_log_probs"]), p.sample_ids):
         assert g.tolist() == torch.tensor(extras["ref_log_probs"][i], dtype=torch.float32).tolist()
+
+
+def test_bucket_ladder():
+    """128-multiples up to 1024, then 8 lengths per doubling (< 1/8 padding), capped at the budget."""
+    assert [bucket_length(n) for n in (0, 1, 128, 129, 1024, 1025, 1153, 2048, 2049, 4097)] == \
+        [128, 128, 128, 256, 1024, 1152, 1280, 2048, 2304, 4608]
+    assert max((bucket_length(n) - n) / n for n in range(1025, 40_000)) < 1 / 8
+    lengths = {bucket_length(n, 16384) for n in range(1, 16385)}
+    assert len(lengths) == 8 + 8 * 4 and max(lengths) == 16384  # a 16k budget: 40 shapes
+    assert {bucket_length(n, 1000, 8) for n in range(1, 1001)} == {128, 256, 384, 512, 640, 768, 896, 1000}
+    assert bucket_length(100, multiple=48) == 144  # CP alignment (2*cp) is kept
+    with pytest.raises(ValueError, match="over its budget"):
+        bucket_length(1001, 1000)
+
+
+def test_bucketed_packs_only_lengthen_the_trailing_pad():
+    """bucket=True: same sequences, slots and response arrays; T = bucket_length(slot tokens) <= budget, the
+    extra tokens are the trailing pad pseudo-sequence (positions 0, 1, ...)."""
+    rng = random.Random(2)
+    for _ in range(200):
+        samples = [_sample(rng, i, max_len=rng.choice([40, 400])) for i in range(rng.randint(1, 12))]
+        align = rng.choice([1, 4])
+        slots = [round_up(s.total_length, align) for s in samples]
+        budget = round_up(max(slots), align) + rng.randint(0, 600)
+        plain = make_step_packs(samples, None, budget, align, seq_align=align)
+        packs = make_step_packs(samples, None, budget, align, seq_align=align, bucket=True)
+        assert len(packs) == len(plain)
+        for b, p in zip(packs, plain):
+            used = int(p.cu_seqlens[-1])
+            assert b.num_tokens == bucket_length(used, budget // align * align, align) <= budget
+            assert b.sample_ids == p.sample_ids and torch.equal(b.cu_seqlens, p.cu_seqlens)
+            assert torch.equal(b.tokens[:used], p.tokens[:used]) and torch.equal(b.response_index, p.response_index)
+            assert torch.equal(b.position_ids[:used], p.position_ids[:used])
+            assert b.position_ids[used:].tolist() == list(range(b.pad_length))
+            assert (b.tokens[used:] == b.pad_token_id).all()
+            for name in ("loss_mask", "advantages", "rollout_log_probs"):
+                assert torch.equal(getattr(b, name), getattr(p, name)), name
+    empty = make_step_packs([], 2, 1000, bucket=True)
+    assert [p.num_tokens for p in empty] == [128, 128] and all(p.num_sequences == 0 for p in empty)
 
 
 def test_position_space_outputs_map_to_response_tokens():

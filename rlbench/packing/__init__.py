@@ -16,6 +16,7 @@ from rlbench.packing.cp import CPLayout, cp_gather, cp_layout, cp_local_response
 from rlbench.packing.pack import (
     Pack,
     as_samples,
+    bucket_length,
     make_step_packs,
     pack_samples,
     repad,
@@ -32,6 +33,7 @@ __all__ = [
     "Pack",
     "PackingReport",
     "as_samples",
+    "bucket_length",
     "check_budget",
     "cp_gather",
     "cp_layout",

@@ -18,7 +18,8 @@ positions that predict each response token.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,6 +31,7 @@ from rlbench.types import Sample
 __all__ = [
     "Pack",
     "as_samples",
+    "bucket_length",
     "make_step_packs",
     "pack_samples",
     "repad",
@@ -41,6 +43,9 @@ __all__ = [
 ]
 
 SampleLike = Sample | Sequence[int]
+
+BUCKET_STEP = 128  # shape buckets: multiples of this up to 8 * BUCKET_STEP (flex_attention's block size) ...
+BUCKETS_PER_DOUBLING = 8  # ... then this many lengths per doubling of T (at most 1/8 of T is bucket padding)
 
 
 @dataclass
@@ -100,6 +105,21 @@ def as_samples(items: Sequence[SampleLike]) -> list[Sample]:
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def bucket_length(n: int, cap: int | None = None, multiple: int = 1) -> int:
+    """The padded length of a pack of `n` tokens under shape bucketing: the smallest ladder length >= n.
+
+    Ladder: 128, 256, ..., 1024, then 8 lengths per doubling (1152, 1280, ..., 2048, 2304, ...), each rounded up
+    to `multiple`, and `cap` (the micro-batch budget, a multiple of `multiple`) when the next length is above it.
+    Packs of up to `cap` tokens so take at most `8 + 8 * ceil(log2(cap / 1024)) + 1` distinct lengths.
+    """
+    if cap is not None and n > cap:
+        raise ValueError(f"a pack of {n} tokens is over its budget cap={cap}; the budget bounds the packed tokens")
+    k = max(1, n - 1).bit_length() - 1  # n in (2^k, 2^(k+1)]: steps of 2^k / BUCKETS_PER_DOUBLING
+    step = max(BUCKET_STEP, (1 << k) // BUCKETS_PER_DOUBLING)
+    length = round_up(round_up(max(n, 1), step), multiple)
+    return length if cap is None else min(length, cap)
 
 
 def truncate_sample(sample: Sample, max_len: int) -> Sample:
@@ -165,12 +185,14 @@ def pack_samples(
         raise ValueError(f"pad_multiple={pad_multiple} and seq_align={seq_align} must be >= 1")
     samples = as_samples(samples)
     ids = list(range(len(samples))) if indices is None else [int(i) for i in indices]
-    return _build_pack(samples, ids, pad_multiple, seq_align, pad_token_id, dict(extras or {}), truncated_ids)
+    padded = functools.partial(round_up, multiple=pad_multiple)
+    return _build_pack(samples, ids, padded, seq_align, pad_token_id, dict(extras or {}), truncated_ids)
 
 
-def _build_pack(samples: list[Sample], ids: list[int], pad_multiple: int, seq_align: int, pad_token_id: int,
-                extras: dict, truncated_ids: Sequence[int]) -> Pack:
-    """The Pack of `samples[ids]`: numpy index arithmetic, one `torch.from_numpy` per field.
+def _build_pack(samples: list[Sample], ids: list[int], padded: Callable[[int], int], seq_align: int,
+                pad_token_id: int, extras: dict, truncated_ids: Sequence[int]) -> Pack:
+    """The Pack of `samples[ids]`, `padded(slot tokens)` tokens long: numpy index arithmetic, one
+    `torch.from_numpy` per field.
 
     Only numpy (single-threaded) runs here: small torch ops each pay intra-op thread wake-ups, which
     cost ~10x more than the work on hosts with many cores.
@@ -184,7 +206,7 @@ def _build_pack(samples: list[Sample], ids: list[int], pad_multiple: int, seq_al
     bounds = np.zeros(len(ids) + 1, dtype=np.int64)  # [n+1] slot boundaries
     np.cumsum(-(-real // seq_align) * seq_align, out=bounds[1:])
     used = int(bounds[-1])
-    pad = round_up(used, pad_multiple) - used if ids else pad_multiple
+    pad = padded(max(used, 1)) - used  # an empty pack is one padded length of pad
     tokens = np.full(used + pad, pad_token_id, dtype=np.int64)  # [T]
     for s, o in zip(chosen, bounds.tolist()):
         tokens[o : o + s.total_length] = s.tokens
@@ -274,6 +296,7 @@ def make_step_packs(
     *,
     seq_align: int = 1,
     truncate: bool = False,
+    bucket: bool = False,
     pad_token_id: int = 0,
     extras: Mapping[str, Sequence[Sequence[float]]] | None = None,
 ) -> list[Pack]:
@@ -288,9 +311,11 @@ def make_step_packs(
             `max_tokens // pad_multiple * pad_multiple` slot tokens, so the padded T never exceeds it.
         truncate: cut sequences longer than the budget (recorded in `Pack.truncated_ids`) instead of
             raising ValueError.
+        bucket: pad each pack's T up to `bucket_length` (capped at the budget), so that compiled kernels
+            see a few distinct shapes; the extra tokens join the trailing pad pseudo-sequence.
     Returns:
         n_micro_batches packs (more only if n_micro_batches is below the first-fit count; see
-        `partition`). A pack with no sequences is a `pad_multiple`-token pad-only pack.
+        `partition`). A pack with no sequences is a pad-only pack of `pad_multiple` tokens (bucket: one bucket).
     """
     samples, truncated = as_samples(samples), []
     budget = None if max_tokens is None else max_tokens // pad_multiple * pad_multiple
@@ -307,7 +332,10 @@ def make_step_packs(
         check_budget(costs, budget)
     parts = partition(costs, n_micro_batches, budget)
     extras = dict(extras or {})
+    if bucket:
+        padded = functools.partial(bucket_length, cap=budget, multiple=pad_multiple)
+    else:
+        padded = functools.partial(round_up, multiple=pad_multiple)
     return [
-        _build_pack(samples, [int(i) for i in p], pad_multiple, seq_align, pad_token_id, extras, truncated)
-        for p in parts
+        _build_pack(samples, [int(i) for i in p], padded, seq_align, pad_token_id, extras, truncated) for p in parts
     ]

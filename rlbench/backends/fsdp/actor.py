@@ -98,6 +98,12 @@ class FSDPBackend:
         self.step = 0
         return self.step
 
+    @property
+    def pack_buckets(self) -> bool:
+        """Whether packs should come in few bucketed lengths (`make_step_packs(bucket=True)`, RankStep reads it):
+        the compiled decoder layers specialise on T (`rlbench.backends.fsdp.model`), one graph per length."""
+        return self.cfg.compiled
+
     # ---------------------------------------------------------------- forward
     def forward_pack(self, model, pack, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response-space `(logp [R], entropy [R] | None)` of one packed micro-batch."""

@@ -27,8 +27,12 @@ from rlbench.distributed.mesh import DistEnv
 from rlbench.models.build import params_on_meta, restore_buffers
 from rlbench.models.presets import build_config
 
-_RECOMPILE_LIMIT = 64  # compiled variants kept per decoder-layer code object (grad modes x pack lengths)
-_COMPILE_OPTIONS: dict = {"dynamic": False}  # `torch.compile` kwargs of every decoder layer (tests swap the backend)
+_RECOMPILE_LIMIT = 64  # compiled variants kept per decoder-layer code object (grad modes x bucketed pack lengths)
+# `torch.compile` kwargs of every decoder layer (tests swap the backend). Static shapes, one graph per pack length T,
+# bounded by RankStep padding packs to a few bucketed lengths (`FSDPBackend.pack_buckets`, `bucket_length`): static
+# kernels are the flex_attention/BlockMask ones measured and bitwise-checked on the H200. `dynamic=True` also gives
+# one graph (CPU/SDPA) but its CUDA flex kernels are untested, and its first compile took 1.7x longer on CPU.
+_COMPILE_OPTIONS: dict = {"dynamic": False}
 
 
 def model_config(name: str, overrides: dict | None = None) -> PretrainedConfig:
@@ -91,8 +95,9 @@ def build_sharded_model(
     layers = decoder_layers(model)
     if cfg.compiled:
         # All layers share one code object, so they share dynamo's cache entries: one graph per (grad mode,
-        # pack length T) whatever the layer count (tests/test_fsdp_unit.py). `dynamic=False` specialises on
-        # T, so leave room for many distinct padded lengths before dynamo falls back to eager.
+        # pack length T) whatever the layer count (tests/test_fsdp_unit.py). `dynamic=False` specialises on T:
+        # RankStep's bucketed packs bound the lengths (40 for a 16k budget); leave room for them before dynamo
+        # falls back to eager.
         dynamo_config = torch._dynamo.config
         dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, _RECOMPILE_LIMIT)
     for i, layer in enumerate(layers):
