@@ -40,6 +40,21 @@ def spawn(fn, args: tuple, nprocs: int) -> None:
 
 
 @contextlib.contextmanager
+def megatron_world():
+    """The block's world of one (made by the first backend's init) and megatron's groups, torn down at its end."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    try:
+        yield
+    finally:
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
 def local_ray(stub_dir, num_cpus: int = 6):
     """A local Ray cluster for the duration of the block; yields the `ray` module.
 

@@ -13,6 +13,7 @@ import json
 import re
 
 import pytest
+from dist_utils import megatron_world
 
 pytest.importorskip("megatron.core")
 
@@ -24,14 +25,8 @@ from rlbench.experiments import fsdp_vs_megatron as fvm  # noqa: E402
 @pytest.fixture(scope="module")
 def world1():
     """The world of one (made by the first backend's init) and megatron's groups, torn down at the end."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    yield
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    with megatron_world():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 import torch
-from dist_utils import free_port, spawn
+from dist_utils import free_port, megatron_world, spawn
 
 pytest.importorskip("megatron.core")
 
@@ -95,14 +95,8 @@ def ents(outs) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def world1():
     """The world of one (made by the first backend's init) and megatron's TP1 groups, torn down at the end."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    yield
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    with megatron_world():
+        yield
 
 
 @pytest.fixture(scope="module")
