@@ -202,7 +202,8 @@ def run_rlbench(w: Workload, model_dir: str, rollouts: int, fast: bool) -> dict:
                       "tokens": round(m["perf/tokens_per_sec"] * m["perf/step_time"]),  # counts, as rates
                       "generated_tokens": round(m["perf/rollout_tokens_per_sec"] * m["perf/rollout_time"]),
                       "log_prob_tokens": m.get("perf/log_probs_tokens", 0.0) + m.get("perf/ref_log_probs_tokens", 0.0),
-                      "compiles": m.get("perf/compiles"), "response_len": m["rollout/response_len/mean"]})
+                      "compiles": m.get("perf/compiles"), "compile_s": m.get("perf/compile_time"),
+                      "response_len": m["rollout/response_len/mean"]})
     return {"build_s": build_s, "num_params": trainer.num_params, "steps": steps}
 
 
@@ -311,7 +312,8 @@ def summarize(run: dict, peak_flops: float | None) -> dict:
     mfu["step"] = 6 * tokens * run["num_params"] / steady / peak_flops if peak_flops else None
     peaks = {p: max(s["peaks_gb"][p] for s in run["steps"]) for p in first["peaks_gb"]}
     return {"build_s": run["build_s"], "first_step_s": first["step_s"], "steady_step_s": steady,
-            "cold_extra_s": first["step_s"] - steady, "measured_steps": len(rest), "phases_s": phases,
+            "cold_extra_s": first["step_s"] - steady, "first_step_compile_s": first.get("compile_s"),
+            "measured_steps": len(rest), "phases_s": phases,
             "first_step_phases_s": first["phases"], "peak_memory_gb": max(peaks.values()) if peaks else None,
             "phase_peak_memory_gb": peaks, "rollout_tokens_per_s": generated / phases["rollout"],
             "mfu": mfu, "tokens_per_step": tokens, "response_len": med(lambda s: s["response_len"]),
@@ -326,7 +328,8 @@ def table(rows: dict[str, dict]) -> str:
     lines = [("build (load HF dir, init) s", lambda r: r["build_s"]),
              ("first step (cold) s", lambda r: r["first_step_s"]),
              ("steady step (median) s", lambda r: r["steady_step_s"]),
-             ("cold start extra (first - steady) s", lambda r: r["cold_extra_s"])]
+             ("cold start extra (first - steady) s", lambda r: r["cold_extra_s"]),
+             ("compile in the first step s", lambda r: r.get("first_step_compile_s"))]
     lines += [(f"{p} s", lambda r, p=p: r["phases_s"].get(p)) for p in PHASES]
     lines += [("rollout tokens/s", lambda r: r["rollout_tokens_per_s"])]
     lines += [(f"MFU {p}", lambda r, p=p: r["mfu"].get(p)) for p in ("rollout", "log_probs", "train", "step")]

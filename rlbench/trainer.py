@@ -30,6 +30,7 @@ import torch
 
 from rlbench.algorithms import compute_advantages
 from rlbench.backends.fsdp.checkpoint import TRACKER, committed_dir, committed_steps, latest_step
+from rlbench.compile_cache import compile_seconds, use_compile_cache
 from rlbench.config import RunConfig
 from rlbench.interrupts import defer_sigint
 from rlbench.memory_plan import memory_plan
@@ -60,6 +61,7 @@ class Trainer:
                 "rlbench.build_trainer(cfg), which picks the class of cfg.cluster.backend"
             )
         seed_everything(cfg.seed)
+        use_compile_cache()
         get_reward_fn(cfg.rollout.rm_type)  # a bad "module:function" fails here, before the model is built
         if components is None:
             from rlbench.orchestration.local import build_components
@@ -83,6 +85,7 @@ class Trainer:
             print(f"[rlbench] {self.memory_plan.summary()}{said}", flush=True)
         self.history: list[dict] = []
         self.eval_history: list[dict] = []
+        self._compiled_s = compile_seconds()  # perf/compile_time counts from here
         self.last_rollout: RolloutBatch | None = None
         self.rollout_id = 0  # completed RL steps
         self.policy_version = 0  # optimizer steps applied so far: the version of the trainer's weights
@@ -418,6 +421,8 @@ class Trainer:
     def _perf(self, batch: RolloutBatch, m: dict, step_time: float) -> dict[str, float]:
         tokens = sum(s.total_length for s in batch.samples)
         out = {"perf/step_time": step_time, "perf/tokens_per_sec": tokens / step_time}
+        compiled, self._compiled_s = self._compiled_s, compile_seconds()
+        out["perf/compile_time"] = self._compiled_s - compiled  # this process's compiles since the last step
         if self.device.type == "cuda":  # the step's peak: the phases' peaks and what came after the last one
             phases = [v for k, v in m.items() if k.endswith("_peak_memory_gb")]
             out["perf/peak_memory_gb"] = max([torch.cuda.max_memory_allocated(self.device) / 2**30, *phases])

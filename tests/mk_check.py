@@ -69,8 +69,8 @@ def compare_to_f64(preset, prompt_len, device, max_seq_len=256, tile_programs=No
     runner.prefill([prompt.tolist()], [0])
     k0, v0 = [k.clone() for k in runner.cache.k], [v.clone() for v in runner.cache.v]
     pos, tok = torch.tensor([prompt_len], device=device), torch.tensor([7], device=device)
-    hidden, cos, sin, mask = runner._prologue(tok, pos, max_seq_len)
-    h_stack = runner._layer_stack(hidden.clone(), cos, sin, pos, mask, max_seq_len)
+    hidden, cos, sin, index, mask = runner._prologue(tok, pos, runner.state.prefix_len[:1], max_seq_len, 1)
+    h_stack = runner._layer_stack(hidden.clone(), cos, sin, pos, index, mask, max_seq_len, 1)
     k_stack = [k[0, :, prompt_len].clone() for k in runner.cache.k]
     for dst, src in zip((*runner.cache.k, *runner.cache.v), (*k0, *v0)):
         dst.copy_(src)
@@ -87,8 +87,8 @@ def compare_to_f64(preset, prompt_len, device, max_seq_len=256, tile_programs=No
     r64 = _runner(m64, max_seq_len, device, torch.float64, megakernel=False)
     for dst, src in zip((*r64.cache.k, *r64.cache.v), (*k0, *v0)):
         dst.copy_(src)
-    h64, cos64, sin64, mask = r64._prologue(tok, pos, max_seq_len)
-    h64 = r64._layer_stack(h64, cos64, sin64, pos, mask, max_seq_len)
+    h64, cos64, sin64, index, mask = r64._prologue(tok, pos, r64.state.prefix_len[:1], max_seq_len, 1)
+    h64 = r64._layer_stack(h64, cos64, sin64, pos, index, mask, max_seq_len, 1)
     err = {name: (h.double() - h64).abs() for name, h in (("mk", h_mk), ("stack", h_stack))}
     err = {f"{name}_{stat}": float(getattr(e, stat)()) for name, e in err.items() for stat in ("max", "mean")}
     k_err = max(float((runner.cache.k[i][0, :, prompt_len].double() - r64.cache.k[i][0, :, prompt_len]).abs().max())
@@ -304,7 +304,7 @@ def barrier_timeout() -> str:
     mk = DecodeMegakernel(model, runner.layers, 128, torch.device("cpu"), programs=2)
     mk.bind(runner.layers, runner.cache.k, runner.cache.v)
     pos = torch.tensor([5])
-    hidden, cos, sin, _ = runner._prologue(torch.tensor([3]), pos, 128)
+    hidden, cos, sin, _, _ = runner._prologue(torch.tensor([3]), pos, runner.state.prefix_len[:1], 128, 1)
     with constants(MAX_SPINS=64):
         mk(hidden, cos, sin, pos)
     try:

@@ -129,7 +129,8 @@ class _CountingBackend:
 @pytest.mark.parametrize("fused", [True, False])
 def test_one_layer_graph_serves_every_layer_and_bucket(fused):
     """Compiled (counting backend): prologue + ONE layer graph + head per mode, for 2 layers x 9 (batch, kv_len)
-    buckets incl. b == num_slots and kv_len == max_seq_len; results == the eager engine's."""
+    buckets incl. b == num_slots and kv_len == max_seq_len, and one more prologue + layer graph for the grouped
+    layout (n > 1) whatever its buckets; results == the eager engine's."""
     backend = _CountingBackend()
     before = counters["stats"]["unique_graphs"]
     engine, eager = _engine(_arch("qwen3"), fused_weights=fused), _engine(_arch("qwen3"), fused_weights=fused)
@@ -147,12 +148,12 @@ def test_one_layer_graph_serves_every_layer_and_bucket(fused):
     assert [g.token_ids for g in got] == [g.token_ids for g in want]
     diff = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g.log_probs, w.log_probs))
     assert diff < 1e-5  # compiled: "split" attention; eager: "sdpa"
-    assert len(backend.graphs) == 3  # generate's buckets (b = 4, kv 16..96) reuse the graphs
+    assert len(backend.graphs) == 5  # n = 2 shares each prompt: + ONE grouped prologue and layer graph for its buckets
     greedy = engine.generate(_prompts(), SamplingParams(temperature=0.0, max_new_tokens=6))
     assert [g.token_ids for g in greedy] == [g.token_ids for g in eager.generate(_prompts(), SamplingParams(
         temperature=0.0, max_new_tokens=6))]
-    assert len(backend.graphs) == 4  # + the greedy head
-    assert counters["stats"]["unique_graphs"] - before == 4
+    assert len(backend.graphs) == 6  # + the greedy head (n = 1: the slot layout's graphs)
+    assert counters["stats"]["unique_graphs"] - before == 6
 
 
 def test_auto_attention_compiles_one_layer_graph_per_side():

@@ -12,6 +12,10 @@ writes the new keys/values into the slot cache and attends:
   implementations (`DECODE_ATTENTION`), chosen once per engine: "sdpa" (one fused SDPA call; its kernels
   parallelise over batch x KV heads only, ~16 blocks at batch 1) and "split" (fp32 reductions that inductor
   spreads over kv_len as well).
+- grouped decode (`KVContext.group` k > 1, the cache's `group_view(k)`): the k samples of one prompt decode
+  together, so their g query heads per KV head become one `[k g]`-row query against the group row (the prompt
+  once, then the k samples' interleaved tokens), each row masked to the prompt plus its own tokens. Per step the
+  prompt's K/V are read once per group, not once per sample.
 
 A `KVContext` holds ONE layer's cache tensors (not a list indexed by `layer_idx`), so every layer makes
 the same calls with different tensors and one compiled layer graph serves them all.
@@ -33,8 +37,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 ATTN_NAME = "rlbench_kv"
 
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
-"""`(q [B, n_kv, G, hd], keys [B, n_kv, L, hd], values [B, n_kv, L, hd], mask [B, 1, 1, L], scale)`
--> `[B, n_kv, G, hd]` in q's dtype: the G query heads of KV head j attend to its L cached keys."""
+"""`(q [B, n_kv, G, hd], keys [B, n_kv, L, hd], values [B, n_kv, L, hd], mask [B, 1, 1 or G, L], scale)`
+-> `[B, n_kv, G, hd]` in q's dtype: the G query rows of KV head j attend to its L cached keys (the grouped
+layout passes group rows as B and its k samples' query heads as G rows, each with its own mask row)."""
 
 
 def sdpa_decode(q, keys, values, mask, scale: float) -> torch.Tensor:
@@ -102,12 +107,34 @@ class KVContext:
     """Decode: `[B, 1, 1, kv_len]` bool, True where the key is visible."""
     decode_attention: DecodeAttention = sdpa_decode
     """Decode: the implementation (a `DECODE_ATTENTION` value)."""
+    group: int = 1
+    """Decode: rows per group row of the cache (1: a slot per row; k: `KVCache.group_view(k)`, rows
+    `[g k, (g + 1) k)` are group row g's samples and `mask` is `[B / k, 1, k G, kv_len]`)."""
+    write_index: torch.Tensor | None = None
+    """Decode: `[B]` long cache index of the new token (None: `positions`, the slot layout)."""
 
 
 def decode_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
     """`[B]` positions -> `[B, 1, 1, kv_len]` bool mask of visible keys (key index <= position)."""
     keys = torch.arange(kv_len, device=positions.device)
     return (keys[None, :] <= positions[:, None])[:, None, None, :]
+
+
+def group_decode_mask(positions: torch.Tensor, prefix_len: torch.Tensor, group: int, heads_per_kv: int,
+                      kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grouped layout's write index `[B]` and mask `[B / k, 1, k G, kv_len]` (k = `group`, G = `heads_per_kv`).
+
+    Row r = (group row r // k, sample j = r % k) at `positions[r]` = P + t writes at index P + t k + j and sees
+    the prompt `[0, P)` plus its own earlier tokens (indices >= P congruent to j mod k, up to its write index).
+    """
+    b = positions.shape[0]
+    lane = torch.arange(b, device=positions.device) % group
+    index = (prefix_len + (positions - prefix_len) * group + lane).clamp(0, kv_len - 1)  # idle rows stay in bounds
+    keys = torch.arange(kv_len, device=positions.device)[None, :]
+    p = prefix_len[:, None]
+    visible = (keys < p) | (((keys - p) % group == lane[:, None]) & (keys <= index[:, None]))  # [B, kv_len]
+    mask = visible.view(b // group, group, 1, kv_len).expand(-1, -1, heads_per_kv, -1)
+    return index, mask.reshape(b // group, 1, group * heads_per_kv, kv_len)
 
 
 def _prefill(q, k, v, ctx: KVContext, scale: float) -> torch.Tensor:
@@ -122,14 +149,21 @@ def _prefill(q, k, v, ctx: KVContext, scale: float) -> torch.Tensor:
 
 def _decode(q, k, v, ctx: KVContext, scale: float) -> torch.Tensor:
     """q `[B, H, 1, hd]`, k/v `[B, n_kv, 1, hd]` -> `[B, H, 1, hd]` against the cached prefix."""
-    kc, vc = ctx.k_cache, ctx.v_cache
-    kc[ctx.slots, :, ctx.positions] = k[:, :, 0].to(kc.dtype)
-    vc[ctx.slots, :, ctx.positions] = v[:, :, 0].to(vc.dtype)
+    kc, vc, k_grp = ctx.k_cache, ctx.v_cache, ctx.group
+    rows = ctx.slots if k_grp == 1 else ctx.slots // k_grp
+    index = ctx.positions if ctx.write_index is None else ctx.write_index
+    kc[rows, :, index] = k[:, :, 0].to(kc.dtype)
+    vc[rows, :, index] = v[:, :, 0].to(vc.dtype)
     b, h, _, hd = q.shape
     n_kv = k.shape[1]
-    keys, values = kc[:b, :, : ctx.kv_len], vc[:b, :, : ctx.kv_len]
-    out = ctx.decode_attention(q.reshape(b, n_kv, h // n_kv, hd), keys, values, ctx.mask, scale)
-    return out.reshape(b, h, 1, hd)
+    g = b // k_grp
+    keys, values = kc[:g, :, : ctx.kv_len], vc[:g, :, : ctx.kv_len]
+    if k_grp == 1:
+        out = ctx.decode_attention(q.reshape(b, n_kv, h // n_kv, hd), keys, values, ctx.mask, scale)
+        return out.reshape(b, h, 1, hd)
+    qg = q.reshape(g, k_grp, n_kv, h // n_kv, hd).transpose(1, 2).reshape(g, n_kv, k_grp * (h // n_kv), hd)
+    out = ctx.decode_attention(qg, keys, values, ctx.mask, scale)  # [B / k, n_kv, k G, hd]
+    return out.reshape(g, n_kv, k_grp, h // n_kv, hd).transpose(1, 2).reshape(b, h, 1, hd)
 
 
 def kv_attention(q, k, v, ctx: KVContext, scale: float) -> torch.Tensor:

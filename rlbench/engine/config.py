@@ -68,6 +68,9 @@ class TorchEngineConfig:
     """Capture the decode step in CUDA graphs (GPU only; per batch/kv-length bucket)."""
     compile: bool = True
     """torch.compile the decode step (GPU only; one layer graph for all layers); falls back to eager if it fails."""
+    shared_prefix: bool = True
+    """The n > 1 samples of a prompt read its K/V from one copy (`KVCache.group_view`): per decode step the prompt
+    is read once per group instead of once per sample. False gives every sample a copy (the slot layout)."""
     fused_weights: bool = True
     """Run the engine's own layer forward over fused QKV and gate/up weights (Qwen3/Qwen2/Llama; other models
     use the HF layers). False runs the HF modules' own matmuls, as the trainer does."""

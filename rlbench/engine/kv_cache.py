@@ -4,6 +4,12 @@ Layout per layer: `k[l], v[l]` of shape `[S, n_kv, L_max + KV_PAD, head_dim]` (S
 length; the pad keeps every decode slice `[:kv_len]` a strict one),
 the layout SDPA reads directly. Slots are handed out lowest-first, so a decode batch over slots `[0, B)`
 covers every running sequence with little waste; a finished sequence frees its slot for a waiting prompt.
+
+Grouped layout (`group_view(k)`, the n samples of one prompt): the same memory seen as `S // k` group rows of
+`k (L_max + KV_PAD)` positions, `[S // k, n_kv, k (L_max + KV_PAD), head_dim]`. A group row holds its prompt's K/V
+once at `[0, P)`, then its k samples' tokens interleaved: the t-th token after the prompt of sample j at
+`P + t k + j`. A decode step then reads each prompt once for all k samples instead of once per sample, and
+the allocator hands out whole group rows.
 """
 
 from __future__ import annotations
@@ -63,6 +69,9 @@ class KVCache:
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self._free: list[int] = []
+        self.group = 1
+        """Slots per allocation unit (`reset(group)`): 1, or the k samples of a grouped-layout prompt."""
+        self._views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self.allocate()
 
     @property
@@ -75,24 +84,48 @@ class KVCache:
         dims = (s.num_slots, s.num_kv_heads, s.max_seq_len + KV_PAD, s.head_dim)
         self.k = [torch.zeros(dims, dtype=self.dtype, device=self.device) for _ in range(s.num_layers)]
         self.v = [torch.zeros(dims, dtype=self.dtype, device=self.device) for _ in range(s.num_layers)]
+        self._views = {}
         self.reset()
 
     def release(self) -> None:
         """Drop the tensors (`sleep`); `allocate` brings them back."""
         self.k, self.v = [], []
+        self._views = {}
         self._free = []
 
-    def reset(self) -> None:
-        """Mark every slot free (the contents stay; they are masked by length)."""
-        self._free = list(range(self.shape.num_slots))
+    def reset(self, group: int = 1) -> None:
+        """Mark every unit free (the contents stay; they are masked by length): slots, or with `group` k > 1 the
+        `S // k` group rows of `group_view(k)`."""
+        if not 1 <= group <= self.shape.num_slots:
+            raise ValueError(f"group={group} must be in [1, num_slots={self.shape.num_slots}]")
+        self.group = group
+        self._free = list(range(self.num_units))
         heapq.heapify(self._free)
+
+    @property
+    def num_units(self) -> int:
+        """Allocation units: slots, or group rows of `group` slots."""
+        return self.shape.num_slots // self.group
+
+    def group_view(self, group: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-layer K and V as `[S // group, n_kv, group (L_max + KV_PAD), hd]` views (group 1: the tensors)."""
+        if group == 1:
+            return self.k, self.v
+        if group not in self._views:
+            units = self.shape.num_slots // group
+
+            def view(t: torch.Tensor) -> torch.Tensor:
+                return t[: units * group].view(units, t.shape[1], group * t.shape[2], t.shape[3])
+
+            self._views[group] = ([view(t) for t in self.k], [view(t) for t in self.v])
+        return self._views[group]
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
     def take(self) -> int:
-        """The lowest free slot."""
+        """The lowest free unit (a slot, or a group row)."""
         if not self._free:
             raise RuntimeError("no free KV-cache slot (scheduler bug: check num_free first)")
         return heapq.heappop(self._free)

@@ -1,5 +1,6 @@
 """Forward passes of the engine over the HF model: prefill, and a decode step that can be compiled and
-captured in CUDA graphs (one graph per (batch bucket, kv-length bucket, sampling mode) key, captured lazily).
+captured in CUDA graphs (one graph per (batch bucket, kv-length bucket, sampling mode, group) key, captured
+lazily).
 
 The decode step is three compiled pieces joined by a Python loop: a prologue (embedding, RoPE tables,
 mask), ONE decoder-layer function called once per layer with that layer's weights and KV cache as
@@ -28,7 +29,7 @@ import torch._dynamo
 import torch.fx.experimental._config as fx_config
 
 from rlbench.engine import megakernel
-from rlbench.engine.attention import DECODE_ATTENTION, KVContext, decode_mask, sdpa_decode
+from rlbench.engine.attention import DECODE_ATTENTION, KVContext, decode_mask, group_decode_mask, sdpa_decode
 from rlbench.engine.config import TorchEngineConfig
 from rlbench.engine.fused import fuse_layers, fused_layer_forward, hf_layer_forward
 from rlbench.engine.kv_cache import KVCache
@@ -46,6 +47,8 @@ class SlotState:
             return torch.zeros(num_slots, dtype=dtype, device=device)
 
         self.tokens, self.positions, self.steps, self.seeds = z(torch.long), z(torch.long), z(torch.long), z(torch.long)
+        self.prefix_len = z(torch.long) + 1
+        """Prompt length of each slot's sample (the grouped layout's write index and mask; >= 1 for idle slots)."""
         self.top_k, self.temperature, self.top_p = z(torch.long), z(torch.float32), z(torch.float32)
         self.out_tokens, self.out_log_probs = z(torch.long), z(torch.float32)
         self.slot_ids = torch.arange(num_slots, device=device)
@@ -101,6 +104,7 @@ class ModelRunner:
         self.state = SlotState(cache.shape.num_slots, model.config.vocab_size, self.device)
         torch._dynamo.mark_static(self.state.vocab_hash)
         self.cuda_graphs = opts.cuda_graphs and self.device.type == "cuda"
+        self.heads_per_kv = model.config.num_attention_heads // model.config.num_key_value_heads
         self.lse = logsumexp_rows
         """The log-probs' per-row logsumexp (batch-invariant: `rlbench.numerics.logsumexp_rows`, the trainer's)."""
         if opts.batch_invariant:
@@ -112,9 +116,9 @@ class ModelRunner:
         self.megakernel = megakernel.build(model, self.base, self.layers if self.fused else None,
                                            cache.shape.max_seq_len, self.device, opts.megakernel)
         """The batch-1 decoder (None: batch 1 takes the compiled path)."""
-        self._graphs: dict[tuple[int, int, str], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, int, str, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
-        self._warmed: set[tuple[int, int, str]] = set()
+        self._warmed: set[tuple[int, int, str, int]] = set()
         self._use_compiled(opts.compile)
 
     @property
@@ -149,8 +153,9 @@ class ModelRunner:
 
     # ---- prefill (eager; matmul-bound) ----
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]], slots: list[int]) -> torch.Tensor:
-        """Right-pad `prompts` into `[B, T]`, write their K/V into `slots`; return last-token logits `[B, V]`."""
+    def prefill(self, prompts: list[list[int]], slots: list[int], group: int = 1) -> torch.Tensor:
+        """Right-pad `prompts` into `[B, T]`, write their K/V into `slots` (group rows of `group_view(group)`);
+        return last-token logits `[B, V]`."""
         t = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), t, dtype=torch.long)
         for row, p in enumerate(prompts):
@@ -161,7 +166,7 @@ class ModelRunner:
         slot_ids = torch.tensor(slots, device=self.device)
         hidden = self.base.embed_tokens(ids)  # [B, T, D]
         pos_emb = self.base.rotary_emb(hidden, pos)
-        for w, kc, vc in zip(self.layers, self.cache.k, self.cache.v):
+        for w, kc, vc in zip(self.layers, *self.cache.group_view(group)):
             hidden = self._layer_forward(w, hidden, pos_emb, KVContext(kc, vc, slot_ids, decode=False))
         rows = torch.arange(len(prompts), device=self.device)
         return self.model.lm_head(self.base.norm(hidden[rows, last]))  # [B, V]
@@ -173,14 +178,18 @@ class ModelRunner:
         cos, sin = self.base.rotary_emb(hidden, positions[:, None])
         return hidden, cos, sin
 
-    def _prologue(self, tokens, positions, kv_len: int):
-        """`_embed`, and the mask `[B, 1, 1, kv_len]`."""
-        return *self._embed(tokens, positions), decode_mask(positions, kv_len)
+    def _prologue(self, tokens, positions, prefix_len, kv_len: int, group: int):
+        """`_embed`, the write index `[B]` (None: the positions) and the mask: `[B, 1, 1, kv_len]`, or with
+        `group` k > 1 the grouped layout's `[B / k, 1, k G, kv_len]` (`attention.group_decode_mask`)."""
+        if group == 1:
+            return *self._embed(tokens, positions), None, decode_mask(positions, kv_len)
+        index, mask = group_decode_mask(positions, prefix_len, group, self.heads_per_kv, kv_len)
+        return *self._embed(tokens, positions), index, mask
 
-    def _layer(self, w, hidden, cos, sin, k_cache, v_cache, slots, positions, mask, kv_len: int):
+    def _layer(self, w, hidden, cos, sin, k_cache, v_cache, slots, positions, index, mask, kv_len: int, group: int):
         """One decoder layer of the decode step; `w` and the caches are this layer's (graph inputs)."""
         ctx = KVContext(k_cache, v_cache, slots, decode=True, positions=positions, kv_len=kv_len, mask=mask,
-                        decode_attention=self._attend)
+                        decode_attention=self._attend, group=group, write_index=index)
         return self._layer_forward(w, hidden, (cos, sin), ctx)
 
     def _head(self, hidden, temperature, top_k, top_p, seeds, steps, vocab_hash, mode: str):
@@ -191,29 +200,31 @@ class ModelRunner:
         return sample_tokens(logits, temperature, top_k, top_p, seeds, steps, vocab_hash, mode == "truncate",
                              self.lse)
 
-    def _layer_stack(self, hidden, cos, sin, positions, mask, kv_len: int):
+    def _layer_stack(self, hidden, cos, sin, positions, index, mask, kv_len: int, group: int):
         """Every decoder layer for slots `[0, B)`, one layer graph call each: hidden `[B, 1, D]` -> `[B, 1, D]`."""
         slots = self.state.slot_ids[: hidden.shape[0]]
-        for w, kc, vc in zip(self.layers, self.cache.k, self.cache.v):
-            hidden = self._layer_fn(w, hidden, cos, sin, kc, vc, slots, positions, mask, kv_len)
+        for w, kc, vc in zip(self.layers, *self.cache.group_view(group)):
+            hidden = self._layer_fn(w, hidden, cos, sin, kc, vc, slots, positions, index, mask, kv_len, group)
         return hidden
 
     def _logits_and_sample(self, tokens, positions, temperature, top_k, top_p, seeds, steps, kv_len: int,
-                           mode: str):
+                           mode: str, group: int = 1):
         """One decode step for slots `[0, B)`: `[B]` inputs -> (tokens `[B]`, log_probs `[B]`); see SAMPLE_MODES."""
         if self.megakernel is not None and tokens.shape[0] == 1:
             hidden = self.megakernel.layers(*self._embed_fn(tokens, positions), positions)  # every layer, slot 0
         else:
-            hidden, cos, sin, mask = self._prologue_fn(tokens, positions, kv_len)
-            hidden = self._layer_stack(hidden, cos, sin, positions, mask, kv_len)
+            b = tokens.shape[0]
+            hidden, cos, sin, index, mask = self._prologue_fn(tokens, positions, self.state.prefix_len[:b], kv_len,
+                                                              group)
+            hidden = self._layer_stack(hidden, cos, sin, positions, index, mask, kv_len, group)
         return self._head_fn(hidden, temperature, top_k, top_p, seeds, steps, self.state.vocab_hash, mode)
 
-    def _decode_eager(self, b: int, kv_len: int, mode: str) -> None:
+    def _decode_eager(self, b: int, kv_len: int, mode: str, group: int = 1) -> None:
         s, max_pos = self.state, self.cache.shape.max_seq_len - 1
         if b == 1 and self.megakernel is not None and self.megakernel.step(self._embed_fn, s, mode, max_pos):
             return
         tok, lp = self._logits_and_sample(s.tokens[:b], s.positions[:b], s.temperature[:b], s.top_k[:b],
-                                          s.top_p[:b], s.seeds[:b], s.steps[:b], kv_len, mode)
+                                          s.top_p[:b], s.seeds[:b], s.steps[:b], kv_len, mode, group)
         if self.megakernel is not None and self.megakernel.finish_step(s, b, tok, lp, max_pos):
             return
         s.out_tokens[:b].copy_(tok)
@@ -223,14 +234,18 @@ class ModelRunner:
         s.steps[:b].add_(1)
 
     @torch.inference_mode()
-    def decode(self, b: int, kv_len: int, mode: str) -> None:
+    def decode(self, b: int, kv_len: int, mode: str, group: int = 1) -> None:
         """Advance slots `[0, b)` by one token; results land in `state.out_tokens/out_log_probs[:b]`.
 
         `mode` (one of SAMPLE_MODES) must hold for every row in `[0, b)`: "greedy" ignores temperatures.
+        `group` k > 1: the cache's grouped layout (`KVCache.group_view(k)`; b a multiple of k, kv_len the
+        positions read per group row).
         """
         if mode not in SAMPLE_MODES:
             raise ValueError(f"mode={mode!r} must be one of {SAMPLE_MODES}")
-        key = (b, kv_len, mode)
+        if b % group:
+            raise ValueError(f"batch {b} is not a multiple of the group size {group}")
+        key = (b, kv_len, mode, group)
         graph = self._graphs.get(key)
         if graph is not None:
             graph.replay()
@@ -247,10 +262,10 @@ class ModelRunner:
             self._warmed.add(key)
         self._decode_eager(*key)
 
-    def _warm_up(self, key: tuple[int, int, str]) -> None:
+    def _warm_up(self, key: tuple[int, int, str, int]) -> None:
         """Run the step twice (on a side stream on CUDA; this compiles on first use); a failed compile falls back."""
-        for t in (*self.cache.k, *self.cache.v):  # re-allocated by wake_up; static shapes for the compile
-            torch._dynamo.mark_static(t)
+        for t in (*self.cache.k, *self.cache.v, *sum(self.cache.group_view(key[3]), [])):
+            torch._dynamo.mark_static(t)  # re-allocated by wake_up; static shapes for the compile
         cuda = self.device.type == "cuda"
         stream = torch.cuda.Stream() if cuda else None
         if cuda:
@@ -268,7 +283,7 @@ class ModelRunner:
         if cuda:
             torch.cuda.current_stream().wait_stream(stream)
 
-    def _capture(self, key: tuple[int, int, str]) -> None:
+    def _capture(self, key: tuple[int, int, str, int]) -> None:
         """Warm up, capture the step into a graph and replay it once; the state is restored in between."""
         saved = self.state.snapshot()
         self._warm_up(key)

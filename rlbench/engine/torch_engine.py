@@ -1,8 +1,14 @@
 """The embedded torch rollout engine: continuous batching over a slot KV cache, on the HF model itself.
 
-Loop of `generate`: admit waiting prompts into free slots (one batched prefill; the n samples of a prompt
-copy its prefilled K/V), then run `steps_per_sync` decode steps over slots `[0, B)` (graph-captured on
-GPU), copy the new tokens to the host once, apply stop rules, free finished slots, repeat.
+Loop of `generate`: admit waiting prompts into free slots (one batched prefill), then run `steps_per_sync`
+decode steps over slots `[0, B)` (graph-captured on GPU), copy the new tokens to the host once, apply stop
+rules, free finished slots, repeat.
+
+The n > 1 samples of a prompt share its prefilled K/V (`TorchEngineConfig.shared_prefix`): the cache is seen in
+its grouped layout (`KVCache.group_view(n)`), a prompt takes one group row of n slots, its samples decode as
+rows `[g n, (g + 1) n)` and read the prompt once per step; the group row is freed when its last sample ends.
+Otherwise (n = 1, batch-invariant numerics, or `shared_prefix=False`) every sample has its own slot, and the
+n samples of a prompt copy its prefilled K/V.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from rlbench.engine.kv_cache import CacheShape, KVCache, slot_bytes, slots_for_m
 from rlbench.engine.quantize import weight_rounder
 from rlbench.engine.runner import ModelRunner
 from rlbench.engine.sampling import sample_tokens
+from rlbench.packing.pack import bucket_length
 from rlbench.rollout.base import Generation, SamplingParams, WeightBucket, expand_seeds
 
 
@@ -40,6 +47,13 @@ class _Seq:
 KV_FLOOR = 256
 """Smallest kv-length bucket: attention over <= 256 cached positions costs little next to the GEMVs, and a
 higher floor means fewer (batch, kv_len) graphs to capture (4 kv buckets for L_max = 1536, not 6)."""
+
+
+def group_kv_bucket(x: int, cap: int) -> int:
+    """Positions read per group row in the grouped layout: `packing.bucket_length`'s ladder (128-multiples to
+    1024, then 8 per doubling), at least KV_FLOOR: the window grows by n positions a step, so a power of two
+    would read up to twice what is written."""
+    return min(cap, max(KV_FLOOR, bucket_length(x)))
 
 
 def bucket(x: int, cap: int, floor: int) -> int:
@@ -102,7 +116,9 @@ class TorchEngine:
         running: list[_Seq] = []
         done: list[_Seq] = []
         self._abort = False
-        self.cache.reset()
+        self._group = sampling.n if self.cfg.shared_prefix and sampling.n > 1 and not self.cfg.batch_invariant else 1
+        self._live: dict[int, int] = {}  # group row -> samples still running (grouped layout)
+        self.cache.reset(self._group)
         while (waiting or running) and not self._abort:
             while self._admit(prompts, sampling, all_seeds, waiting, running, done):
                 pass  # prefill first: fill every free slot before decoding
@@ -156,7 +172,9 @@ class TorchEngine:
     def _admit(self, prompts, sampling: SamplingParams, seeds, waiting: deque, running: list, done: list) -> bool:
         """Prefill one batch of waiting prompts (free slots and the prefill budget permitting); True if any."""
         batch: list[int] = []
-        while waiting and self.cache.num_free >= sampling.n * (len(batch) + 1):
+        k = self._group
+        units = 1 if k > 1 else sampling.n  # cache units a prompt takes
+        while waiting and self.cache.num_free >= units * (len(batch) + 1):
             longest = max(len(prompts[i]) for i in [*batch, waiting[0]])
             if batch and longest * (len(batch) + 1) > self.cfg.max_prefill_tokens:
                 break
@@ -164,20 +182,39 @@ class TorchEngine:
         if not batch:
             return False
         seqs = [[_Seq(i, j, len(prompts[i]), seeds[i][j]) for j in range(sampling.n)] for i in batch]
+        targets = []  # the prefill's cache rows: a slot, or a group row
         for group in seqs:
-            for seq in group:
-                seq.slot = self.cache.take()
-        logits = self.runner.prefill([list(prompts[i]) for i in batch], [g[0].slot for g in seqs])
+            if k > 1:
+                targets.append(self.cache.take())
+                self._live[targets[-1]] = k
+                for seq in group:
+                    seq.slot = targets[-1] * k + seq.sample_index
+            else:
+                for seq in group:
+                    seq.slot = self.cache.take()
+                targets.append(group[0].slot)
+        logits = self.runner.prefill([list(prompts[i]) for i in batch], targets, group=k)
         for group in seqs:
-            self.cache.copy_prefix(group[0].slot, [s.slot for s in group[1:]], group[0].prompt_len)
+            if k == 1:
+                self.cache.copy_prefix(group[0].slot, [s.slot for s in group[1:]], group[0].prompt_len)
         flat = [s for g in seqs for s in g]
         tokens, log_probs = self._first_tokens(logits.repeat_interleave(sampling.n, dim=0), flat, sampling)
         self._start_slots(flat, tokens, sampling)
         for seq, tok, lp in zip(flat, tokens.tolist(), log_probs.tolist()):
             (done if self._append(seq, tok, lp, sampling) else running).append(seq)
             if seq.finish_reason:
-                self.cache.give_back(seq.slot)
+                self._free(seq)
         return True
+
+    def _free(self, seq: _Seq) -> None:
+        """Give a finished sample's slot back; in the grouped layout its group row, after the last sample."""
+        if self._group == 1:
+            self.cache.give_back(seq.slot)
+            return
+        unit = seq.slot // self._group
+        self._live[unit] -= 1
+        if not self._live[unit]:
+            self.cache.give_back(unit)
 
     def _params(self, n: int, sampling: SamplingParams):
         dev = self.device
@@ -199,23 +236,30 @@ class TorchEngine:
         temp, top_k, top_p = self._params(len(seqs), sampling)
         st.tokens[idx] = first
         st.positions[idx] = torch.tensor([s.prompt_len for s in seqs], device=dev)
+        st.prefix_len[idx] = st.positions[idx]
         st.steps[idx] = 1
         st.seeds[idx] = torch.tensor([s.seed for s in seqs], device=dev)
         st.temperature[idx], st.top_k[idx], st.top_p[idx] = temp, top_k, top_p
 
     def _decode_window(self, sampling: SamplingParams, running: list[_Seq], done: list[_Seq]) -> None:
         """`steps_per_sync` decode steps, one host copy, then stop checks."""
-        k = self.cfg.steps_per_sync
-        top = max(s.slot for s in running) + 1
-        b = bucket(top, self.cache.shape.num_slots, self.runner.min_batch)
-        longest = max(s.prompt_len + len(s.tokens) for s in running) + k
-        kv_len = bucket(longest, self.cache.shape.max_seq_len, KV_FLOOR)
+        k, grp, shape = self.cfg.steps_per_sync, self._group, self.cache.shape
+        if grp == 1:
+            b = bucket(max(s.slot for s in running) + 1, shape.num_slots, self.runner.min_batch)
+            longest = max(s.prompt_len + len(s.tokens) for s in running) + k
+            kv_len = bucket(longest, shape.max_seq_len, KV_FLOOR)
+        else:  # whole group rows; per group row the prompt plus n interleaved tokens per step
+            units = self.cache.num_units  # compiled: at least 2 group rows, so one layer graph serves every count
+            floor = min(units, 2 if self.runner.compiled else 1)
+            b = grp * bucket(max(s.slot for s in running) // grp + 1, units, floor)
+            longest = max(s.prompt_len + (len(s.tokens) + k) * grp for s in running)
+            kv_len = group_kv_bucket(longest, grp * shape.max_seq_len)
         st = self.runner.state
         out_tok = torch.empty(k, b, dtype=torch.long, device=self.device)
         out_lp = torch.empty(k, b, dtype=torch.float32, device=self.device)
         mode = _mode(sampling)
         for step in range(k):
-            self.runner.decode(b, kv_len, mode)
+            self.runner.decode(b, kv_len, mode, grp)
             out_tok[step].copy_(st.out_tokens[:b])
             out_lp[step].copy_(st.out_log_probs[:b])
         toks, lps = out_tok.T.tolist(), out_lp.T.tolist()  # the one host sync of the window
@@ -226,7 +270,7 @@ class TorchEngine:
                 if self._append(seq, tok, lp, sampling):
                     running.remove(seq)
                     done.append(seq)
-                    self.cache.give_back(seq.slot)
+                    self._free(seq)
                     break
 
     def _append(self, seq: _Seq, tok: int, lp: float, sampling: SamplingParams) -> bool:

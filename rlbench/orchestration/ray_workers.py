@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from rlbench.compile_cache import use_compile_cache
 from rlbench.orchestration.ray_config import ClusterConfig
 from rlbench.orchestration.ray_placement import gather, local_gpu_index
 from rlbench.orchestration.ray_weights import (
@@ -46,6 +47,7 @@ def _setup_process(cfg, cwd: str, env_vars: dict) -> torch.device:
     """Same working directory as the driver (relative paths), extra env vars, and this actor's device."""
     os.chdir(cwd)
     os.environ.update({k: str(v) for k, v in env_vars.items()})
+    use_compile_cache()
     if cfg.backend.device != "cuda":
         torch.set_num_threads(1)  # CPU "GPUs" share the host's cores
         use_shared_memory_files()
