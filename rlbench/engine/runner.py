@@ -147,7 +147,10 @@ class ModelRunner:
     def _use_compiled(self, compiled: bool) -> None:
         self.compiled = compiled
         self._attend = DECODE_ATTENTION[self.opts.decode_attention] if compiled else sdpa_decode
-        wrap = (lambda fn: _compile(fn, self.opts.gemv_batch1, self.compile_backend)) if compiled else (lambda fn: fn)
+        # Coordinate-descent tuning (for the batch-1 GEMV graph) benchmarks every kernel of every graph in a cold
+        # compile; where the megakernel decodes batch 1 no layer graph runs at batch 1, so it is skipped.
+        tune = self.opts.gemv_batch1 and self.megakernel is None
+        wrap = (lambda fn: _compile(fn, tune, self.compile_backend)) if compiled else (lambda fn: fn)
         self._prologue_fn, self._layer_fn, self._head_fn = wrap(self._prologue), wrap(self._layer), wrap(self._head)
         self._embed_fn = wrap(self._embed)
 
