@@ -16,9 +16,9 @@ ifeq ($(HAVE_TORCH),yes)
 else
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q --no-compile torch==2.13.0
 endif
-	$(VPY) -m pip install -q -e ".[notebook,dev,data,megatron]"
+	$(VPY) -m pip install -q --no-compile -e ".[notebook,dev,data,megatron]"
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -26,7 +26,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(VPY) -m ruff check rlbench tests benchmarks tools
-	$(VPY) -m pytest -q -m "not gpu and not browser" tests
+	$(VPY) -m pytest -q -m "not gpu and not browser and not interpreted" tests
 	$(VPY) -m pytest -q --nbval-lax notebooks
 	$(VPY) -m pytest -q -rs -m browser tests/test_browser.py
 	@[ -x "$${PLAYWRIGHT_CHROMIUM_EXECUTABLE:-$$(command -v chromium || echo /usr/bin/chromium)}" ] || \

@@ -4,7 +4,7 @@
 #   fsdp2    4B-shape FSDP step on both GPUs (torchrun), runs alone first
 #   lane0    GPU0: rollout benchmark (engine vs HF generate), then the colocated GRPO loop (tests/test_e2e_gpu.py)
 #   lane1    GPU1: FSDP + packed-attention GPU tests, then the 0.6B training benchmark
-#   mk       GPU0: the batch-1 decode megakernel: GPU tests, kernel alone (PDL vs grid barriers, Gluon vs Triton stages), decode step vs compiled
+#   mk       GPU0: the batch-1 decode megakernel: GPU tests and its CPU-interpreter tests, kernel alone (PDL vs grid barriers, Gluon vs Triton stages), decode step vs compiled
 #   attend   GPU0: the megakernel's attention: its GPU tests, kernel alone at attention-grid boundaries, decode step
 #   extra    GPU1 after lane1 (add it only when there is time): rollout GPU tests, decode variants, 4B training, packing
 set -u
@@ -23,7 +23,7 @@ for part in "$@"; do case $part in
            run e2e 0 "$(lim 180)" "python3 -m pytest -q -s -m gpu tests/test_e2e_gpu.py tests/test_models.py" ) & ;;
   lane1) ( run fsdp1 1 "$(lim 300)" "python3 -m pytest -m gpu tests/test_fsdp_gpu.py tests/test_packing_attention.py -q -s;
              python3 benchmarks/train.py --preset qwen3-0.6b-shape --attn flex_attention --compile --steps 3 --warmup 2 --json $OUT/train.jsonl" ) & ;;
-  mk) run mk 0 "$(lim 480)" "python3 -m pytest -q -s -m gpu tests/test_megakernel.py;
+  mk) run mk 0 "$(lim 600)" "python3 -m pytest -q -s -m 'gpu or interpreted' tests/test_megakernel.py;
         python3 benchmarks/megakernel.py --pos 256 1024 1500 --sync pdl barrier --gluon 1 0;
         python3 benchmarks/megakernel.py --preset qwen3-4b-shape --pos 1024 --iters 50 --sync pdl barrier;
         python3 benchmarks/decode_profile.py --kv 256 1024 --batch 1 --megakernel 0 1 --megakernel-sync pdl barrier --megakernel-gluon 0 1;

@@ -36,6 +36,9 @@ needs_gluon = pytest.mark.skipif(importlib.util.find_spec("triton") is None
                                  or importlib.util.find_spec("triton.experimental.gluon") is None,
                                  reason="needs triton with gluon")
 cuda = torch.cuda.is_available()
+# The interpreter subprocess takes ~2 min of a 2-core box; the megakernel is GPU-only (no CPU path uses it), so
+# these run in the GPU suite (benchmarks/gpu_suite.sh mk), not in `make test`.
+interpreted_mk = pytest.mark.interpreted
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +62,7 @@ def _check(r, label):
     assert r["k_err"] <= 2.0 * r["k_err_stack"]
 
 
+@interpreted_mk
 @needs_triton
 def test_interpreted_sample_head_equals_the_compiled_heads_math(interpreted):
     """The batch-1 head in two Triton kernels (norm, lm_head, Gumbel sampling, log-prob, state update) picks the
@@ -68,12 +72,14 @@ def test_interpreted_sample_head_equals_the_compiled_heads_math(interpreted):
     assert r["mismatches"] == 0 and r["max_lp_diff"] < 1e-5 and r["nan_tokens_in_range"], r
 
 
+@interpreted_mk
 @needs_triton
 def test_interpreted_finish_step_equals_the_torch_state_update(interpreted):
     """The step's state update in one Triton kernel (CUDA steps) == the five torch ops (CPU steps)."""
     assert interpreted["finish_step"]
 
 
+@interpreted_mk
 @needs_triton
 @pytest.mark.parametrize("case", [case_name(*c) + sync for c in CPU_CASES for sync in ("", "/launch")])
 def test_interpreted_megakernel_rounds_like_the_hf_layers(interpreted, case):
@@ -96,6 +102,7 @@ def test_stage_kernels_load_weights_before_the_pdl_wait_and_write_after_it(prese
         assert r["regs"] * r["threads"] <= 65536 and r["spill_bytes"] == 0, r
 
 
+@interpreted_mk
 @needs_triton
 def test_interpreted_engine_samples_the_same_tokens(interpreted):
     """Seeded sampling through the engine: the megakernel path draws the layer-stack path's tokens."""
@@ -278,6 +285,7 @@ def test_bind_refuses_a_misaligned_weight():
         mk.bind(layers, cache.k, cache.v)
 
 
+@interpreted_mk
 @needs_triton
 def test_interpreted_barrier_that_cannot_complete_times_out_into_an_error(interpreted):
     """Program 0 waits at a barrier program 1 never reaches (the interpreter runs them one after the other):
@@ -285,6 +293,7 @@ def test_interpreted_barrier_that_cannot_complete_times_out_into_an_error(interp
     assert "timed out at a grid barrier: not all 2 programs were resident" in interpreted["timeout"]
 
 
+@interpreted_mk
 @needs_triton
 def test_engine_raises_after_the_first_window_of_a_stalled_megakernel(interpreted):
     """Each launch with a non-resident program stalls for MAX_SPINS polls: the engine must not launch it for the
