@@ -151,3 +151,22 @@ def test_decode_variants_fp32_equal_eager(fused, attention, gemv):
         assert d < 1e-4
     one = engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=16))  # batch bucket 1 or 2
     assert one[0].token_ids == ref.generate(prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=16))[0].token_ids
+
+
+def test_sampler_noise_and_tokens_on_cuda_equal_the_cpu():
+    """The int32-lane hash gives the same noise on the GPU (eager and inductor) as on the CPU, so a sample's tokens
+    do not depend on the device that drew them (the logits given)."""
+    from rlbench.engine.sampling import sample_tokens, token_hash, uniform_noise
+
+    B, V = 64, 151936
+    seeds = torch.arange(B) * 2_654_435_761 + 2**31  # beyond int32: only the low 32 bits count
+    steps = torch.arange(B) * 37
+    want = uniform_noise(seeds, steps, token_hash(V))
+    dev = (seeds.cuda(), steps.cuda(), token_hash(V, "cuda"))
+    assert torch.equal(uniform_noise(*dev).cpu(), want)
+    assert torch.equal(torch.compile(uniform_noise)(*dev).cpu(), want)
+    logits = torch.randn(B, V, generator=torch.Generator().manual_seed(0)) * 3
+    args = (torch.ones(B), torch.zeros(B, dtype=torch.long), torch.ones(B))
+    tok, _ = sample_tokens(logits, *args, seeds, steps, token_hash(V), truncate=False)
+    tok_cuda, _ = sample_tokens(logits.cuda(), *(a.cuda() for a in args), *dev, truncate=False)
+    assert torch.equal(tok_cuda.cpu(), tok)

@@ -114,6 +114,29 @@ def test_uniform_noise_in_open_interval_and_flat():
     assert float(((counts - expected) ** 2 / expected).sum()) < 40  # df 15, p ~ 5e-4
 
 
+def _mix32_reference(x: int) -> int:
+    """lowbias32 in Python integers (the definition both tensor forms of `mix32` must give)."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x5BD1E995) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_uniform_noise_is_the_32_bit_hash_of_seed_step_and_token():
+    """The `[B, V]` noise runs in int32 lanes (wrapping products, masked shifts): the same numbers as the hash in
+    exact integer arithmetic, for seeds beyond 2**31 and 2**32 (only their low 32 bits count) and every token."""
+    seeds = torch.tensor([0, 1, 2**31 - 1, 2**31, 2**32 + 5, 123456789012])
+    steps = torch.tensor([0, 7, 2**24 + 3, 1, 255, 40000])
+    vocab = 5000
+    got = uniform_noise(seeds, steps, token_hash(vocab))
+    assert token_hash(vocab).dtype == torch.int32
+    for b, (seed, step) in enumerate(zip(seeds.tolist(), steps.tolist())):
+        row = _mix32_reference((_mix32_reference(seed & 0xFFFFFFFF) + (step & 0xFFFFFF) * 0x9E3779B9) & 0xFFFFFFFF)
+        want = [((_mix32_reference(row ^ _mix32_reference(2 * t + 1)) >> 9) + 0.5) / 2**23 for t in range(vocab)]
+        assert torch.equal(got[b], torch.tensor(want, dtype=torch.float32)), b
+
+
 def test_greedy_variant_equals_sampler_at_t0():
     """The noise-free greedy step (all rows T = 0) == the sampler's greedy rows, tokens and log-probs exactly."""
     logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(3)) * 4

@@ -24,7 +24,16 @@ _GOLDEN = 0x9E3779B9
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finaliser (lowbias32-style) on int64 tensors holding values in [0, 2**32)."""
+    """A 32-bit integer finaliser (lowbias32-style): on int64 tensors holding values in [0, 2**32), or on int32
+    tensors holding the same 32 bits (products wrap mod 2**32; shifts are made logical by masking). The int32
+    form is the one for `[B, V]` tensors: CPUs multiply int32 lanes natively (AVX2 has no int64 multiply, a 3x
+    slower hash) and GPUs read half the bytes."""
+    if x.dtype == torch.int32:
+        x = x ^ ((x >> 16) & 0xFFFF)
+        x = x * _M1
+        x = x ^ ((x >> 15) & 0x1FFFF)
+        x = x * _M2
+        return x ^ ((x >> 16) & 0xFFFF)
     x = x ^ (x >> 16)
     x = (x * _M1) & _MASK32
     x = x ^ (x >> 15)
@@ -32,20 +41,25 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _int32_bits(x: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2**32) -> int32 tensors with the same 32 bits."""
+    return (x - ((x >> 31) << 32)).to(torch.int32)
+
+
 def token_hash(vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Per-token-id hash `[V]` int64, computed once per engine."""
-    return mix32(torch.arange(vocab_size, device=device, dtype=torch.int64) * 2 + 1)
+    """Per-token-id hash `[V]` (int32 bits of the 32-bit hash), computed once per engine."""
+    return _int32_bits(mix32(torch.arange(vocab_size, device=device, dtype=torch.int64) * 2 + 1))
 
 
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
-    """Uniform numbers in (0, 1) for every (row, token): `[B]`, `[B]`, `[V]` -> `[B, V]` float32.
+    """Uniform numbers in (0, 1) for every (row, token): `[B]`, `[B]`, `[V]` (from `token_hash`) -> `[B, V]` float32.
 
     Row b's numbers depend only on `(seeds[b], steps[b])`. 23 bits: `k + 0.5` is then exact in float32, so
     `u` is strictly inside (0, 1) (with 24 bits the top value rounds to 1.0 and the Gumbel noise to inf).
     """
-    row = mix32((mix32(seeds & _MASK32) + (steps & 0xFFFFFF) * _GOLDEN) & _MASK32)  # [B]
-    h = mix32(row[:, None] ^ vocab_hash[None, :])  # [B, V]
-    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+    row = mix32((mix32(seeds & _MASK32) + (steps & 0xFFFFFF) * _GOLDEN) & _MASK32)  # [B] int64
+    h = mix32(_int32_bits(row)[:, None] ^ vocab_hash[None, :])  # [B, V] int32
+    return (((h >> 9) & 0x7FFFFF).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 VOCAB_CHUNK = 1024

@@ -26,6 +26,7 @@ from rlbench.engine.kv_cache import CacheShape, KVCache, slot_bytes, slots_for_m
 from rlbench.engine.quantize import weight_rounder
 from rlbench.engine.runner import ModelRunner
 from rlbench.engine.sampling import sample_tokens
+from rlbench.host_memory import retain_freed_host_memory
 from rlbench.packing.pack import bucket_length
 from rlbench.rollout.base import Generation, SamplingParams, WeightBucket, expand_seeds
 
@@ -86,6 +87,8 @@ class TorchEngine:
         self.dtype = next(model.parameters()).dtype
         self._released: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self._abort = False
+        if self.device.type == "cpu":
+            retain_freed_host_memory()  # the sampler's [rows, vocab] temporaries reuse freed blocks
         if self.cfg.batch_invariant:  # the trainer's numerics (`rlbench.numerics`): checked on this machine first
             from rlbench.numerics import make_batch_invariant, self_test
 

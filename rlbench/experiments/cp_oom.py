@@ -149,10 +149,11 @@ def emulated_forward_pack(backend: FSDPBackend, group: EmulatedCP, kv_head_chunk
         tokens = cp_slice(pack.tokens, layout, rank).to(dev)  # [T/cp]
         positions = cp_slice(pack.position_ids, layout, rank).to(dev)  # [T/cp]
         ctx = CPContext(info, group, kv_head_chunk=kv_head_chunk, recompute=recompute)
-        out = model(input_ids=tokens[None], position_ids=positions[None], rl_cp=ctx, use_cache=False)
         local_pos, resp_ids = cp_local_response(pack, layout, rank)  # [R_r]
+        out = model(input_ids=tokens[None], position_ids=positions[None], rl_cp=ctx, use_cache=False,
+                    logits_to_keep=local_pos.to(dev))
         targets = pack.tokens[layout.indices[rank][local_pos] + 1].to(dev)  # [R_r]
-        logp, ent = token_logprobs(out.logits[0][local_pos.to(dev)], targets, backend.temperature,
+        logp, ent = token_logprobs(out.logits[0], targets, backend.temperature,
                                    chunk_size=backend.cfg.logprob_chunk_size, with_entropy=with_entropy)
         R, resp_ids = int(pack.response_index.numel()), resp_ids.to(dev)
 

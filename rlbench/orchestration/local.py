@@ -88,7 +88,18 @@ def build_engine(cfg: RunConfig, device: torch.device, tokenizer):
     with params_on_meta():
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     model = materialize(model, device)
-    return TorchEngine(model, cfg.engine, tokenizer=tokenizer)
+    engine_cfg = cfg.engine
+    if engine_cfg.num_slots is None and device.type == "cpu":  # a GPU sizes its cache from free memory
+        engine_cfg = dataclasses.replace(engine_cfg, num_slots=rollout_slots(cfg))
+    return TorchEngine(model, engine_cfg, tokenizer=tokenizer)
+
+
+def rollout_slots(cfg: RunConfig) -> int:
+    """Slots that decode one rollout's samples at once (at most `engine.max_slots`): on a CPU a decode step's
+    cost is per row plus a fixed part, so the fewer the steps, the shorter the rollout."""
+    r = cfg.rollout
+    prompts = (r.over_sampling_batch_size or r.rollout_batch_size) if r.dynamic_sampling else r.rollout_batch_size
+    return min(cfg.engine.max_slots, prompts * r.n_samples_per_prompt)
 
 
 def build_backend(cfg: RunConfig):

@@ -26,6 +26,7 @@ from rlbench.backends.fsdp.offload import HostStash, state_tensors
 from rlbench.backends.fsdp.optim import build_optimizer, build_scheduler, init_optimizer_state
 from rlbench.backends.fsdp.weights import export_hf, named_weight_buckets
 from rlbench.distributed.mesh import DistEnv, barrier, init_distributed
+from rlbench.host_memory import retain_freed_host_memory
 from rlbench.interrupts import defer_sigint, raise_if_interrupted
 
 
@@ -75,6 +76,8 @@ class FSDPBackend:
             self._cp_kernel = cp_kernel(cfg.cp_attention)
         if self.env is None:
             self.env = init_distributed(cfg.device, cp_size=cfg.cp_size, cpu_offload=cfg.cpu_offload)
+        if self.env.device.type == "cpu":
+            retain_freed_host_memory()  # the step's large temporaries reuse freed blocks (no page faults)
         torch.manual_seed(cfg.seed)
         self.model, self.hf_config = build_sharded_model(cfg.model, cfg, self.env, offload=cfg.cpu_offload)
         _check_kv_head_chunk(cfg, self.hf_config)
@@ -118,15 +121,15 @@ class FSDPBackend:
         # captured-tensor mask_mod) transformers builds the BlockMask from position_ids itself.
         use_mask = self.cfg.attention == "flex_attention" and positions.is_cuda and not self.cfg.batch_invariant
         mask = document_block_mask(positions) if use_mask else None
-        out = model(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask, use_cache=False)
-        logits = out.logits[0]  # [T, V]
-        targets = torch.roll(tokens, -1)  # [T]: logp[t] scores tokens[t+1]; the last position is unused
-        logp, ent = token_logprobs(
-            logits, targets, self.temperature, chunk_size=self.cfg.logprob_chunk_size, with_entropy=with_entropy,
-            lse_fn=_engine_lse() if self.cfg.batch_invariant else None,
+        index = pack.response_index.to(dev, non_blocking=True)  # [R] the positions predicting response tokens
+        # the lm-head runs on those rows only (prompts and pad need no logits: a third of a 510 + 256 pack);
+        # its GEMM is row-local, so each row's logits are the ones the full [T, V] head would give
+        out = model(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask, use_cache=False,
+                    logits_to_keep=index)
+        return token_logprobs(
+            out.logits[0], tokens[index + 1], self.temperature, chunk_size=self.cfg.logprob_chunk_size,
+            with_entropy=with_entropy, lse_fn=_engine_lse() if self.cfg.batch_invariant else None,
         )
-        index = pack.response_index.to(dev, non_blocking=True)  # [R]
-        return logp[index], (ent[index] if ent is not None else None)
 
     def _forward_pack_cp(self, model, pack, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward_pack` of one CP rank: the model sees the rank's slice; the result is the FULL `[R]`.
@@ -149,12 +152,12 @@ class FSDPBackend:
         tokens = cp_slice(pack.tokens, layout, rank).to(dev, non_blocking=True)  # [T/cp]
         positions = cp_slice(pack.position_ids, layout, rank).to(dev, non_blocking=True)  # [T/cp]
         ctx = kernel.context(layout, rank, group, self.cfg.cp_kv_head_chunk, self.cfg.cp_recompute, dev)
-        out = model(input_ids=tokens[None], position_ids=positions[None], rl_cp=ctx, use_cache=False)
         local_pos, resp_ids = cp_local_response(pack, layout, rank)  # [R_r]
+        out = model(input_ids=tokens[None], position_ids=positions[None], rl_cp=ctx, use_cache=False,
+                    logits_to_keep=local_pos.to(dev))  # the head on this rank's response rows only
         targets = pack.tokens[layout.indices[rank][local_pos] + 1].to(dev, non_blocking=True)  # [R_r]
         logp, ent = token_logprobs(
-            out.logits[0][local_pos.to(dev)], targets, self.temperature, chunk_size=self.cfg.logprob_chunk_size,
-            with_entropy=with_entropy,
+            out.logits[0], targets, self.temperature, chunk_size=self.cfg.logprob_chunk_size, with_entropy=with_entropy,
         )
         R = int(pack.response_index.numel())
         resp_ids = resp_ids.to(dev)

@@ -104,8 +104,8 @@ class FSDPConfig:
     """FSDP CPUOffloadPolicy on the actor: params/grads/optimizer on CPU, AdamW step on CPU"""
     seed: int = 1234
     """seed for random init and torch RNG"""
-    logprob_chunk_size: int = 512
-    """rows of logits processed at once in the log-prob/entropy kernel"""
+    logprob_chunk_size: int = 256
+    """rows of logits processed at once in the log-prob/entropy kernel (`algorithms.logprobs.DEFAULT_CHUNK_SIZE`)"""
     with_entropy: bool = False
     """compute entropy in train() (needed when the loss has an entropy term)"""
     no_sync_accumulation: bool = True

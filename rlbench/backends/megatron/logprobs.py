@@ -75,7 +75,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, *, group,
-                            chunk_size: int = 512, with_entropy: bool = False):
+                            chunk_size: int = 256, with_entropy: bool = False):
     """`(logp [T], entropy [T] | None)` fp32 of the full-vocabulary `softmax(logits / temperature)`.
 
     Args:
