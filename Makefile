@@ -19,6 +19,11 @@ else
 	$(VPY) -m pip install -q --no-compile torch==2.13.0
 endif
 	$(VPY) -m pip install -q --no-compile -e ".[notebook,dev,data,megatron]"
+	@# bytecode for every installed module, once, on all cores: where PYTHONDONTWRITEBYTECODE is set (CI boxes)
+	@# nothing caches it otherwise, and each new process (test subprocesses, notebook kernels, workers) spent
+	@# ~8 s recompiling torch and transformers on import. Some packages ship files that are not meant to
+	@# compile (templates, py2 fixtures), so compileall's exit status is not a failure.
+	-$(VPY) -m compileall -q -j 0 $$($(VPY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") >/dev/null
 	touch $(STAMP)
 
 run: $(STAMP)
