@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import json
+import threading
+import types
 from dataclasses import dataclass
 
 import pytest
@@ -14,7 +17,7 @@ from rlbench.config import RunConfig, SGLangEngineConfig, WeightSyncConfig
 from rlbench.data.config import DataConfig
 from rlbench.orchestration.ray_config import ClusterConfig
 from rlbench.rollout import SamplingParams, sglang_engine
-from rlbench.rollout.sglang_engine import SGLangEngine, to_sglang_params
+from rlbench.rollout.sglang_engine import SGLangEngine, sglang_load_dtype, to_sglang_params
 from rlbench.weights import WeightSync
 
 EMBED, NORM = "model.embed_tokens.weight", "model.norm.weight"
@@ -50,11 +53,13 @@ class FakeSGLang:
       model_executor/model_runner_components/weight_exporter.py:169-188).
     - `init_weights_update_group` answers `(ok, msg)`; receiving on an unknown group fails with SGLang's message
       (model_runner_components/weight_updater.py:100-144, 260-276; scheduler_components/weight_updater.py:203-212).
+    - every parameter is held in the model's load dtype (configs/model_config.py:2284-2329; the fixture's
+      checkpoint says bfloat16) and a loaded tensor is cast into it (`param.data.copy_`).
     """
 
-    def __init__(self, deterministic: bool = True, exports_weights: bool = True):
+    def __init__(self, deterministic: bool = True, exports_weights: bool = True, dtype=torch.bfloat16):
         self.deterministic, self.exports_weights = deterministic, exports_weights
-        self.weights = {EMBED: torch.zeros(4, 2, dtype=torch.bfloat16), NORM: torch.ones(2)}
+        self.weights = {EMBED: torch.zeros(4, 2, dtype=dtype), NORM: torch.ones(2, dtype=dtype)}
         self.session_open = False
         self.offload_tags: set[str] = set()
         self.groups: set[str] = set()
@@ -151,7 +156,7 @@ class FakeSGLang:
 @pytest.fixture
 def model_dir(tmp_path):
     save_file({EMBED: torch.zeros(4, 2, dtype=torch.bfloat16), NORM: torch.ones(2)}, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": True, "torch_dtype": "bfloat16"}))
     return str(tmp_path)
 
 
@@ -204,6 +209,107 @@ def test_a_refused_update_raises_with_sglangs_message_and_keeps_the_version(mode
     with pytest.raises(RuntimeError, match="begin_weight_update failed: a weight-update session is already open"):
         engine.update_weights(new_weights(), version=1)
     assert engine.weight_version == 0 and fake.calls[-1] == ("begin_weight_update",)
+
+
+def test_a_failing_session_end_does_not_hide_the_updates_error(model_dir):
+    engine, fake = make(model_dir)
+    fake.refuse_next = "Failed to update parameter online: shape mismatch"
+    real_end = fake.end_weight_update
+
+    def end_refused():
+        real_end()
+        return False, "end_weight_update: finalize failed"
+
+    fake.end_weight_update = end_refused
+    with pytest.raises(RuntimeError, match="update_weights_from_tensor failed: .*shape mismatch") as raised:
+        engine.update_weights(new_weights(), version=1)
+    assert raised.value.__notes__ == [
+        "closing the weight-update session failed too: SGLang end_weight_update failed: end_weight_update: finalize failed"]
+    assert engine.weight_version == 0 and not fake.session_open
+
+
+def test_weights_are_cast_to_sglangs_dtype_before_sending_so_verify_compares_like_with_like(model_dir):
+    engine, fake = make(model_dir)
+    assert engine.dtype == torch.bfloat16  # the checkpoint's torch_dtype, as SGLang's dtype="auto" loads it
+
+    class Fp32Backend:  # a trainer holding fp32 weights; it sends in the dtype the sync asks for
+        asked: list = []
+
+        def named_weights_for_sync(self, bucket_bytes, dtype):
+            self.asked.append(dtype)
+            weights = {EMBED: torch.full((4, 2), 0.1), NORM: torch.full((2,), 1.1)}  # not bf16 values
+            yield [(name, t if dtype is None else t.to(dtype)) for name, t in weights.items()]
+
+    backend = Fp32Backend()
+    metrics = WeightSync(WeightSyncConfig(verify=True), backend, engine).push(version=1)
+    assert metrics["weights/verified"] == 1.0 and backend.asked == [torch.bfloat16]
+    assert fake.weights[NORM].tolist() == [1.1015625, 1.1015625] and engine.weight_version == 1  # bf16(1.1)
+
+
+def test_sglang_load_dtype_follows_model_config(tmp_path):
+    def checkpoint(name, config):
+        path = tmp_path / name
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(config))
+        return str(path)
+
+    assert sglang_load_dtype(checkpoint("bf16", {"dtype": "bfloat16"})) == torch.bfloat16
+    assert sglang_load_dtype(checkpoint("fp32", {"torch_dtype": "float32"})) == torch.float16  # SGLang's downcast
+    assert sglang_load_dtype(checkpoint("none", {})) == torch.float16
+    assert sglang_load_dtype(checkpoint("gemma", {"model_type": "gemma2", "torch_dtype": "float32"})) == torch.bfloat16
+    assert sglang_load_dtype(checkpoint("vlm", {"text_config": {"torch_dtype": "bfloat16"}})) == torch.bfloat16
+    assert sglang_load_dtype(checkpoint("set", {"torch_dtype": "bfloat16"}), "float32") == torch.float32
+    with pytest.raises(ValueError, match="dtype='fp8'"):
+        sglang_load_dtype(tmp_path, "fp8")
+
+
+class LoopBoundSGLang(FakeSGLang):
+    """How `sglang.Engine` uses event loops: `__init__` keeps the running loop, else the thread's current one, else
+    makes and sets a new one (entrypoints/engine.py:396, 1403-1414), and every method is
+    `self.loop.run_until_complete(...)` (:1506-1507), which raises when that loop is already running (a notebook's)."""
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.kwargs, self.threads = kwargs, set()
+        try:
+            self.loop = asyncio.get_running_loop()
+        except RuntimeError:
+            try:
+                self.loop = asyncio.get_event_loop_policy().get_event_loop()
+            except RuntimeError:
+                self.loop = asyncio.new_event_loop()
+                asyncio.set_event_loop(self.loop)
+
+    def flush_cache(self):
+        async def flush():
+            self.threads.add(threading.get_ident())
+            return FakeSGLang.flush_cache(self)
+
+        return self.loop.run_until_complete(flush())
+
+
+def test_an_engine_started_inside_a_running_event_loop_gets_a_thread_of_its_own(model_dir, monkeypatch):
+    monkeypatch.setattr(sglang_engine, "_import_sglang", lambda: types.SimpleNamespace(Engine=LoopBoundSGLang))
+
+    async def notebook_cell():
+        engine = SGLangEngine(SGLangEngineConfig(model_path=model_dir))
+        engine.update_weights(new_weights(), version=1)
+        engine.sleep()
+        engine.wake_up()
+        return engine
+
+    engine = asyncio.run(notebook_cell())
+    inner = engine.engine._engine
+    assert inner.kwargs["model_path"] == model_dir and engine.weight_version == 1
+    assert len(inner.threads) == 1 and threading.get_ident() not in inner.threads  # one thread, not the caller's
+    assert [c[0] for c in inner.calls].count("flush_cache") == 2
+    engine.engine._pool.submit(inner.loop.close).result()
+    plain = SGLangEngine(SGLangEngineConfig(model_path=model_dir))  # no running loop: built and called here
+    assert isinstance(plain.engine, LoopBoundSGLang)
+    plain.flush_cache()
+    assert plain.engine.threads == {threading.get_ident()}
+    plain.engine.loop.close()
+    asyncio.set_event_loop(None)
 
 
 def test_unknown_weight_names_are_an_error_before_anything_is_sent(model_dir):

@@ -11,11 +11,16 @@ what was never run):
 - weights: every update runs inside `begin_weight_update()` / `end_weight_update()` (without the session
   `update_weights_from_tensor` answers `(False, msg)`: `managers/scheduler_components/weight_updater.py:232-239,
   309-335`). Every call's `(ok, message)` is checked and a failure raises with SGLang's message; names the
-  checkpoint does not have are refused before anything is sent (SGLang logs and skips them: `models/qwen3.py:760`);
-  the version changes only after the whole update, the session end and the cache flush succeeded.
+  checkpoint does not have are refused before their bucket is sent (SGLang logs and skips them: `models/qwen3.py:760`);
+  the version changes only after the whole update, the session end and the cache flush succeeded. `dtype` is the
+  dtype SGLang holds the parameters in (`configs/model_config.py:2284-2329`), so the trainer casts before sending
+  and weight-sync verify compares like with like.
 - memory: `sleep` releases tags and `wake_up` resumes exactly those (resuming a tag that was not released raises
   `KeyError` in the scheduler, `weight_updater.py:383-390`, which then kills the whole process tree,
-  `managers/scheduler.py:6369-6372`, `entrypoints/engine.py:1976-1982`); a `wake_up` without `sleep` does nothing.
+  `managers/scheduler.py:6370-6373`, `entrypoints/engine.py:1976-1982`); a `wake_up` without `sleep` does nothing.
+- event loop: `sglang.Engine` runs every call with `loop.run_until_complete` on the loop it found or made at
+  construction (`entrypoints/engine.py:396, 1403-1414, 1506-1507`), which fails inside a running loop (Jupyter); started
+  from inside one, the adapter builds and calls the engine on a thread of its own.
 
 Log-probs: log_softmax(logits / T) of the sampled token, before top-p/top-k (`layers/sampler.py:275, 315`);
 greedy: T = 1 (`layers/sampler.py:208-222`), the `Generation` contract.
@@ -23,11 +28,13 @@ greedy: T = 1 (`layers/sampler.py:208-222`), the `Generation` contract.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import struct
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -35,7 +42,7 @@ import torch
 from rlbench.config import SGLangEngineConfig
 from rlbench.rollout.base import Generation, SamplingParams, WeightBucket, expand_seeds
 
-__all__ = ["SGLangEngine", "SGLangEngineConfig", "checkpoint_weight_names", "to_sglang_params"]
+__all__ = ["SGLangEngine", "SGLangEngineConfig", "checkpoint_weight_names", "sglang_load_dtype", "to_sglang_params"]
 
 MIN_VERSION = (0, 5, 23)
 """The oldest SGLang whose API this adapter follows (weight-update sessions, `(ok, msg)` returns)."""
@@ -85,6 +92,48 @@ def checkpoint_weight_names(model_path: str) -> set[str]:
         if json.load(f).get("tie_word_embeddings"):
             names.add("lm_head.weight")
     return names
+
+
+_DTYPES = {"half": torch.float16, "float16": torch.float16, "float": torch.float32, "float32": torch.float32,
+           "bfloat16": torch.bfloat16}  # configs/model_config.py:2274-2280
+
+
+def sglang_load_dtype(model_path: str, dtype: str = "auto") -> torch.dtype:
+    """The dtype SGLang holds a checkpoint's parameters in (`configs/model_config.py:2284-2329`): `dtype` unless
+    "auto"; else the config's `dtype` / `torch_dtype`, where float32 or none given becomes float16 (bfloat16 for
+    Gemma models)."""
+    if dtype != "auto":
+        if dtype.lower() not in _DTYPES:
+            raise ValueError(f"sglang dtype={dtype!r}: SGLang knows auto, {sorted(_DTYPES)}")
+        return _DTYPES[dtype.lower()]
+    with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    config = config.get("text_config") or config  # SGLang reads the text model's config (hf_text_config)
+    loaded = _DTYPES.get(config.get("dtype") or config.get("torch_dtype") or "float32", torch.float32)
+    if loaded != torch.float32:
+        return loaded
+    return torch.bfloat16 if str(config.get("model_type", "")).startswith("gemma") else torch.float16
+
+
+class _EngineThread:
+    """Runs `sglang.Engine` (construction and every call) on one thread of its own, whose event loop SGLang
+    makes; for callers inside a running event loop, where SGLang's `run_until_complete` fails."""
+
+    def __init__(self, factory):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-engine")
+        self._engine = self._pool.submit(factory).result()
+
+    def __getattr__(self, name: str):
+        method = getattr(self._engine, name)
+        return lambda *args, **kwargs: self._pool.submit(method, *args, **kwargs).result()
+
+
+def _in_running_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def to_sglang_params(sampling: SamplingParams, seed: int | None) -> dict[str, Any]:
@@ -150,12 +199,17 @@ class SGLangEngine:
             raise ValueError(f"sglang model_path={cfg.model_path!r} must be an HF model directory (config.json + "
                              "safetensors); a model preset name cannot be loaded by SGLang")
         if engine is None:
-            engine = _import_sglang().Engine(**cfg.engine_kwargs(cfg.model_path))
+            sglang, kwargs = _import_sglang(), cfg.engine_kwargs(cfg.model_path)
+            if _in_running_loop():  # e.g. Jupyter: SGLang's run_until_complete cannot run on that loop
+                engine = _EngineThread(lambda: sglang.Engine(**kwargs))
+            else:
+                engine = sglang.Engine(**kwargs)
         self.cfg = cfg
         self.engine = engine
         self.weight_names = set(weight_names) if weight_names is not None else checkpoint_weight_names(cfg.model_path)
         self.weight_version = 0
-        self.dtype = None  # SGLang casts what it loads into its own parameters' dtype
+        self.dtype = sglang_load_dtype(cfg.model_path, str(cfg.extra.get("dtype", "auto")))
+        """The dtype of SGLang's parameters; the weight sync casts to it before sending."""
         self._released: list[str] = []
         self._sent: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}  # what the last update carried (for verify)
         self._warned_unseeded = False
@@ -203,9 +257,9 @@ class SGLangEngine:
             RuntimeError: SGLang refused a call (its message is included); the engine may hold a mix of old and
                 new weights and keeps its old version.
         """
-        _check(self.engine.begin_weight_update(), "begin_weight_update")
         sent: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-        try:
+
+        def send():
             for bucket in buckets:
                 unknown = sorted(name for name, _ in bucket if name not in self.weight_names)
                 if unknown:
@@ -214,8 +268,8 @@ class SGLangEngine:
                 _check(self.engine.update_weights_from_tensor(named_tensors=list(bucket), flush_cache=False),
                        "update_weights_from_tensor")
                 sent.update((name, (t.dtype, tuple(t.shape))) for name, t in bucket)
-        finally:
-            _check(self.engine.end_weight_update(), "end_weight_update")
+
+        self._in_session(send)
         _check(self.engine.flush_cache(), "flush_cache")
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.ipc_collect()  # free the CUDA IPC handles SGLang opened on our buckets
@@ -258,14 +312,25 @@ class SGLangEngine:
         unknown = sorted(set(names) - self.weight_names)
         if unknown:
             raise ValueError(f"weight update names {unknown[:5]} are not in the checkpoint {self.cfg.model_path}")
+        self._in_session(lambda: _check(
+            self.engine.update_weights_from_distributed(names=names, dtypes=dtypes, shapes=shapes,
+                                                        group_name=group_name, flush_cache=True),
+            "update_weights_from_distributed"))
+        self.weight_version = version
+
+    def _in_session(self, body) -> None:
+        """`body()` between `begin_weight_update()` and `end_weight_update()`; the session is closed whatever
+        happens, and a failing close does not hide the error that came first."""
         _check(self.engine.begin_weight_update(), "begin_weight_update")
         try:
-            _check(self.engine.update_weights_from_distributed(names=names, dtypes=dtypes, shapes=shapes,
-                                                               group_name=group_name, flush_cache=True),
-                   "update_weights_from_distributed")
-        finally:
-            _check(self.engine.end_weight_update(), "end_weight_update")
-        self.weight_version = version
+            body()
+        except BaseException as err:
+            try:
+                _check(self.engine.end_weight_update(), "end_weight_update")
+            except RuntimeError as end_err:
+                err.add_note(f"closing the weight-update session failed too: {end_err}")
+            raise
+        _check(self.engine.end_weight_update(), "end_weight_update")
 
     # ------------------------------------------------------------------ memory
     def sleep(self, release_weights: bool = False) -> None:
