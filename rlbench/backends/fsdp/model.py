@@ -100,6 +100,11 @@ def build_sharded_model(
         # falls back to eager.
         dynamo_config = torch._dynamo.config
         dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, _RECOMPILE_LIMIT)
+        if cfg.gradient_checkpointing and hasattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+            # transformers >= 5.25 sets a context variable (its output capturing) inside every layer's forward;
+            # under a checkpointed layer that side effect is a graph break and the whole layer ran eagerly.
+            # The recompute in backward need not replay it: nothing of ours reads it.
+            dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for i, layer in enumerate(layers):
         if cfg.gradient_checkpointing and i % cfg.checkpoint_every == 0:
             _checkpoint_forward(layer)
