@@ -366,3 +366,37 @@ def test_bucketed_pack_lengths_bound_the_compiled_graphs(monkeypatch):
     assert len(unpadded) > 2 * len(lengths)  # without buckets, every one of these lengths was a new graph
     assert bucketed.num_tokens > plain.num_tokens and torch.equal(got_bi, want_bi)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_the_head_runs_on_response_rows_only_and_a_model_ignoring_logits_to_keep_is_named():
+    """`forward_pack` asks the model for the logits of the positions predicting response tokens only
+    (`logits_to_keep`): their log-probs equal the full-head computation's to fp32 rounding, and a model that
+    returns every row instead is refused with its class name, not a shape error deep in the log-prob kernel."""
+    from types import SimpleNamespace
+
+    from rlbench.backends.fsdp.actor import FSDPBackend
+
+    pack = pack_samples(SAMPLES, pad_multiple=8)
+    backend = FSDPBackend(FSDPConfig(model="tiny", device="cpu", param_dtype="fp32", compile=False,
+                                     attn_implementation="eager"))
+    backend.init()
+    try:
+        with torch.no_grad():
+            got, _ = backend.forward_pack(backend.model, pack, with_entropy=False)
+            full = backend.model(input_ids=pack.tokens[None], position_ids=pack.position_ids[None],
+                                 use_cache=False).logits[0]  # [T, V]
+        want, _ = token_logprobs(full[pack.response_index], pack.tokens[pack.response_index + 1])
+        assert got.shape == (int(pack.response_index.numel()),)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+        class EveryRow(torch.nn.Module):
+            def forward(self, input_ids, **kwargs):
+                return SimpleNamespace(logits=torch.zeros(1, input_ids.shape[1], 11))
+
+        with pytest.raises(TypeError, match="EveryRow returned .* logit rows for .* logits_to_keep"):
+            backend.forward_pack(EveryRow(), pack, with_entropy=False)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -126,6 +126,7 @@ class FSDPBackend:
         # its GEMM is row-local, so each row's logits are the ones the full [T, V] head would give
         out = model(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask, use_cache=False,
                     logits_to_keep=index)
+        _check_kept_rows(out.logits, index.numel(), model)
         return token_logprobs(
             out.logits[0], tokens[index + 1], self.temperature, chunk_size=self.cfg.logprob_chunk_size,
             with_entropy=with_entropy, lse_fn=_engine_lse() if self.cfg.batch_invariant else None,
@@ -155,6 +156,7 @@ class FSDPBackend:
         local_pos, resp_ids = cp_local_response(pack, layout, rank)  # [R_r]
         out = model(input_ids=tokens[None], position_ids=positions[None], rl_cp=ctx, use_cache=False,
                     logits_to_keep=local_pos.to(dev))  # the head on this rank's response rows only
+        _check_kept_rows(out.logits, local_pos.numel(), model)
         targets = pack.tokens[layout.indices[rank][local_pos] + 1].to(dev, non_blocking=True)  # [R_r]
         logp, ent = token_logprobs(
             out.logits[0], targets, self.temperature, chunk_size=self.cfg.logprob_chunk_size, with_entropy=with_entropy,
@@ -412,6 +414,14 @@ def _cp_assemble(local: torch.Tensor, resp_ids: torch.Tensor, num_response: int,
     partition range(R), the others contribute exact zeros, so the sum is bit-exact)."""
     full = local.new_zeros(num_response).index_copy(0, resp_ids, local)
     return _SumOverPeers.apply(full, group)
+
+
+def _check_kept_rows(logits: torch.Tensor, rows: int, model) -> None:
+    """The model honoured `logits_to_keep` (HF causal LMs do): one logit row per kept position."""
+    if logits.shape[1] != rows:
+        raise TypeError(f"{type(model).__name__} returned {logits.shape[1]} logit rows for {rows} positions in "
+                        "logits_to_keep: the trainer needs a Hugging Face causal LM whose forward takes a tensor "
+                        "logits_to_keep (transformers >= 4.50 models do)")
 
 
 def _laid_out_for_cp(pack, cp: int, zigzag: bool) -> bool:
