@@ -156,6 +156,11 @@ class RolloutConfig:
             raise ValueError(f"reward_timeout={self.reward_timeout} must be > 0 seconds (None or 0: no limit)")
         check_rm_type(self.rm_type)
 
+    @property
+    def prompts_per_round(self) -> int:
+        """Prompts one generate round pulls: the over-sampling batch under dynamic sampling, else the rollout's."""
+        return (self.over_sampling_batch_size or self.rollout_batch_size) if self.dynamic_sampling else self.rollout_batch_size
+
 
 @dataclass
 class BatchConfig:

@@ -28,4 +28,3 @@ def retain_freed_host_memory() -> bool:
         return False
     libc = ctypes.CDLL(None)
     return bool(libc.mallopt(M_MMAP_THRESHOLD, LIMIT)) and bool(libc.mallopt(M_TRIM_THRESHOLD, LIMIT))
-

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from rlbench.algorithms.logprobs import token_logprobs
-from rlbench.backends.fsdp.actor import FSDPBackend
+from rlbench.backends.fsdp.actor import FSDPBackend, kept_logits
 from rlbench.backends.fsdp.config import FSDPConfig, OptimConfig
 from rlbench.distributed.cp_attention import CP_ATTN_NAME, CPContext, EmulatedCP, cp_attention_info
 from rlbench.experiments.cp_oom_report import markdown, write_results
@@ -150,10 +150,9 @@ def emulated_forward_pack(backend: FSDPBackend, group: EmulatedCP, kv_head_chunk
         positions = cp_slice(pack.position_ids, layout, rank).to(dev)  # [T/cp]
         ctx = CPContext(info, group, kv_head_chunk=kv_head_chunk, recompute=recompute)
         local_pos, resp_ids = cp_local_response(pack, layout, rank)  # [R_r]
-        out = model(input_ids=tokens[None], position_ids=positions[None], rl_cp=ctx, use_cache=False,
-                    logits_to_keep=local_pos.to(dev))
+        logits = kept_logits(model, local_pos.to(dev), input_ids=tokens[None], position_ids=positions[None], rl_cp=ctx)
         targets = pack.tokens[layout.indices[rank][local_pos] + 1].to(dev)  # [R_r]
-        logp, ent = token_logprobs(out.logits[0], targets, backend.temperature,
+        logp, ent = token_logprobs(logits, targets, backend.temperature,
                                    chunk_size=backend.cfg.logprob_chunk_size, with_entropy=with_entropy)
         R, resp_ids = int(pack.response_index.numel()), resp_ids.to(dev)
 

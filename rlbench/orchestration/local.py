@@ -97,9 +97,7 @@ def build_engine(cfg: RunConfig, device: torch.device, tokenizer):
 def rollout_slots(cfg: RunConfig) -> int:
     """Slots that decode one rollout's samples at once (at most `engine.max_slots`): on a CPU a decode step's
     cost is per row plus a fixed part, so the fewer the steps, the shorter the rollout."""
-    r = cfg.rollout
-    prompts = (r.over_sampling_batch_size or r.rollout_batch_size) if r.dynamic_sampling else r.rollout_batch_size
-    return min(cfg.engine.max_slots, prompts * r.n_samples_per_prompt)
+    return min(cfg.engine.max_slots, cfg.rollout.prompts_per_round * cfg.rollout.n_samples_per_prompt)
 
 
 def build_backend(cfg: RunConfig):

@@ -93,8 +93,7 @@ class RolloutManager:
         kept, dropped, all_groups = [], [], []
         rounds = 0
         while len(kept) < c.rollout_batch_size and rounds < c.max_sampling_rounds:
-            n_prompts = (c.over_sampling_batch_size or c.rollout_batch_size) if c.dynamic_sampling else c.rollout_batch_size
-            items = self.dataset.next_batch(n_prompts)
+            items = self.dataset.next_batch(c.prompts_per_round)
             groups = self._sample_groups(items, c.n_samples_per_prompt, _seeds(c.seed, rollout_id, rounds, len(items), c.n_samples_per_prompt))
             for group in groups:
                 (dropped if c.dynamic_sampling and _equal_rewards(group) else kept).append(group)

@@ -122,13 +122,9 @@ class FSDPBackend:
         use_mask = self.cfg.attention == "flex_attention" and positions.is_cuda and not self.cfg.batch_invariant
         mask = document_block_mask(positions) if use_mask else None
         index = pack.response_index.to(dev, non_blocking=True)  # [R] the positions predicting response tokens
-        # the lm-head runs on those rows only (prompts and pad need no logits: a third of a 510 + 256 pack);
-        # its GEMM is row-local, so each row's logits are the ones the full [T, V] head would give
-        out = model(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask, use_cache=False,
-                    logits_to_keep=index)
-        _check_kept_rows(out.logits, index.numel(), model)
+        logits = kept_logits(model, index, input_ids=tokens[None], position_ids=positions[None], attention_mask=mask)
         return token_logprobs(
-            out.logits[0], tokens[index + 1], self.temperature, chunk_size=self.cfg.logprob_chunk_size,
+            logits, tokens[index + 1], self.temperature, chunk_size=self.cfg.logprob_chunk_size,
             with_entropy=with_entropy, lse_fn=_engine_lse() if self.cfg.batch_invariant else None,
         )
 
@@ -154,12 +150,10 @@ class FSDPBackend:
         positions = cp_slice(pack.position_ids, layout, rank).to(dev, non_blocking=True)  # [T/cp]
         ctx = kernel.context(layout, rank, group, self.cfg.cp_kv_head_chunk, self.cfg.cp_recompute, dev)
         local_pos, resp_ids = cp_local_response(pack, layout, rank)  # [R_r]
-        out = model(input_ids=tokens[None], position_ids=positions[None], rl_cp=ctx, use_cache=False,
-                    logits_to_keep=local_pos.to(dev))  # the head on this rank's response rows only
-        _check_kept_rows(out.logits, local_pos.numel(), model)
+        logits = kept_logits(model, local_pos.to(dev), input_ids=tokens[None], position_ids=positions[None], rl_cp=ctx)
         targets = pack.tokens[layout.indices[rank][local_pos] + 1].to(dev, non_blocking=True)  # [R_r]
         logp, ent = token_logprobs(
-            out.logits[0], targets, self.temperature, chunk_size=self.cfg.logprob_chunk_size, with_entropy=with_entropy,
+            logits, targets, self.temperature, chunk_size=self.cfg.logprob_chunk_size, with_entropy=with_entropy,
         )
         R = int(pack.response_index.numel())
         resp_ids = resp_ids.to(dev)
@@ -416,12 +410,18 @@ def _cp_assemble(local: torch.Tensor, resp_ids: torch.Tensor, num_response: int,
     return _SumOverPeers.apply(full, group)
 
 
-def _check_kept_rows(logits: torch.Tensor, rows: int, model) -> None:
-    """The model honoured `logits_to_keep` (HF causal LMs do): one logit row per kept position."""
-    if logits.shape[1] != rows:
-        raise TypeError(f"{type(model).__name__} returned {logits.shape[1]} logit rows for {rows} positions in "
-                        "logits_to_keep: the trainer needs a Hugging Face causal LM whose forward takes a tensor "
+def kept_logits(model, keep: torch.Tensor, **inputs) -> torch.Tensor:
+    """Logits `[K, V]` of the positions `keep` `[K]` of a one-row training forward (`model(**inputs)`, no KV cache).
+
+    The lm-head runs on those rows only (HF's `logits_to_keep`): prompt and pad positions predict nothing the loss
+    uses. Its GEMM is row-local, so each row is the one the full `[T, V]` head would give.
+    """
+    logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits
+    if logits.shape[1] != keep.numel():
+        raise TypeError(f"{type(model).__name__} returned {logits.shape[1]} logit rows for {keep.numel()} positions "
+                        "in logits_to_keep: the trainer needs a Hugging Face causal LM whose forward takes a tensor "
                         "logits_to_keep (transformers >= 4.50 models do)")
+    return logits[0]
 
 
 def _laid_out_for_cp(pack, cp: int, zigzag: bool) -> bool:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from rlbench.algorithms.logprobs import DEFAULT_CHUNK_SIZE
+
 
 def _stats(z, targets, start: int, group, with_entropy: bool):
     """(lse [C], logp [C], entropy [C] | None) of one chunk of tempered vocab-slice logits `z` [C, V/tp]."""
@@ -75,7 +77,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, *, group,
-                            chunk_size: int = 256, with_entropy: bool = False):
+                            chunk_size: int = DEFAULT_CHUNK_SIZE, with_entropy: bool = False):
     """`(logp [T], entropy [T] | None)` fp32 of the full-vocabulary `softmax(logits / temperature)`.
 
     Args:
