@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--modes", nargs="+", default=["sample"], choices=["greedy", "sample", "truncate"])
     ap.add_argument("--fused", type=int, nargs="+", default=[1], choices=[0, 1])
-    ap.add_argument("--decode-attention", nargs="+", default=["auto"], choices=["auto", "sdpa", "split"])
+    ap.add_argument("--decode-attention", nargs="+", default=["auto"], choices=["auto", "sdpa", "split", "split_kv"])
     ap.add_argument("--gemv-batch1", type=int, nargs="+", default=[1], choices=[0, 1])
     ap.add_argument("--megakernel", type=int, nargs="+", default=[0], choices=[0, 1])
     ap.add_argument("--megakernel-sync", nargs="+", default=["auto"], choices=["auto", "pdl", "barrier", "launch"])

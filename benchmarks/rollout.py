@@ -112,7 +112,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-cuda-graph", action="store_true")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--no-fused", action="store_true", help="run the HF layers' own matmuls (fused_weights=False)")
-    ap.add_argument("--decode-attention", default=TorchEngineConfig.decode_attention, choices=["auto", "split", "sdpa"])
+    ap.add_argument("--decode-attention", default=TorchEngineConfig.decode_attention, choices=["auto", "split", "sdpa", "split_kv"])
     ap.add_argument("--gemv-batch1", action=argparse.BooleanOptionalAction, default=TorchEngineConfig.gemv_batch1,
                     help="batch 1 in its own GEMV-lowered graph")
     ap.add_argument("--megakernel", action=argparse.BooleanOptionalAction, default=None,

@@ -1,13 +1,14 @@
 """Rollout with and without the shared-prefix KV layout (`TorchEngineConfig.shared_prefix`), side by side.
 
     python benchmarks/shared_prefix.py --device cuda --preset qwen3-0.6b-shape --prompts 8 --n 8 \\
-        --prompt-len 510 --new-tokens 256 --compile 0 1 --out $OUT/shared_prefix.json
+        --prompt-len 510 --new-tokens 256 --compile 0 1 --decode-attention sdpa split_kv --out $OUT/shared_prefix.json
 
 The RL shape: `prompts` prompts x `n` samples each, T = 1, EOS ignored. Per (compile, shared_prefix) variant, one
 fresh engine on the same model: the first `generate` (compile and graph capture: `first_s`) and the median of
 `--repeats` more (`tok_s`). Against the copied-prefix variant of the same compile setting it reports how many
 samples came out token for token equal and the log-prob gap over each pair's common prefix (the two layouts run
-different attention shapes, so in bf16 the samples may part ways after a near-tie).
+different attention shapes, so in bf16 the samples may part ways after a near-tie). `--decode-attention` runs the
+shared layout once per decode attention (`TorchEngineConfig.decode_attention`; the copied layout keeps "auto").
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_variant(model, args, compile_: bool, shared: bool, prompts) -> tuple[dict, list]:
+def run_variant(model, args, compile_: bool, shared: bool, attention: str, prompts) -> tuple[dict, list]:
     cfg = TorchEngineConfig(max_seq_len=args.prompt_len + args.new_tokens + 16, compile=compile_,
-                            shared_prefix=shared, num_slots=args.prompts * args.n)
+                            shared_prefix=shared, num_slots=args.prompts * args.n, decode_attention=attention)
     engine = TorchEngine(model, cfg.on_device(args.device.startswith("cuda")))
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, n=args.n, ignore_eos=True, seed=7)
     times, out = [], None
@@ -44,7 +45,7 @@ def run_variant(model, args, compile_: bool, shared: bool, prompts) -> tuple[dic
         _sync(args.device)
         times.append(time.perf_counter() - t0)
     tokens = sum(len(g.token_ids) for g in out)
-    row = dict(compile=compile_, shared_prefix=shared, first_s=times[0], median_s=statistics.median(times[1:]),
+    row = dict(compile=compile_, shared_prefix=shared, decode_attention=attention, first_s=times[0], median_s=statistics.median(times[1:]),
                tok_s=tokens / statistics.median(times[1:]), graphs=len(engine.runner._graphs))
     del engine
     gc.collect()
@@ -74,6 +75,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--compile", type=int, nargs="+", default=[0], choices=[0, 1])
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--decode-attention", nargs="+", default=["auto"],
+                    choices=["auto", "sdpa", "split", "split_kv"], help="the shared layout's decode attentions")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     cuda = args.device.startswith("cuda")
@@ -82,16 +85,20 @@ def main(argv=None) -> dict:
     prompts = torch.randint(0, model.config.vocab_size, (args.prompts, args.prompt_len), generator=g).tolist()
     rows = []
     for compile_ in args.compile:
-        outs = {}
-        for shared in (False, True):
-            row, outs[shared] = run_variant(model, args, bool(compile_), shared, prompts)
+        copied = None
+        for shared, attention in [(False, "auto")] + [(True, a) for a in args.decode_attention]:
+            row, out = run_variant(model, args, bool(compile_), shared, attention, prompts)
             rows.append(row)
-            print(f"compile={compile_} shared_prefix={int(shared)}: {row['tok_s']:,.0f} tok/s "
-                  f"(median {row['median_s']:.3f} s, first {row['first_s']:.1f} s, {row['graphs']} graphs)", flush=True)
-        rows[-1] |= agreement(outs[True], outs[False])
-        rows[-1]["speedup"] = rows[-1]["tok_s"] / rows[-2]["tok_s"]
-        print(f"  shared / copied: {rows[-1]['speedup']:.2f}x; {rows[-1]['equal_samples']}/{rows[-1]['samples']} "
-              f"samples equal; max |dlogp| on common prefixes {rows[-1]['max_logprob_gap_common_prefix']:.2e}")
+            print(f"compile={compile_} shared_prefix={int(shared)} decode_attention={attention}: {row['tok_s']:,.0f} "
+                  f"tok/s (median {row['median_s']:.3f} s, first {row['first_s']:.1f} s, {row['graphs']} graphs)",
+                  flush=True)
+            if not shared:
+                copied = (row, out)
+                continue
+            row |= agreement(out, copied[1])
+            row["speedup"] = row["tok_s"] / copied[0]["tok_s"]
+            print(f"  shared / copied: {row['speedup']:.2f}x; {row['equal_samples']}/{row['samples']} samples equal; "
+                  f"max |dlogp| on common prefixes {row['max_logprob_gap_common_prefix']:.2e}", flush=True)
     result = dict(device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
                   preset=args.preset, prompts=args.prompts, n=args.n, prompt_len=args.prompt_len,
                   new_tokens=args.new_tokens, rows=rows)

@@ -9,9 +9,9 @@ writes the new keys/values into the slot cache and attends:
   (padding sits after every real token, so it never reaches a real query).
 - decode: one token per slot for slots `[0, B)`; the query attends to cache positions `<= position`,
   reading only the first `kv_len` positions (a bucket >= the longest running sequence). Two decode
-  implementations (`DECODE_ATTENTION`), chosen once per engine: "sdpa" (one fused SDPA call; its kernels
-  parallelise over batch x KV heads only, ~16 blocks at batch 1) and "split" (fp32 reductions that inductor
-  spreads over kv_len as well).
+  implementations (`decode_attention`), chosen once per engine: "sdpa" (one fused SDPA call; its kernels
+  parallelise over batch x KV heads only, ~16 blocks at batch 1), "split" (fp32 reductions that inductor
+  spreads over kv_len as well) and "split_kv" (a Triton kernel over chunks of kv_len, `engine.split_kv`).
 - grouped decode (`KVContext.group` k > 1, the cache's `group_view(k)`): the k samples of one prompt decode
   together, so their g query heads per KV head become one `[k g]`-row query against the group row (the prompt
   once, then the k samples' interleaved tokens), each row masked to the prompt plus its own tokens. Per step the
@@ -85,6 +85,23 @@ def auto_decode(q, keys, values, mask, scale: float) -> torch.Tensor:
 
 
 DECODE_ATTENTION: dict[str, DecodeAttention] = {"sdpa": sdpa_decode, "split": split_decode, "auto": auto_decode}
+"""The decode attentions written in torch (`decode_attention` adds the Triton "split_kv")."""
+
+
+def decode_attention(name: str, *, compiled: bool, grouped: bool, cuda: bool) -> DecodeAttention:
+    """The decode attention `name` for one layout of one engine.
+
+    "auto": on CUDA the grouped layout takes "split_kv" (its few group rows x KV heads each hold k G query
+    rows over the prompt plus k interleaved samples: SDPA would walk those keys on few SMs); otherwise the
+    compiled step takes `auto_decode` and the eager one SDPA (`split_decode` materialises its products eagerly).
+    """
+    if name == "auto":
+        name = "split_kv" if cuda and grouped else ("auto" if compiled else "sdpa")
+    if name == "split_kv":
+        from rlbench.engine.split_kv import split_kv_decode
+
+        return split_kv_decode
+    return DECODE_ATTENTION[name]
 
 
 @dataclass
@@ -106,7 +123,7 @@ class KVContext:
     mask: torch.Tensor | None = None
     """Decode: `[B, 1, 1, kv_len]` bool, True where the key is visible."""
     decode_attention: DecodeAttention = sdpa_decode
-    """Decode: the implementation (a `DECODE_ATTENTION` value)."""
+    """Decode: the implementation (`decode_attention`)."""
     group: int = 1
     """Decode: rows per group row of the cache (1: a slot per row; k: `KVCache.group_view(k)`, rows
     `[g k, (g + 1) k)` are group row g's samples and `mask` is `[B / k, 1, k G, kv_len]`)."""

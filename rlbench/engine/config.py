@@ -9,8 +9,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-DECODE_ATTENTION = ("auto", "split", "sdpa")
-"""Decode attention names (`rlbench.engine.attention.DECODE_ATTENTION` maps them to implementations)."""
+DECODE_ATTENTION = ("auto", "split", "sdpa", "split_kv")
+"""Decode attention names (`rlbench.engine.attention.decode_attention` maps them to implementations)."""
 STAGE_SYNC = ("pdl", "barrier", "launch")
 """How the megakernel's stages wait for each other (`MegakernelConfig.sync`)."""
 ENGINE_DTYPES = ("bf16", "fp16", "fp32")
@@ -75,8 +75,10 @@ class TorchEngineConfig:
     """Run the engine's own layer forward over fused QKV and gate/up weights (Qwen3/Qwen2/Llama; other models
     use the HF layers). False runs the HF modules' own matmuls, as the trainer does."""
     decode_attention: str = "auto"
-    """Decode attention when compiled: "split" (fp32 reductions spread over kv_len), "sdpa" (one SDPA call,
-    parallel over batch x KV heads only) or "auto" (split while batch x KV heads < 64, else sdpa)."""
+    """Decode attention: "sdpa" (one SDPA call, parallel over batch x KV heads only), "split" (compiled only:
+    fp32 reductions spread over kv_len), "split_kv" (CUDA, Triton: programs over chunks of kv_len too) or
+    "auto": split_kv for the grouped layout on CUDA; otherwise split while batch x KV heads < 64, else sdpa
+    (compiled), sdpa (eager). `rlbench.engine.attention.decode_attention`."""
     gemv_batch1: bool = True
     """Compiled: decode batch 1 in its own graph whose matmuls inductor lowers to GEMV reductions (one more
     layer compile); otherwise the smallest compiled batch bucket is 2."""

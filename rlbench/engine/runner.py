@@ -29,7 +29,7 @@ import torch._dynamo
 import torch.fx.experimental._config as fx_config
 
 from rlbench.engine import megakernel
-from rlbench.engine.attention import DECODE_ATTENTION, KVContext, decode_mask, group_decode_mask, sdpa_decode
+from rlbench.engine.attention import KVContext, decode_attention, decode_mask, group_decode_mask
 from rlbench.engine.config import TorchEngineConfig
 from rlbench.engine.fused import fuse_layers, fused_layer_forward, hf_layer_forward
 from rlbench.engine.kv_cache import KVCache
@@ -146,7 +146,12 @@ class ModelRunner:
 
     def _use_compiled(self, compiled: bool) -> None:
         self.compiled = compiled
-        self._attend = DECODE_ATTENTION[self.opts.decode_attention] if compiled else sdpa_decode
+        name, cuda = self.opts.decode_attention, self.device.type == "cuda"
+        if not compiled and name == "split":
+            name = "sdpa"  # eager, split_decode would materialise [B, n_kv, G, L, hd] products
+        self._attend = {group: decode_attention(name, compiled=compiled, grouped=group, cuda=cuda)
+                        for group in (False, True)}
+        """The decode attention of the slot layout (False) and of the grouped layout (True)."""
         # Coordinate-descent tuning (for the batch-1 GEMV graph) benchmarks every kernel of every graph in a cold
         # compile; where the megakernel decodes batch 1 no layer graph runs at batch 1, so it is skipped.
         tune = self.opts.gemv_batch1 and self.megakernel is None
@@ -192,7 +197,7 @@ class ModelRunner:
     def _layer(self, w, hidden, cos, sin, k_cache, v_cache, slots, positions, index, mask, kv_len: int, group: int):
         """One decoder layer of the decode step; `w` and the caches are this layer's (graph inputs)."""
         ctx = KVContext(k_cache, v_cache, slots, decode=True, positions=positions, kv_len=kv_len, mask=mask,
-                        decode_attention=self._attend, group=group, write_index=index)
+                        decode_attention=self._attend[group > 1], group=group, write_index=index)
         return self._layer_forward(w, hidden, (cos, sin), ctx)
 
     def _head(self, hidden, temperature, top_k, top_p, seeds, steps, vocab_hash, mode: str):
