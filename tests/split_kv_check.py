@@ -9,9 +9,8 @@ import json
 
 import torch
 
-from rlbench.engine import TorchEngine, TorchEngineConfig
+from rlbench.engine import TorchEngine, TorchEngineConfig, split_kv
 from rlbench.engine.attention import decode_mask, group_decode_mask
-from rlbench.engine import split_kv
 from rlbench.engine.split_kv import split_kv_decode
 from rlbench.models import build_model
 from rlbench.rollout import SamplingParams
@@ -31,7 +30,7 @@ def kernel_errors(device: str = "cpu") -> dict[str, float]:
     g = torch.Generator().manual_seed(0)
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
-        def randn(*shape):
+        def randn(*shape, dtype=dtype):
             return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
         chunk = split_kv.CHUNK
