@@ -5,152 +5,28 @@ from __future__ import annotations
 import asyncio
 import builtins
 import json
+import socket
 import threading
 import types
-from dataclasses import dataclass
 
 import pytest
 import torch
+from fake_sglang import EMBED, GROUP_TIMEOUT_S, NORM, FakeSGLang, SchedulerDied, SchedulerProcess
 from safetensors.torch import save_file
 
 from rlbench.config import RunConfig, SGLangEngineConfig, WeightSyncConfig
 from rlbench.data.config import DataConfig
 from rlbench.orchestration.ray_config import ClusterConfig
+from rlbench.orchestration.ray_weights import (
+    BroadcastGroup,
+    announce,
+    check_announcement,
+    outgoing,
+    push_broadcast,
+)
 from rlbench.rollout import SamplingParams, sglang_engine
 from rlbench.rollout.sglang_engine import SGLangEngine, sglang_load_dtype, to_sglang_params
 from rlbench.weights import WeightSync
-
-EMBED, NORM = "model.embed_tokens.weight", "model.norm.weight"
-ALL_TAGS = ["kv_cache", "weights", "cuda_graph"]  # srt/constants.py:2-10 (GPU_MEMORY_ALL_TYPES)
-
-
-class SchedulerDied(RuntimeError):
-    """What an exception in SGLang's scheduler process amounts to: it SIGQUITs its parent, whose handler kills
-    the whole process tree, the caller included (managers/scheduler.py:6369-6372, entrypoints/engine.py:1976-1982)."""
-
-
-@dataclass
-class FlushCacheReqOutput:  # managers/io_struct.py:1859-1861; what Engine.flush_cache returns (engine.py:1506-1507)
-    success: bool
-    message: str = ""
-
-
-class FakeSGLang:
-    """`sglang.Engine` 0.5.23 as the adapter sees it; paths under python/sglang/srt/.
-
-    - weight updates need an open session: `update_weights_from_tensor` / `_from_distributed` answer
-      `(False, msg)` outside `begin_weight_update()` / `end_weight_update()`, which answer `(False, msg)` when
-      the session is already open / not open (managers/scheduler_components/weight_updater.py:187-197, 232-239,
-      309-335; the tokenizer side returns the `(success, message)` pair: managers/tokenizer_control_mixin.py:485-501,
-      503-537, 563-597).
-    - a name the model does not have is logged and skipped, and the update still succeeds (models/qwen3.py:753-760).
-    - `release_memory_occupation(tags)` adds tags (None or [] = all) to a set; `resume_memory_occupation` removes
-      each, so resuming a tag that was not released raises KeyError in the scheduler (weight_updater.py:337-390).
-    - `sampling_seed` is used only with deterministic inference on (sampling/sampling_batch_info.py:128, 157-171);
-      otherwise the draw depends on the batch (here: the request's position in the batch).
-    - `get_weights_by_name(name, truncate_size)` returns `weight.float().tolist()[:truncate_size]`, the embeddings
-      for a tied lm_head, or None for models without it (models/llama.py:819-884, Qwen3 has none:
-      model_executor/model_runner_components/weight_exporter.py:169-188).
-    - `init_weights_update_group` answers `(ok, msg)`; receiving on an unknown group fails with SGLang's message
-      (model_runner_components/weight_updater.py:100-144, 260-276; scheduler_components/weight_updater.py:203-212).
-    - every parameter is held in the model's load dtype (configs/model_config.py:2284-2329; the fixture's
-      checkpoint says bfloat16) and a loaded tensor is cast into it (`param.data.copy_`).
-    """
-
-    def __init__(self, deterministic: bool = True, exports_weights: bool = True, dtype=torch.bfloat16):
-        self.deterministic, self.exports_weights = deterministic, exports_weights
-        self.weights = {EMBED: torch.zeros(4, 2, dtype=dtype), NORM: torch.ones(2, dtype=dtype)}
-        self.session_open = False
-        self.offload_tags: set[str] = set()
-        self.groups: set[str] = set()
-        self.calls: list[tuple] = []
-        self.skipped: list[str] = []
-        self.refuse_next: str | None = None  # a loader failure message for the next update_weights_from_tensor
-
-    def generate(self, input_ids, sampling_params, return_logprob=False):
-        self.calls.append(("generate", input_ids, sampling_params, return_logprob))
-        if self.offload_tags & {"kv_cache", "weights"}:
-            raise RuntimeError("generate while memory is released")
-        outs = []
-        for position, p in enumerate(sampling_params):
-            draw = p.get("sampling_seed", 42) if self.deterministic else position
-            toks = [draw % 100, int(self.weights[NORM].sum())]
-            kind = "length" if p["max_new_tokens"] == 2 else "stop"
-            outs.append({"text": "..", "output_ids": toks, "meta_info": {
-                "output_token_logprobs": [(-0.5, toks[0], None), (-1.25, toks[1], None)],
-                "finish_reason": {"type": kind, "matched": 7} if kind == "stop" else {"type": kind, "length": 2},
-            }})
-        return outs
-
-    def begin_weight_update(self, selector: str = "all"):
-        self.calls.append(("begin_weight_update",))
-        if self.session_open:
-            return False, "a weight-update session is already open; call end_weight_update() first"
-        self.session_open = True
-        return True, "Success"
-
-    def end_weight_update(self):
-        self.calls.append(("end_weight_update",))
-        if not self.session_open:
-            return False, "no weight-update session is open; call begin_weight_update() first"
-        self.session_open = False
-        return True, "Success"
-
-    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
-        self.calls.append(("update_weights_from_tensor", [n for n, _ in named_tensors], flush_cache))
-        if not self.session_open:
-            return False, ("update_weights_from_tensor must run between begin_weight_update() and "
-                           "end_weight_update()")
-        if self.refuse_next is not None:
-            message, self.refuse_next = self.refuse_next, None
-            return False, message
-        for name, tensor in named_tensors:
-            if name in self.weights:
-                self.weights[name].copy_(tensor)
-            elif name != "lm_head.weight":  # tied: SGLang's lm_head is the embedding
-                self.skipped.append(name)  # logger.warning(f"Parameter {name} not found in params_dict")
-        return True, "Success"
-
-    def flush_cache(self):
-        self.calls.append(("flush_cache",))
-        return FlushCacheReqOutput(success=True)
-
-    def get_weights_by_name(self, name: str, truncate_size: int = 100):
-        if not self.exports_weights:
-            return None
-        weight = self.weights[EMBED if name == "lm_head.weight" else name]
-        return weight.cpu().to(torch.float32).numpy().tolist()[:truncate_size]
-
-    def release_memory_occupation(self, tags=None):
-        self.calls.append(("release_memory_occupation", tags))
-        self.offload_tags.update(tags or ALL_TAGS)
-
-    def resume_memory_occupation(self, tags=None):
-        self.calls.append(("resume_memory_occupation", tags))
-        for tag in tags or ALL_TAGS:
-            if tag not in self.offload_tags:
-                raise SchedulerDied(f"KeyError: {tag!r} (resume of a tag that was not released)")
-            self.offload_tags.remove(tag)
-
-    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
-                                  backend="nccl"):
-        self.calls.append(("init_weights_update_group", group_name, world_size))
-        self.groups.add(group_name)
-        return True, "Succeeded to initialize custom process group."
-
-    def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
-                                        flush_cache=True, load_format=None):
-        self.calls.append(("update_weights_from_distributed", names, shapes))
-        if not self.session_open:
-            return False, ("update_weights_from_distributed must run between begin_weight_update() and "
-                           "end_weight_update()")
-        if group_name not in self.groups:
-            return False, (f"Failed to receive weights: Group {group_name} not in {sorted(self.groups)}. "
-                           "Please call `init_weights_update_group` first.")
-        return True, "Succeeded to update parameter online."
-
-    def shutdown(self):
-        self.calls.append(("shutdown",))
 
 
 @pytest.fixture
@@ -318,7 +194,7 @@ def test_unknown_weight_names_are_an_error_before_anything_is_sent(model_dir):
         engine.update_weights([[("model.layers.0.mlp.up.weight", torch.ones(2))]], version=1)
     assert "update_weights_from_tensor" not in [c[0] for c in fake.calls] and not fake.session_open
     assert engine.weight_version == 0 and fake.skipped == []
-    assert sglang_engine.checkpoint_weight_names(model_dir) == {EMBED, NORM, "lm_head.weight"}
+    assert sglang_engine.checkpoint_weight_shapes(model_dir) == {EMBED: (4, 2), NORM: (2,), "lm_head.weight": (4, 2)}
 
 
 def test_verify_reads_the_engines_weights_back(model_dir):
@@ -395,18 +271,6 @@ def test_exact_length_and_min_new_tokens():
         temperature=1.0, top_p=1.0, top_k=5, max_new_tokens=128, stop=[], stop_token_ids=[], ignore_eos=False)
 
 
-def test_disaggregated_calls_are_checked(model_dir):
-    engine, fake = make(model_dir)
-    with pytest.raises(RuntimeError, match="Group rlbench not in"):
-        engine.update_weights_from_distributed([NORM], ["float32"], [[2]], version=4)
-    assert engine.weight_version == 0 and not fake.session_open
-    engine.init_weights_update_group("10.0.0.1", 29500, rank_offset=1, world_size=2)
-    engine.update_weights_from_distributed([NORM], ["float32"], [[2]], version=4)
-    assert engine.weight_version == 4 and fake.calls[-2] == ("update_weights_from_distributed", [NORM], [[2]])
-    with pytest.raises(ValueError, match="not in the checkpoint"):
-        engine.update_weights_from_distributed(["nope"], ["float32"], [[2]], version=5)
-
-
 def test_version_and_missing_sglang(monkeypatch, model_dir):
     sglang_engine.check_version("0.5.23")
     sglang_engine.check_version("0.6.0rc1")
@@ -449,3 +313,140 @@ def test_run_config_selects_sglang():
         RunConfig(data=data, rollout_engine="sglang", true_on_policy_mode=True)
     with pytest.raises(ValueError, match="sets \\['tp_size'\\]"):
         SGLangEngineConfig(extra={"tp_size": 2})
+
+
+# ---------------------------------------------------------------------------------------------- disaggregated
+# The engine's scheduler is a child process (fake_sglang.SchedulerProcess, as SGLang runs its own); the test's
+# process is the trainer: rlbench's BroadcastGroup is rank 0 and sends with ray_weights.outgoing.
+WAIT_S = 20.0  # every wait on the engine side; the group itself times out after fake_sglang.GROUP_TIMEOUT_S
+
+
+@pytest.fixture(scope="module")
+def scheduler():
+    proc = SchedulerProcess(timeout_s=WAIT_S)
+    yield proc
+    proc.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def joined(model_dir, scheduler):
+    """(adapter over the child's engine, the trainer's BroadcastGroup, the group's name): a fresh group per test."""
+    scheduler.reset()
+    engine = SGLangEngine(SGLangEngineConfig(model_path=model_dir), engine=scheduler)
+    name, port = f"rlbench-test-{_free_port()}", _free_port()
+    joining = engine.init_weights_update_group("127.0.0.1", port, rank_offset=1, world_size=2, group_name=name,
+                                               backend="gloo")
+    group = BroadcastGroup("127.0.0.1", port, 0, 2, torch.device("cpu"), GROUP_TIMEOUT_S, group_name=name)
+    joining.result(timeout=WAIT_S)
+    return engine, group, name
+
+
+def _send(engine, group, name, bucket, version, load_format):
+    """The trainer's side of one bucket, in the order push_broadcast uses: announce, check, start the engine's
+    receive on its thread, broadcast, wait."""
+    meta = announce(bucket, load_format)
+    tensors = outgoing(bucket, meta)
+    receiving = engine.update_weights_from_distributed(version=version, group_name=name, **meta)
+    for t in tensors:
+        group.broadcast(t, src=0)
+    receiving.result(timeout=WAIT_S)
+    return meta
+
+
+def test_the_trainers_group_forms_with_sglangs_rendezvous(joined, scheduler):
+    """The trainer's BroadcastGroup and SGLang's init_custom_process_group (PrefixStore(group_name), rank =
+    rank_offset + tp_rank) meet. Before, BroadcastGroup had no prefix and the adapter's call blocked its caller."""
+    engine, group, name = joined
+    assert scheduler.state()["ranks"] == {name: (1, 2)} and group.pg.rank() == 0 and group.pg.size() == 2
+    assert engine.group_ranks == 1
+
+
+@pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
+def test_weights_arrive_bit_exact_per_tensor_and_as_a_flattened_bucket(joined, scheduler, load_format):
+    engine, group, name = joined
+    gen = torch.Generator().manual_seed(0)
+    bucket = [(NORM, torch.randn(2, generator=gen).to(torch.bfloat16)),
+              (EMBED, torch.randn(4, 2, generator=gen).to(torch.bfloat16))]
+    meta = _send(engine, group, name, bucket, version=5, load_format=load_format)
+    state = scheduler.state()
+    for n, t in bucket:
+        assert torch.equal(state["weights"][n].view(torch.int16), t.view(torch.int16)), n
+    received = [c for c in state["calls"] if c[0] == "update_weights_from_distributed"]
+    assert received == [("update_weights_from_distributed", meta["names"], meta["shapes"], load_format)]
+    assert [c[0] for c in state["calls"]][-3:] == ["begin_weight_update", "update_weights_from_distributed",
+                                                   "end_weight_update"]
+    assert engine.weight_version == 5 and not state["session_open"]
+
+
+def test_flattened_bucket_is_ordered_so_sglang_accepts_every_offset():
+    bucket = [("a", torch.zeros(3, dtype=torch.bfloat16)), ("b", torch.zeros(2)), ("c", torch.zeros(1, dtype=torch.uint8))]
+    meta = announce(bucket)
+    assert meta["names"] == ["b", "a", "c"] and meta["dtypes"] == ["float32", "bfloat16", "uint8"]
+    check_announcement(meta)
+    assert outgoing(bucket, meta)[0].numel() == 2 * 4 + 3 * 2 + 1
+    as_given = {"names": ["a", "b"], "dtypes": ["bfloat16", "float32"], "shapes": [[3], [2]], "load_format": "flattened_bucket"}
+    with pytest.raises(ValueError, match="b: byte offset 6 .* not a multiple of its itemsize 4"):
+        check_announcement(as_given)  # SGLang's FlattenedTensorBucket.empty would raise before receiving
+
+
+def test_a_wrong_announcement_is_refused_before_any_broadcast(joined, scheduler):
+    engine, group, name = joined
+    norm = torch.full((2,), 3.0, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"model.norm.weight announced with shape \[3\], the engine holds \[2\]"):
+        engine.update_weights_from_distributed([NORM], ["bfloat16"], [[3]], version=1, group_name=name)
+    with pytest.raises(ValueError, match="announced as float32, the engine holds bfloat16: cast before sending"):
+        engine.update_weights_from_distributed([NORM], ["float32"], [[2]], version=1, group_name=name)
+    with pytest.raises(ValueError, match=r"is bfloat16 \[2\], announced as bfloat16 \[3\]; nothing was broadcast"):
+        outgoing([(NORM, norm)], {"names": [NORM], "dtypes": ["bfloat16"], "shapes": [[3]], "load_format": None})
+    assert "begin_weight_update" not in [c[0] for c in scheduler.state()["calls"]]  # SGLang was never called
+    _send(engine, group, name, [(NORM, norm)], version=2, load_format=None)  # the group is intact, nothing aborted
+    assert scheduler.state()["weights"][NORM].tolist() == [3.0, 3.0] and engine.weight_version == 2
+
+
+def test_a_refused_distributed_update_raises_with_the_engines_message_and_keeps_the_version(joined, scheduler):
+    engine, group, name = joined
+    scheduler.set(refuse_next="shape mismatch in qkv_proj")
+    with pytest.raises(RuntimeError, match="update_weights_from_distributed failed: Failed to update parameter "
+                                           "online: shape mismatch in qkv_proj"):
+        _send(engine, group, name, [(NORM, torch.ones(2, dtype=torch.bfloat16))], version=3, load_format=None)
+    assert engine.weight_version == 0 and not scheduler.state()["session_open"]
+    with pytest.raises(RuntimeError, match="Failed to receive weights: Group other not in"):  # fails before receiving
+        engine.update_weights_from_distributed([NORM], ["bfloat16"], [[2]], version=3, group_name="other").result(WAIT_S)
+    assert engine.weight_version == 0 and not scheduler.state()["session_open"]
+
+
+class RayHandle:
+    """What push_broadcast sees of an engine actor (`receive_weights.remote(meta, version)`), over the adapter."""
+
+    def __init__(self, engine, group_name):
+        self.announced = []
+
+        def remote(meta, version):
+            self.announced.append(meta)
+            return engine.update_weights_from_distributed(version=version, group_name=group_name, **meta)
+
+        self.receive_weights = types.SimpleNamespace(remote=remote)
+
+
+def test_the_ray_trainers_sender_feeds_sglang_and_checks_its_layout_first(joined, scheduler):
+    engine, group, name = joined
+    handle = RayHandle(engine, name)
+
+    def wait(futures):
+        return [f.result(timeout=WAIT_S) for f in futures]
+
+    embed, norm = torch.arange(8.0).reshape(4, 2).to(torch.bfloat16), torch.full((2,), -2.5, dtype=torch.bfloat16)
+    tally = push_broadcast([[(EMBED, embed)], [(NORM, norm)]], [handle], group, 7, wait, layouts=[engine.weight_layout()])
+    state = scheduler.state()
+    assert torch.equal(state["weights"][EMBED], embed) and torch.equal(state["weights"][NORM], norm)
+    assert tally.num_buckets == 2 and engine.weight_version == 7
+    assert [m["load_format"] for m in handle.announced] == ["flattened_bucket"] * 2
+    with pytest.raises(ValueError, match="announced as float32, the engine holds bfloat16"):  # an fp32 trainer
+        push_broadcast([[(NORM, torch.ones(2))]], [handle], group, 8, wait, layouts=[engine.weight_layout()])
+    assert len(handle.announced) == 2 and engine.weight_version == 7  # refused before the engine was told

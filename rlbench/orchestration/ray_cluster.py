@@ -88,7 +88,8 @@ class RayCluster:
         self.call_engines("weight_version")  # wait until every engine is built
 
     def _connect_weights(self) -> None:
-        """Colocated: rank r feeds the engine on its bundle. Disaggregated: rank 0 + engines form a broadcast group."""
+        """Colocated: rank r feeds the engine on its bundle. Disaggregated: rank 0 + every engine's TP ranks form a
+        broadcast group (trainer rank 0 is its rank 0, engine e's ranks follow those of engines 0..e-1)."""
         if self.cluster.colocate:
             per = self.cluster.rollout_num_gpus_per_engine
             self._gather([t.connect_engines.remote([self.engines[r // per]]) for r, t in enumerate(self.trainers)],
@@ -96,9 +97,11 @@ class RayCluster:
             return
         self._gather([self.trainers[0].connect_engines.remote(self.engines)], "connect engines", ["trainer rank 0"])
         host, port = self.call_trainers("master_address", ranks=[0])[0]
-        world = 1 + len(self.engines)
+        sizes = self.call_engines("group_ranks")  # an engine takes one rank per TP rank
+        offsets = [1 + sum(sizes[:e]) for e in range(len(sizes))]
+        world = 1 + sum(sizes)
         refs = [self.trainers[0].init_weight_group.remote(host, port, world)]
-        refs += [e.init_weight_group.remote(host, port, 1 + i, world) for i, e in enumerate(self.engines)]
+        refs += [e.init_weight_group.remote(host, port, offsets[i], world) for i, e in enumerate(self.engines)]
         self._gather(refs, "weight-broadcast group rendezvous", ["trainer rank 0"] + self._engine_names())
 
     # ---------------------------------------------------------------- fan-out

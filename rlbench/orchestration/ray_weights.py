@@ -2,13 +2,16 @@
 (disaggregated). The in-process path lives in `rlbench.weights`; these transports run inside Ray actors.
 
 Both transports consume the same stream as `rlbench.weights.WeightSync`: the TrainBackend's
-`named_weights_for_sync(bucket_bytes, dtype)` buckets (a collective: every trainer rank iterates). A bucket is
-flattened into one contiguous 1-D buffer per dtype plus `(name, shape, offset)` metadata, so an engine receives
-ONE call per bucket (IPC) or one broadcast per dtype per bucket (not one per tensor). At most one bucket of
-gathered weights (plus its flat copy) is alive at a time, and every call carries the policy version.
+`named_weights_for_sync(bucket_bytes, dtype)` buckets (a collective: every trainer rank iterates). Colocated, a
+bucket is flattened into one contiguous 1-D buffer per dtype plus `(name, shape, offset)` metadata, so an engine
+receives ONE call per bucket. Disaggregated, the group and the wire format are SGLang's (0.5.23): the group forms
+like `init_custom_process_group`, each bucket is announced as `(names, dtypes, shapes, load_format)` and travels as
+one uint8 buffer (`flattened_bucket`) or one broadcast per tensor, so an SGLang engine receives it with
+`update_weights_from_distributed` and rlbench's engines with `receive_bucket`. At most one bucket of gathered
+weights (plus its flat copy) is alive at a time, and every call carries the policy version.
 
     colocated      trainer rank r --IPC handle of the flat buffer--> engine r (same GPU; zero-copy open)
-    disaggregated  trainer rank 0 --broadcast(flat, src=0)--> engines 1..E (NCCL on GPU, gloo on CPU)
+    disaggregated  trainer rank 0 --broadcast(bucket bytes, src=0)--> engine ranks 1.. (NCCL on GPU, gloo on CPU)
 
 On CPU the "IPC handle" is a shared-memory file (torch's file_system sharing strategy), so the colocated
 code path runs in CPU tests too.
@@ -18,20 +21,29 @@ from __future__ import annotations
 
 import datetime
 import io
+import math
 import pickle
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import (
+    Backend,
+    PrefixStore,
+    _new_process_group_helper,
+    _world,
+    rendezvous,
+)
 
 from rlbench.weights import Bucket, bucket_nbytes, checksum
 from rlbench.weights import SyncTally as _SyncTally
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float64: "float64",
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float64: "float64",
                 torch.int64: "int64", torch.int32: "int32", torch.bool: "bool", torch.uint8: "uint8"}
-_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
+_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 
 
 @dataclass
@@ -45,7 +57,7 @@ class FlatBucket:
 
     def meta(self) -> dict:
         """Everything but the data (what an engine needs to allocate and unflatten)."""
-        return {"dtype": _DTYPE_NAMES[self.buffer.dtype], "numel": self.buffer.numel(), "names": self.names,
+        return {"dtype": DTYPE_NAMES[self.buffer.dtype], "numel": self.buffer.numel(), "names": self.names,
                 "shapes": self.shapes, "offsets": self.offsets}
 
 
@@ -70,11 +82,6 @@ def unflatten(buffer: torch.Tensor, meta: dict) -> Bucket:
         numel = int(torch.Size(shape).numel())
         out.append((name, buffer[offset : offset + numel].view(shape)))
     return out
-
-
-def empty_flat(meta: dict, device: torch.device) -> torch.Tensor:
-    """A receive buffer `[N]` for a FlatBucket described by `meta`."""
-    return torch.empty(meta["numel"], dtype=_DTYPES[meta["dtype"]], device=device)
 
 
 # ---------------------------------------------------------------------------------------------- IPC (colocated)
@@ -117,21 +124,33 @@ def load_ipc_payload(engine, payload: list[tuple[bytes, dict]], version: int) ->
 
 
 # ------------------------------------------------------------------------------------ broadcast (disaggregated)
+GROUP_NAME = "rlbench"
+"""The weight-broadcast group's name: the prefix of its store keys, the same on the trainer and every engine."""
+LOAD_FORMAT = "flattened_bucket"
+"""How a bucket travels: "flattened_bucket" (one uint8 broadcast per bucket) or None (one broadcast per tensor),
+SGLang's `load_format` of `update_weights_from_distributed`; rlbench's own engines receive both too."""
+
+
 class BroadcastGroup:
-    """A process group of trainer rank 0 (rank 0 here) and the engines (ranks 1..E), separate from the trainer's
-    default group: its own TCPStore rendezvous and its own gloo/NCCL communicator (slime's weight-update group).
+    """A process group of trainer rank 0 (rank 0 here) and the engines (ranks 1..), separate from the trainer's
+    default group, formed as SGLang 0.5.23 forms its side (`init_custom_process_group`, srt/utils/common.py:2859-2927):
+    a TCP rendezvous at host:port whose store rank 0 hosts, wrapped in `PrefixStore(group_name)`, then torch's
+    `_new_process_group_helper` (gloo on CPU, NCCL on GPU). So an SGLang engine calling
+    `init_weights_update_group(host, port, rank_offset, world_size, group_name)` meets it as ranks
+    rank_offset + tp_rank (srt/model_executor/model_runner_components/weight_updater.py:124-138).
     """
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, device: torch.device, timeout_s: float):
+    def __init__(self, host: str, port: int, rank: int, world_size: int, device: torch.device, timeout_s: float,
+                 group_name: str = GROUP_NAME):
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.world_size, self.device = rank, world_size, device
-        self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
-        if device.type == "cuda":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            self.pg = dist.ProcessGroupNCCL(self.store, rank, world_size, opts)
-        else:
-            self.pg = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
+        host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # as SGLang's NetworkAddress.to_tcp()
+        store, _, _ = next(rendezvous(f"tcp://{host}:{port}", rank, world_size, timeout=timeout))
+        store.set_timeout(timeout)
+        backend = Backend("nccl" if device.type == "cuda" else "gloo")
+        self.pg, _ = _new_process_group_helper(world_size, rank, [], backend, PrefixStore(group_name, store),
+                                               group_name=group_name, timeout=timeout)
+        _world.pg_group_ranks[self.pg] = {i: i for i in range(world_size)}  # what SGLang sets (common.py:2925)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """In-place broadcast of `tensor` from `src` (blocks until done)."""
@@ -142,15 +161,122 @@ class BroadcastGroup:
             torch.cuda.synchronize(tensor.device)
 
 
-def receive_broadcast(engine, group: BroadcastGroup, metas: list[dict], version: int) -> int:
-    """Engine side of one bucket: receive each dtype's flat buffer, unflatten, `engine.update_weights`."""
-    bucket: Bucket = []
-    for meta in metas:
-        buf = empty_flat(meta, group.device)
-        group.broadcast(buf, src=0)
-        bucket += unflatten(buf, meta)
-    engine.update_weights([bucket], version)
-    return bucket_nbytes(bucket)
+def announce(bucket: Bucket, load_format: str | None = LOAD_FORMAT) -> dict:
+    """What the engines are told before a bucket is broadcast: SGLang's `update_weights_from_distributed` arguments
+    `names`, `dtypes` (torch attribute names), `shapes`, `load_format`, in the order the tensors travel.
+
+    For "flattened_bucket" the tensors go largest itemsize first, so every tensor's byte offset is a multiple of
+    its itemsize: SGLang refuses an unaligned one before receiving (srt/weight_sync/tensor_bucket.py:98-101),
+    which would leave the sender waiting.
+    """
+    if load_format not in (None, "flattened_bucket"):
+        raise ValueError(f"load_format={load_format!r}: SGLang receives None (per tensor) or 'flattened_bucket'")
+    if load_format == "flattened_bucket":
+        bucket = sorted(bucket, key=lambda item: -item[1].element_size())  # stable: same-dtype order kept
+    return {"names": [n for n, _ in bucket], "dtypes": [DTYPE_NAMES[t.dtype] for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket], "load_format": load_format}
+
+
+def check_announcement(meta: dict, shapes: dict[str, tuple[int, ...]] | None = None, dtype: str | None = None) -> None:
+    """Raise ValueError unless `meta` can be received as announced (and, when given, matches the engine's `shapes`
+    by name and its parameter `dtype`): a receiver that fails before its broadcast leaves the sender waiting."""
+    names, dtypes, sizes = meta["names"], meta["dtypes"], meta["shapes"]
+    if not names or not len(names) == len(dtypes) == len(sizes):
+        raise ValueError(f"weight announcement of {len(names)} names, {len(dtypes)} dtypes, {len(sizes)} shapes: "
+                         "SGLang needs one of each per tensor, at least one")
+    offset = 0
+    for name, dtype_name, shape in zip(names, dtypes, sizes):
+        if dtype_name not in _DTYPES:
+            raise ValueError(f"{name}: dtype {dtype_name!r} is not one of {sorted(_DTYPES)} (torch attribute names)")
+        if shapes is not None and name not in shapes:
+            raise ValueError(f"{name} is not a tensor of the engine's checkpoint (name mapping?)")
+        if shapes is not None and tuple(shape) != tuple(shapes[name]):
+            raise ValueError(f"{name} announced with shape {list(shape)}, the engine holds {list(shapes[name])}")
+        if dtype is not None and dtype_name != dtype:
+            raise ValueError(f"{name} announced as {dtype_name}, the engine holds {dtype}: cast before sending "
+                             "(weights.dtype)")
+        itemsize = _DTYPES[dtype_name].itemsize
+        if meta["load_format"] == "flattened_bucket" and offset % itemsize:
+            raise ValueError(f"{name}: byte offset {offset} of the flattened bucket is not a multiple of its itemsize "
+                             f"{itemsize} (SGLang refuses it); order the bucket with announce()")
+        offset += math.prod(shape) * itemsize
+
+
+def outgoing(bucket: Bucket, meta: dict) -> list[torch.Tensor]:
+    """The tensors to broadcast for `meta`, in order: each tensor (per-tensor format) or one uint8 buffer
+    (SGLang's FlattenedTensorBucket layout, srt/weight_sync/tensor_bucket.py:86-135).
+
+    Raises:
+        ValueError: a tensor is missing, extra, or not of its announced dtype and shape. Nothing has been sent:
+            a broadcast of another size than the receiver posted aborts the receiving process.
+    """
+    check_announcement(meta)
+    tensors = dict(bucket)
+    if len(tensors) != len(bucket) or set(tensors) != set(meta["names"]):
+        raise ValueError(f"the bucket holds {sorted(tensors)[:5]}..., the announcement names {meta['names'][:5]}...")
+    out = []
+    for name, dtype_name, shape in zip(meta["names"], meta["dtypes"], meta["shapes"]):
+        t = tensors[name]
+        if t.dtype != _DTYPES[dtype_name] or list(t.shape) != list(shape):
+            raise ValueError(f"{name} is {DTYPE_NAMES.get(t.dtype, t.dtype)} {list(t.shape)}, announced as "
+                             f"{dtype_name} {list(shape)}; nothing was broadcast")
+        out.append(t.detach().contiguous())
+    if meta["load_format"] == "flattened_bucket":
+        return [torch.cat([t.reshape(-1).view(torch.uint8) for t in out])]  # [bytes]
+    return out
+
+
+def receive_bucket(group: BroadcastGroup, meta: dict) -> Bucket:
+    """Receive one announced bucket as SGLang does (model_runner_components/weight_updater.py:260-310)."""
+    dtypes = [_DTYPES[d] for d in meta["dtypes"]]
+    if meta["load_format"] != "flattened_bucket":
+        bucket = [(n, torch.empty(s, dtype=d, device=group.device)) for n, d, s in zip(meta["names"], dtypes, meta["shapes"])]
+        for _, t in bucket:
+            group.broadcast(t, src=0)
+        return bucket
+    sizes = [math.prod(s) * d.itemsize for s, d in zip(meta["shapes"], dtypes)]
+    buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=group.device)  # [bytes]
+    group.broadcast(buffer, src=0)
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [(n, buffer[o : o + size].view(d).reshape(s))
+            for n, d, s, o, size in zip(meta["names"], dtypes, meta["shapes"], offsets, sizes)]
+
+
+class GroupReceiver:
+    """The engine side of the broadcast for rlbench's own engines, with the SGLang adapter's two calls (each
+    returns a Future: the work runs on a thread of its own, so a caller can broadcast meanwhile)."""
+
+    group_ranks = 1
+    """Ranks this engine takes in the group (an SGLang engine takes its TP size)."""
+
+    def __init__(self, engine, device: torch.device, timeout_s: float) -> None:
+        self.engine, self.device, self.timeout_s = engine, device, timeout_s
+        self.group: BroadcastGroup | None = None
+        cuda = device.type == "cuda"  # the thread's current device is its own: set it to the engine's
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlbench-weights",
+                                        initializer=torch.cuda.set_device if cuda else None, initargs=(device,) if cuda else ())
+
+    def weight_layout(self) -> tuple[None, None]:
+        """(name -> shape, dtype) an announcement must match: anything (the engine casts on load)."""
+        return None, None
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = GROUP_NAME, backend: str | None = None) -> Future:
+        """Join as rank `rank_offset` (`backend` is ignored: the device picks gloo or NCCL)."""
+
+        def join():
+            self.group = BroadcastGroup(master_address, master_port, rank_offset, world_size, self.device,
+                                        self.timeout_s, group_name)
+
+        return self._pool.submit(join)
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, version: int, group_name: str = GROUP_NAME,
+                                        load_format: str | None = LOAD_FORMAT) -> Future:
+        if self.group is None:
+            raise RuntimeError("no weight-broadcast group; call init_weights_update_group first")
+        meta = {"names": names, "dtypes": dtypes, "shapes": shapes, "load_format": load_format}
+        check_announcement(meta)
+        return self._pool.submit(lambda: self.engine.update_weights([receive_bucket(self.group, meta)], version))
 
 
 # --------------------------------------------------------------------------------------------- sender side
@@ -179,10 +305,12 @@ def push_ipc(buckets: Iterable[Bucket], engine, version: int, wait, checksums: d
 
 def push_broadcast(
     buckets: Iterable[Bucket], engines: list, group: BroadcastGroup | None, version: int, wait,
-    checksums: dict | None = None,
+    checksums: dict | None = None, layouts: Iterable[tuple[dict | None, str | None]] = (),
 ) -> SyncTally:
-    """Disaggregated, trainer rank 0 (`group` set): per bucket, tell every engine what comes, broadcast each dtype's
-    flat buffer, wait for the engines. Other ranks (`group` None) only take part in the gathers."""
+    """Disaggregated, trainer rank 0 (`group` set): per bucket, check what will be sent (against each engine's
+    `weight_layout()` in `layouts` too), tell every engine (`receive_weights(meta, version)`, SGLang's
+    names/dtypes/shapes/load_format), broadcast exactly that, wait for the engines. Other ranks (`group` None) only
+    take part in the gathers."""
     tally = SyncTally()
     for bucket in buckets:
         if group is None:
@@ -191,10 +319,13 @@ def push_broadcast(
         if checksums is not None:
             checksums.update((n, checksum(t)) for n, t in bucket)
         start = time.perf_counter()
-        flats = flatten_bucket(bucket)
-        refs = [e.receive_weights.remote([f.meta() for f in flats], version) for e in engines]
-        for f in flats:
-            group.broadcast(f.buffer.to(group.device), src=0)
+        meta = announce(bucket)
+        tensors = outgoing(bucket, meta)  # raises before any engine is told or anything is sent
+        for shapes, dtype in layouts:
+            check_announcement(meta, shapes, dtype)
+        refs = [e.receive_weights.remote(meta, version) for e in engines]
+        for t in tensors:
+            group.broadcast(t.to(group.device), src=0)
         wait(refs)
         tally.send_time += time.perf_counter() - start
     return tally

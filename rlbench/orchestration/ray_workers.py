@@ -21,10 +21,10 @@ from rlbench.orchestration.ray_config import ClusterConfig
 from rlbench.orchestration.ray_placement import gather, local_gpu_index
 from rlbench.orchestration.ray_weights import (
     BroadcastGroup,
+    GroupReceiver,
     load_ipc_payload,
     push_broadcast,
     push_ipc,
-    receive_broadcast,
     use_shared_memory_files,
 )
 from rlbench.rank_step import DPAllReduce, RankStep
@@ -72,6 +72,7 @@ class TrainWorker:
         self.old = self.ref = None  # its old / ref log-probs, [step][micro-batch] -> [R]
         self.engines: list = []
         self.group: BroadcastGroup | None = None
+        self.layouts: list | None = None  # disaggregated rank 0: each engine's weight_layout(), read at the first sync
 
     def master_address(self) -> tuple[str, int]:
         """(IP, free port) of this rank's node: rank 0's is the rendezvous of the trainer group."""
@@ -133,11 +134,14 @@ class TrainWorker:
         w = self.cfg.weights
         verify = w.verify if verify is None else verify
         sums: dict | None = {} if verify and self.engines else None
-        buckets = self.backend.named_weights_for_sync(w.bucket_bytes, w.torch_dtype)
 
         def wait(refs):
             refs = refs if isinstance(refs, list) else [refs]
             return gather(refs, self.cluster.timeout_s, f"weight sync v{version}", [f"engine {i}" for i in range(len(refs))])
+
+        if self.group is not None and self.layouts is None:
+            self.layouts = wait([e.weight_layout.remote() for e in self.engines])
+        buckets = self.backend.named_weights_for_sync(w.bucket_bytes, w.torch_dtype)  # one dtype on every rank
 
         start = time.perf_counter()
         if self.cluster.colocate:
@@ -145,7 +149,7 @@ class TrainWorker:
             if self.device.type == "cuda":
                 torch.cuda.ipc_collect()  # free the flat buffers the engine has released
         else:
-            tally = push_broadcast(buckets, self.engines, self.group, version, wait, sums)
+            tally = push_broadcast(buckets, self.engines, self.group, version, wait, sums, self.layouts or ())
         metrics = tally.metrics() | {"perf/update_weights_rank_time": time.perf_counter() - start}
         if sums:
             self._verify(sums, wait)
@@ -185,7 +189,8 @@ class TrainWorker:
 
 
 class EngineWorker:
-    """Rollout engine `index`: a TorchEngine on this actor's device, fed weights by the trainer ranks."""
+    """Rollout engine `index`: a TorchEngine (or an SGLang engine) on this actor's device, fed weights by the trainer
+    ranks."""
 
     def __init__(self, cfg, index: int, cluster: ClusterConfig, cwd: str, tokenizer) -> None:
         from rlbench.orchestration.local import build_engine
@@ -193,7 +198,10 @@ class EngineWorker:
         self.index, self.cluster = index, cluster
         self.device = _setup_process(cfg, cwd, cluster.env_vars)
         self.engine = build_engine(cfg, self.device, tokenizer)
-        self.group: BroadcastGroup | None = None
+        # the broadcast's engine side: SGLang's adapter has it (SGLang receives), rlbench's engines get one
+        self.receiver = (self.engine if hasattr(self.engine, "update_weights_from_distributed")
+                         else GroupReceiver(self.engine, self.device, cluster.collective_timeout_s))
+        self.joined = False
 
     def generate(self, prompts, sampling, seeds=None):
         return self.engine.generate(prompts, sampling, seeds=seeds)
@@ -202,14 +210,27 @@ class EngineWorker:
         """Colocated: load one bucket from IPC handles (one call per bucket)."""
         return load_ipc_payload(self.engine, payload, version)
 
-    def init_weight_group(self, host: str, port: int, rank: int, world_size: int) -> None:
-        self.group = BroadcastGroup(host, port, rank, world_size, self.device, self.cluster.collective_timeout_s)
+    def weight_layout(self) -> tuple[dict | None, str | None]:
+        """(name -> shape, dtype) the trainer checks an announcement against before broadcasting (None: any)."""
+        return self.receiver.weight_layout()
 
-    def receive_weights(self, metas: list[dict], version: int) -> int:
-        """Disaggregated: receive one bucket from the broadcast group."""
-        if self.group is None:
+    def group_ranks(self) -> int:
+        """Ranks this engine takes in the weight-broadcast group (its TP size)."""
+        return self.receiver.group_ranks
+
+    def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
+        """Join the trainer's broadcast group as ranks rank_offset.. (returns once every rank has joined)."""
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.receiver.init_weights_update_group(host, port, rank_offset, world_size, backend=backend).result(
+            timeout=self.cluster.collective_timeout_s)
+        self.joined = True
+
+    def receive_weights(self, meta: dict, version: int) -> None:
+        """Disaggregated: receive one announced bucket (`ray_weights.announce`) from the broadcast group."""
+        if not self.joined:
             raise RuntimeError(f"engine {self.index} has no weight-broadcast group; call init_weight_group first")
-        return receive_broadcast(self.engine, self.group, metas, version)
+        self.receiver.update_weights_from_distributed(version=version, **meta).result(
+            timeout=self.cluster.collective_timeout_s)
 
     def checksums(self, names: list[str]) -> dict:
         weights = dict(engine_named_weights(self.engine))

@@ -15,6 +15,13 @@ what was never run):
   the version changes only after the whole update, the session end and the cache flush succeeded. `dtype` is the
   dtype SGLang holds the parameters in (`configs/model_config.py:2284-2329`), so the trainer casts before sending
   and weight-sync verify compares like with like.
+- disaggregated weights: the trainer's `ray_weights.BroadcastGroup` is rank 0 of a group SGLang joins with
+  `init_weights_update_group` (`init_custom_process_group`, `utils/common.py:2859-2927`; ranks rank_offset + tp_rank,
+  `model_executor/model_runner_components/weight_updater.py:124-138`). Each bucket is announced as (names, dtypes,
+  shapes, load_format), checked against the checkpoint before SGLang hears of it, and received by
+  `update_weights_from_distributed` inside its own session (one broadcast per tensor in `names` order, or one uint8
+  `flattened_bucket` buffer: `weight_updater.py:260-310`). SGLang's join and receive block until the trainer's side
+  is done, so both run on the adapter's weight thread and return a Future.
 - memory: `sleep` releases tags and `wake_up` resumes exactly those (resuming a tag that was not released raises
   `KeyError` in the scheduler, `weight_updater.py:383-390`, which then kills the whole process tree,
   `managers/scheduler.py:6370-6373`, `entrypoints/engine.py:1976-1982`); a `wake_up` without `sleep` does nothing.
@@ -34,15 +41,16 @@ import os
 import struct
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from rlbench.config import SGLangEngineConfig
+from rlbench.orchestration.ray_weights import DTYPE_NAMES, GROUP_NAME, LOAD_FORMAT, check_announcement
 from rlbench.rollout.base import Generation, SamplingParams, WeightBucket, expand_seeds
 
-__all__ = ["SGLangEngine", "SGLangEngineConfig", "checkpoint_weight_names", "sglang_load_dtype", "to_sglang_params"]
+__all__ = ["SGLangEngine", "SGLangEngineConfig", "checkpoint_weight_shapes", "sglang_load_dtype", "to_sglang_params"]
 
 MIN_VERSION = (0, 5, 23)
 """The oldest SGLang whose API this adapter follows (weight-update sessions, `(ok, msg)` returns)."""
@@ -72,26 +80,24 @@ def check_version(version: str) -> None:
                           "(ok, message) returns) this adapter follows; pip install 'sglang>=0.5.23'")
 
 
-def checkpoint_weight_names(model_path: str) -> set[str]:
-    """The tensor names of an HF checkpoint directory (safetensors headers or the index), plus `lm_head.weight`
-    when the embeddings are tied (trainers send it; the engine shares it with `embed_tokens`)."""
-    index = os.path.join(model_path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            names = set(json.load(f)["weight_map"])
-    else:
-        files = [f for f in sorted(os.listdir(model_path)) if f.endswith(".safetensors")]
-        if not files:
-            raise ValueError(f"{model_path} has no *.safetensors: SGLang needs an HF checkpoint directory")
-        names = set()
-        for file in files:
-            with open(os.path.join(model_path, file), "rb") as f:
-                (size,) = struct.unpack("<Q", f.read(8))
-                names |= set(json.loads(f.read(size))) - {"__metadata__"}
+def checkpoint_weight_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of an HF checkpoint directory (its safetensors headers), plus `lm_head.weight`
+    when the embeddings are tied (trainers send it; the engine shares it with `embed_tokens`). Whole HF shapes: what
+    `update_weights_from_distributed` receives at any TP size (the loaders shard after the receive)."""
+    files = [f for f in sorted(os.listdir(model_path)) if f.endswith(".safetensors")]
+    if not files:
+        raise ValueError(f"{model_path} has no *.safetensors: SGLang needs an HF checkpoint directory")
+    shapes = {}
+    for file in files:
+        with open(os.path.join(model_path, file), "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        shapes |= {name: tuple(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
     with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
-        if json.load(f).get("tie_word_embeddings"):
-            names.add("lm_head.weight")
-    return names
+        tied = json.load(f).get("tie_word_embeddings")
+    if tied and "model.embed_tokens.weight" in shapes:
+        shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]
+    return shapes
 
 
 _DTYPES = {"half": torch.float16, "float16": torch.float16, "float": torch.float32, "float32": torch.float32,
@@ -191,10 +197,10 @@ class SGLangEngine:
             an update may carry).
         engine: an already constructed `sglang.Engine` started with `cfg` (or an object with its methods, e.g.
             a test double); None starts one.
-        weight_names: the names an update may carry (None: read from `cfg.model_path`).
+        weight_shapes: name -> shape of every tensor an update may carry (None: read from `cfg.model_path`).
     """
 
-    def __init__(self, cfg: SGLangEngineConfig, engine: Any = None, weight_names: Iterable[str] | None = None):
+    def __init__(self, cfg: SGLangEngineConfig, engine: Any = None, weight_shapes: dict | None = None):
         if cfg.model_path is None or not os.path.isfile(os.path.join(cfg.model_path, "config.json")):
             raise ValueError(f"sglang model_path={cfg.model_path!r} must be an HF model directory (config.json + "
                              "safetensors); a model preset name cannot be loaded by SGLang")
@@ -206,11 +212,13 @@ class SGLangEngine:
                 engine = sglang.Engine(**kwargs)
         self.cfg = cfg
         self.engine = engine
-        self.weight_names = set(weight_names) if weight_names is not None else checkpoint_weight_names(cfg.model_path)
+        self.weight_shapes = dict(weight_shapes if weight_shapes is not None else checkpoint_weight_shapes(cfg.model_path))
         self.weight_version = 0
         self.dtype = sglang_load_dtype(cfg.model_path, str(cfg.extra.get("dtype", "auto")))
         """The dtype of SGLang's parameters; the weight sync casts to it before sending."""
         self._released: list[str] = []
+        self._weight_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-weights")
+        """Issues SGLang's blocking group join and receive, so the caller can take the trainer's side meanwhile."""
         self._sent: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}  # what the last update carried (for verify)
         self._warned_unseeded = False
 
@@ -261,7 +269,7 @@ class SGLangEngine:
 
         def send():
             for bucket in buckets:
-                unknown = sorted(name for name, _ in bucket if name not in self.weight_names)
+                unknown = sorted(name for name, _ in bucket if name not in self.weight_shapes)
                 if unknown:
                     raise ValueError(f"weight update names {unknown[:5]} (of {len(unknown)}) are not in the checkpoint "
                                      f"{self.cfg.model_path}; SGLang would skip them silently (name mapping?)")
@@ -296,27 +304,55 @@ class SGLangEngine:
                     "weight_exporter.py:169-188); turn weights.verify off for this model")
             yield name, torch.tensor(values, dtype=torch.float32).reshape(shape).to(dtype)
 
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                  world_size: int, group_name: str = "rlbench", backend: str = "nccl") -> None:
-        """Disaggregated sync: join a broadcast group whose rank 0 is the trainer (see docs/rollout.md: rlbench's
-        own broadcast group does not do SGLang's rendezvous yet)."""
-        _check(self.engine.init_weights_update_group(master_address=master_address, master_port=master_port,
-                                                     rank_offset=rank_offset, world_size=world_size,
-                                                     group_name=group_name, backend=backend),
-               "init_weights_update_group")
+    # ------------------------------------------------------------------ weights, disaggregated
+    @property
+    def group_ranks(self) -> int:
+        """Ranks the engine takes in a weight-broadcast group: one per TP rank (`weight_updater.py:124`)."""
+        return self.cfg.tp_size
+
+    def weight_layout(self) -> tuple[dict[str, tuple[int, ...]], str]:
+        """(name -> shape, dtype) an announcement must match: the checkpoint's tensors, SGLang's parameter dtype."""
+        return self.weight_shapes, DTYPE_NAMES[self.dtype]
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = GROUP_NAME, backend: str = "nccl") -> Future:
+        """Disaggregated sync: start joining the trainer's broadcast group (`ray_weights.BroadcastGroup`, rank 0)
+        as ranks rank_offset .. rank_offset + tp_size - 1 (SGLang's `init_custom_process_group`).
+
+        SGLang's call returns only once every rank has joined, so it runs on the adapter's weight thread: form the
+        trainer's side meanwhile, then `.result(timeout)`, which raises RuntimeError with SGLang's message.
+        """
+        return self._weight_thread.submit(lambda: _check(self.engine.init_weights_update_group(
+            master_address=master_address, master_port=master_port, rank_offset=rank_offset, world_size=world_size,
+            group_name=group_name, backend=backend), "init_weights_update_group"))
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                        version: int, group_name: str = "rlbench") -> None:
-        """Receive one broadcast per tensor (in `names` order) from the trainer, inside a weight-update session;
-        `version` is set only after it succeeded. Blocks until the broadcasts arrive."""
-        unknown = sorted(set(names) - self.weight_names)
-        if unknown:
-            raise ValueError(f"weight update names {unknown[:5]} are not in the checkpoint {self.cfg.model_path}")
-        self._in_session(lambda: _check(
-            self.engine.update_weights_from_distributed(names=names, dtypes=dtypes, shapes=shapes,
-                                                        group_name=group_name, flush_cache=True),
-            "update_weights_from_distributed"))
-        self.weight_version = version
+                                        version: int, group_name: str = GROUP_NAME,
+                                        load_format: str | None = LOAD_FORMAT) -> Future:
+        """Disaggregated sync of one bucket, announced as `ray_weights.announce` does: start SGLang's receive,
+        then broadcast (`ray_weights.outgoing`), then `.result(timeout)`.
+
+        The announcement is checked here, before SGLang is called: names and shapes against the checkpoint, dtypes
+        against `self.dtype`, the flattened bucket's alignment (a receive that fails before its broadcast leaves
+        the trainer waiting). On the weight thread (SGLang's call blocks until every broadcast has arrived):
+        `begin_weight_update()`, `update_weights_from_distributed(..., flush_cache=True)`, `end_weight_update()`;
+        `weight_version = version` only when all three succeeded.
+
+        Raises:
+            ValueError: (here) the announcement does not fit the engine; nothing was sent to SGLang.
+            RuntimeError: (from `.result()`) SGLang refused a call; its message is included.
+        """
+        meta = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
+                "load_format": load_format}
+        check_announcement(meta, *self.weight_layout())
+
+        def receive():
+            self._in_session(lambda: _check(self.engine.update_weights_from_distributed(
+                group_name=group_name, flush_cache=True, **meta), "update_weights_from_distributed"))
+            self._sent.update((n, (self.dtype, tuple(s))) for n, s in zip(meta["names"], meta["shapes"]))
+            self.weight_version = version
+
+        return self._weight_thread.submit(receive)
 
     def _in_session(self, body) -> None:
         """`body()` between `begin_weight_update()` and `end_weight_update()`; the session is closed whatever
@@ -359,4 +395,5 @@ class SGLangEngine:
         _check(self.engine.flush_cache(), "flush_cache")
 
     def shutdown(self) -> None:
+        self._weight_thread.shutdown(wait=False, cancel_futures=True)
         self.engine.shutdown()
