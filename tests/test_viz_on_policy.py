@@ -18,7 +18,9 @@ from rlbench.viz.on_policy import (
     cost_table,
     diff_decades,
     diff_histogram,
+    eval_by_step,
     format_value,
+    gradient_bias_rows,
     history_row,
     logprob_diffs,
     metric_curves,
@@ -237,3 +239,21 @@ def test_mismatch_summary_from_the_steps():
     assert mismatch_summary(result, window=2)[0]["reward_last"] == pytest.approx(0.8)
     html = table_html(rows, MISMATCH_COLUMNS)
     assert html.count("<tr>") == 3 and "bf16" in html and "0.002" in html
+
+
+def test_eval_by_step_rows_and_seed_means():
+    runs = {"tis_seed0": [{"step": 0, "eval/pass@1": 0.3}, {"step": 20, "eval/pass@1": 0.4}],
+            "tis_seed1": [{"step": 0, "eval/pass@1": 0.3}, {"step": 20, "eval/pass@1": 0.5}, {"step": 40}],
+            "matched": [{"step": 20, "eval/pass@1": 0.45}]}
+    rows, columns = eval_by_step(runs)
+    assert columns == [("setting", "setting"), ("step 0", "eval/pass@1 @ 0"), ("step 20", "eval/pass@1 @ 20")]
+    assert rows[2] == {"setting": "matched", "step 20": 0.45}
+    assert rows[3]["setting"] == "tis (mean of 2)" and rows[3]["step 0"] == pytest.approx(0.3)
+    assert rows[3]["step 20"] == pytest.approx(0.45) and len(rows) == 4
+
+
+def test_gradient_bias_rows_read_the_summary():
+    result = {"summary": {"tis": {"cos_to_g_true": {"mean": 0.58, "sd": 0.12}, "norm": {"mean": 0.35},
+                                  "cos_expected_to_g_true": 0.88, "norm_expected": 0.26}}}
+    assert gradient_bias_rows(result) == [{"setting": "tis", "cos": 0.58, "cos_sd": 0.12, "norm": 0.35,
+                                           "cos_expected": 0.88, "norm_expected": 0.26}]

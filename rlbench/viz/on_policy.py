@@ -310,6 +310,41 @@ MISMATCH_COLUMNS = (
 """`(row key, header)` of `mismatch_summary`'s table."""
 
 
+def eval_by_step(runs: Mapping[str, Iterable[Mapping[str, Any]]], key: str = "eval/pass@1",
+                 seed_suffix: str = "_seed") -> tuple[list[dict], list[tuple[str, str]]]:
+    """`key` at every step a run logged it: one row per run, plus one "<setting> (mean)" row per setting that has
+    runs named `<setting><seed_suffix><k>` (the mean over its seeds at the steps all of them logged).
+    Returns (rows, `table_html` columns)."""
+    rows = [{"setting": name, **{f"step {int(x)}": y for x, y in zip(*step_series(list(h), key))}}
+            for name, h in runs.items()]
+    steps = sorted({int(k[5:]) for r in rows for k in r if k.startswith("step ")})
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        if seed_suffix in r["setting"]:
+            groups.setdefault(r["setting"].rsplit(seed_suffix, 1)[0], []).append(r)
+    for setting, members in groups.items():
+        mean = {f"step {x}": sum(m[f"step {x}"] for m in members) / len(members)
+                for x in steps if all(f"step {x}" in m for m in members)}
+        rows.append({"setting": f"{setting} (mean of {len(members)})", **mean})
+    return rows, [("setting", "setting")] + [(f"step {x}", f"{key} @ {x}") for x in steps]
+
+
+GRADIENT_BIAS_COLUMNS = (
+    ("setting", "setting"), ("cos", "cos to g_true (one batch)"), ("cos_sd", "± sd"), ("norm", "grad norm"),
+    ("cos_expected", "cos of expected gradients"), ("norm_expected", "expected grad norm"),
+)
+"""`(row key, header)` of `gradient_bias_rows`'s table."""
+
+
+def gradient_bias_rows(result: Mapping[str, Any]) -> list[dict]:
+    """One row per setting of a `benchmarks/mismatch_grad.py` result: the cosine of one batch's gradient to the clean
+    policy's on-policy gradient (mean, sd over draws), its norm, and the cosine of the expected gradients."""
+    return [{"setting": name, "cos": s["cos_to_g_true"]["mean"], "cos_sd": s["cos_to_g_true"]["sd"],
+             "norm": s["norm"]["mean"], "cos_expected": s.get("cos_expected_to_g_true"),
+             "norm_expected": s.get("norm_expected")}
+            for name, s in result.get("summary", {}).items()]
+
+
 def _mean_of(rows: Sequence[Mapping[str, Any]], key: str) -> float | None:
     values = step_series(rows, key)[1]
     return sum(values) / len(values) if values else None
