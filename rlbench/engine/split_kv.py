@@ -61,7 +61,7 @@ def _split_kv_kernel(q, k, v, mask, out, lse, M, L, qk_scale,
         if INTERPRETED:
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
-        s = tl.dot(qv, tl.trans(kt), input_precision=PRECISION) * qk_scale
+        s = (tl.dot(qv, tl.trans(kt), input_precision=PRECISION) * qk_scale).to(tl.float32)  # an fp64 scale arg
         s = tl.where(seen != 0, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet: p = 0, no NaN
@@ -85,12 +85,11 @@ def _split_kv(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
     chunks = triton.cdiv(length, CHUNK)
     partial = torch.empty((b, n_kv, chunks, rows, hd), dtype=torch.float32, device=q.device)
     lse = torch.empty((b, n_kv, chunks, rows), dtype=torch.float32, device=q.device)
-    seen = mask.view(torch.uint8)
     interpreted = q.device.type != "cuda"
     wrap_triton(_split_kv_kernel)[(b, n_kv, chunks)](
-        q, keys, values, seen, partial, lse, rows, length, scale * LOG2E,
+        q, keys, values, mask, partial, lse, rows, length, scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2), *keys.stride()[:3], *values.stride()[:3],
-        seen.stride(0), seen.stride(2) if seen.shape[2] > 1 else 0, seen.stride(3),
+        mask.stride(0), mask.stride(2) if mask.shape[2] > 1 else 0, mask.stride(3),
         *partial.stride()[:4], *lse.stride()[:3],
         HD=hd, BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=min(BLOCK_N, CHUNK), CHUNK=CHUNK,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INTERPRETED=interpreted, num_warps=4,
