@@ -65,7 +65,7 @@ import mismatch as mm  # noqa: E402  (benchmarks/mismatch.py: config, perturbed 
 
 from rlbench.algorithms import LossConfig, MISConfig  # noqa: E402
 from rlbench.algorithms.loss import build_loss  # noqa: E402
-from rlbench.rollout.manager import RolloutBatch, _seeds  # noqa: E402
+from rlbench.rollout.manager import RolloutBatch, prompt_seeds  # noqa: E402
 from rlbench.trainer import Trainer  # noqa: E402
 from rlbench.types import Status  # noqa: E402
 
@@ -110,7 +110,7 @@ class GradProbe:
         c = t.cfg.rollout
         # sampling seeds as the manager derives them (a pure function of seed, "rollout id", round); the draw id
         # plays the rollout id, offset so clean and perturbed draws never share seeds
-        seeds = _seeds(c.seed, 10_000 * (0 if clean else 1) + draw_id, 0, len(self.items), self.n)
+        seeds = prompt_seeds(c.seed, 10_000 * (0 if clean else 1) + draw_id, 0, len(self.items), self.n)
         groups = t.rollouts._sample_groups(self.items, self.n, seeds)
         t.rollouts._renumber(groups)
         samples = [s for g in groups for s in g]

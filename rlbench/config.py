@@ -21,7 +21,7 @@ from rlbench.backends.fsdp.config import PARAM_DTYPES, FSDPConfig, OptimConfig
 from rlbench.backends.megatron.config import MegatronConfig
 from rlbench.data.config import DataConfig
 from rlbench.engine.config import TorchEngineConfig
-from rlbench.orchestration.ray_config import ClusterConfig, check_batch_layout
+from rlbench.orchestration.ray_config import ClusterConfig, check_batch_layout, check_engine_layout
 
 if TYPE_CHECKING:
     import torch
@@ -404,8 +404,9 @@ class RunConfig:
     engine: TorchEngineConfig = field(default_factory=TorchEngineConfig)
     """The embedded rollout engine (sequence length, slots, CUDA graphs, compile)."""
     rollout_engine: str = "torch"
-    """Which rollout engine generates: "torch" (the embedded one, `engine`) or "sglang" (`sglang`; in this process,
-    cluster.backend="local"; extra rlbench[sglang])."""
+    """Which rollout engine generates: "torch" (the embedded one, `engine`) or "sglang" (`sglang`; extra
+    rlbench[sglang]; in this process with cluster.backend="local", or as disaggregated Ray actors of
+    sglang.tp_size GPUs each: docs/distributed.md)."""
     sglang: SGLangEngineConfig = field(default_factory=SGLangEngineConfig)
     """The SGLang engine, when rollout_engine="sglang"."""
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
@@ -445,6 +446,7 @@ class RunConfig:
             )
         if self.cluster.backend == "ray":
             check_batch_layout(self, self.cluster)  # global_batch_size must split over the DP ranks
+            check_engine_layout(self, self.cluster)  # engine actors of engine_num_gpus GPUs; SGLang disaggregated
         elif self.backend.cp_size > 1:
             raise ValueError(
                 f"context_parallel_size={self.backend.cp_size} needs {self.backend.cp_size} (x dp) trainer ranks, but "
@@ -477,14 +479,21 @@ class RunConfig:
                              f"choose one of {list(ROLLOUT_ENGINES)}")
         if self.rollout_engine != "sglang":
             return
-        if self.cluster.backend != "local":
-            raise ValueError(f"rollout_engine='sglang' with cluster.backend={self.cluster.backend!r}: the Ray actors "
-                             "build only the torch engine so far; use cluster.backend='local' (docs/rollout.md)")
+        if self.weights.verify and self.sglang.tp_size > 1:
+            raise ValueError(f"weights.verify with sglang.tp_size={self.sglang.tp_size}: SGLang's get_weights_by_name "
+                             "returns rank-local shards of the fused projections at TP > 1, so nothing can be compared; "
+                             "turn weights.verify off (--no-check-weight-update-equal) or use sglang.tp_size=1")
         if self.true_on_policy_mode:
             raise ValueError("true_on_policy_mode makes the torch engine's log-probs equal the trainer's bit for bit; "
                              "SGLang's kernels are not rlbench's, so no such guarantee holds. Use rollout_engine='torch', "
                              "or sglang.rl_on_policy_target='fsdp' without true_on_policy_mode and watch "
                              "train/train_rollout_logprob_abs_diff")
+
+    @property
+    def engine_num_gpus(self) -> int:
+        """GPUs one rollout engine runs on: 1 for the torch engine (no tensor parallelism), sglang.tp_size for
+        SGLang. On Ray each engine actor reserves that many (`cluster.rollout_num_gpus_per_engine` must match)."""
+        return self.sglang.tp_size if self.rollout_engine == "sglang" else 1
 
     def _check_on_policy(self) -> None:
         if not self.true_on_policy_mode:

@@ -16,6 +16,7 @@ parameters); CUDA IPC / NCCL broadcast / Ray transports register here later.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -159,3 +160,56 @@ def _synchronize() -> None:
     """Wait for queued device copies so the sync time is the real time."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+
+
+# ------------------------------------------------------- the disaggregated wire format (SGLang 0.5.23's)
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float64: "float64",
+                torch.int64: "int64", torch.int32: "int32", torch.bool: "bool", torch.uint8: "uint8"}
+DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+
+GROUP_NAME = "rlbench"
+"""The weight-broadcast group's name: the prefix of its store keys, the same on the trainer and every engine."""
+LOAD_FORMAT = "flattened_bucket"
+"""How a bucket travels: "flattened_bucket" (one uint8 broadcast per bucket) or None (one broadcast per tensor),
+SGLang's `load_format` of `update_weights_from_distributed`; rlbench's own engines receive both too."""
+
+
+def announce(bucket: Bucket, load_format: str | None = LOAD_FORMAT) -> dict:
+    """What the engines are told before a bucket is broadcast: SGLang's `update_weights_from_distributed` arguments
+    `names`, `dtypes` (torch attribute names), `shapes`, `load_format`, in the order the tensors travel.
+
+    For "flattened_bucket" the tensors go largest itemsize first, so every tensor's byte offset is a multiple of
+    its itemsize: SGLang refuses an unaligned one before receiving (srt/weight_sync/tensor_bucket.py:98-101),
+    which would leave the sender waiting.
+    """
+    if load_format not in (None, "flattened_bucket"):
+        raise ValueError(f"load_format={load_format!r}: SGLang receives None (per tensor) or 'flattened_bucket'")
+    if load_format == "flattened_bucket":
+        bucket = sorted(bucket, key=lambda item: -item[1].element_size())  # stable: same-dtype order kept
+    return {"names": [n for n, _ in bucket], "dtypes": [DTYPE_NAMES[t.dtype] for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket], "load_format": load_format}
+
+
+def check_announcement(meta: dict, shapes: dict[str, tuple[int, ...]] | None = None, dtype: str | None = None) -> None:
+    """Raise ValueError unless `meta` can be received as announced (and, when given, matches the engine's `shapes`
+    by name and its parameter `dtype`): a receiver that fails before its broadcast leaves the sender waiting."""
+    names, dtypes, sizes = meta["names"], meta["dtypes"], meta["shapes"]
+    if not names or not len(names) == len(dtypes) == len(sizes):
+        raise ValueError(f"weight announcement of {len(names)} names, {len(dtypes)} dtypes, {len(sizes)} shapes: "
+                         "SGLang needs one of each per tensor, at least one")
+    offset = 0
+    for name, dtype_name, shape in zip(names, dtypes, sizes):
+        if dtype_name not in DTYPES:
+            raise ValueError(f"{name}: dtype {dtype_name!r} is not one of {sorted(DTYPES)} (torch attribute names)")
+        if shapes is not None and name not in shapes:
+            raise ValueError(f"{name} is not a tensor of the engine's checkpoint (name mapping?)")
+        if shapes is not None and tuple(shape) != tuple(shapes[name]):
+            raise ValueError(f"{name} announced with shape {list(shape)}, the engine holds {list(shapes[name])}")
+        if dtype is not None and dtype_name != dtype:
+            raise ValueError(f"{name} announced as {dtype_name}, the engine holds {dtype}: cast before sending "
+                             "(weights.dtype)")
+        itemsize = DTYPES[dtype_name].itemsize
+        if meta["load_format"] == "flattened_bucket" and offset % itemsize:
+            raise ValueError(f"{name}: byte offset {offset} of the flattened bucket is not a multiple of its itemsize "
+                             f"{itemsize} (SGLang refuses it); order the bucket with announce()")
+        offset += math.prod(shape) * itemsize

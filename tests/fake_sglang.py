@@ -237,6 +237,36 @@ class FakeSGLang:
         self.calls.append(("shutdown",))
 
 
+class Engine(FakeSGLang):
+    """`sglang.Engine(**server_args)` as the adapter starts it (`SGLangEngineConfig.engine_kwargs`), over FakeSGLang
+    in the caller's process, holding the checkpoint's tensors as stored (the test checkpoints store SGLang's load
+    dtype). What a fake `sglang` package on a Ray actor's path exports (`write_sglang_package`). One process joins
+    the weight group as one rank, so only tp_size=1."""
+
+    def __init__(self, model_path: str, tp_size: int = 1, enable_deterministic_inference: bool = False, **server_args):
+        import glob
+
+        from safetensors.torch import load_file
+
+        if tp_size != 1:
+            raise ValueError(f"the fake sglang.Engine runs one process, so tp_size=1 (got {tp_size})")
+        super().__init__(deterministic=enable_deterministic_inference)
+        self.weights = {n: t for f in sorted(glob.glob(f"{model_path}/*.safetensors")) for n, t in load_file(f).items()}
+        self.server_args = dict(model_path=model_path, tp_size=tp_size,
+                                enable_deterministic_inference=enable_deterministic_inference, **server_args)
+
+
+def write_sglang_package(directory) -> None:
+    """A package `sglang` (version 0.5.23) in `directory` whose `Engine` is `Engine` above: put `directory` on a
+    process's PYTHONPATH and the adapter's own `import sglang` finds it."""
+    import os
+
+    os.makedirs(os.path.join(directory, "sglang"), exist_ok=True)
+    with open(os.path.join(directory, "sglang", "__init__.py"), "w", encoding="utf-8") as f:
+        f.write(f"import sys\nsys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+                "from fake_sglang import Engine  # noqa: E402\n__version__ = '0.5.23'\n")
+
+
 def _serve(conn, kwargs: dict) -> None:
     """The child process: one FakeSGLang; each request `(method, args, kwargs)` is answered `("ok", result)` or
     `("raise", repr(error))`; `("reset", (), kwargs)` starts a fresh FakeSGLang, None ends the loop."""

@@ -6,7 +6,9 @@ One Ray cluster per module. Proven here:
   for the same seed (same samples; losses, grad norms, log-probs to float tolerance);
 - every weight sync is verified bit-exactly on the engines (checksums), with versions;
 - async (one-step off-policy) trains: staleness 1 recorded per sample, TIS active, versions advance;
-- a dead actor and a hung collective become RuntimeErrors within the timeout; startup errors name the fix.
+- a dead actor and a hung collective become RuntimeErrors within the timeout; startup errors name the fix;
+- SGLang engines: the layout (bundles of tp_size GPUs, weight-group ranks) and one disaggregated step with the
+  engine actor building the SGLang adapter over `sglang.Engine` (a fake `sglang` package on the actors' path).
 """
 
 from __future__ import annotations
@@ -20,11 +22,17 @@ from dataclasses import replace
 import pytest
 import torch
 from dist_utils import local_ray
+from fake_sglang import write_sglang_package
 
 from rlbench import presets
-from rlbench.config import EvalConfig, WeightSyncConfig
+from rlbench.config import EvalConfig, RunConfig, SGLangEngineConfig, WeightSyncConfig
+from rlbench.data.config import DataConfig
 from rlbench.metrics import LoggingConfig
-from rlbench.orchestration.ray_config import ClusterConfig, placement_plan
+from rlbench.orchestration.ray_config import (
+    ClusterConfig,
+    placement_plan,
+    weight_group_ranks,
+)
 from rlbench.orchestration.ray_dp import split_steps_by_dp
 from rlbench.orchestration.ray_weights import flatten_bucket, from_ipc, to_ipc, unflatten
 from rlbench.rewards import REWARDS
@@ -61,8 +69,12 @@ def test_cluster_config_errors_name_the_fix():
         ClusterConfig(backend="ray", async_rollout=True)
     with pytest.raises(ValueError, match="backend='ray'"):
         ClusterConfig(actor_num_gpus_per_node=2)
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        ClusterConfig(backend="ray", rollout_num_gpus_per_engine=2)
+    with pytest.raises(ValueError, match="backend='ray'"):
+        ClusterConfig(rollout_num_gpus_per_engine=2)
+    with pytest.raises(ValueError, match="rollout_num_gpus=3 is not a multiple of rollout_num_gpus_per_engine=2"):
+        ClusterConfig(backend="ray", colocate=False, rollout_num_gpus=3, rollout_num_gpus_per_engine=2)
+    with pytest.raises(ValueError, match="torch engine has no tensor parallelism"):  # the engine's GPU count is 1
+        RunConfig(data=DataConfig(path="x.jsonl"), cluster=ClusterConfig(backend="ray", rollout_num_gpus_per_engine=2))
 
 
 def test_placement_plan_bundles():
@@ -71,6 +83,19 @@ def test_placement_plan_bundles():
     assert colo.train_gpu_fraction + colo.engine_gpu_fraction <= 1.0
     dis = placement_plan(ClusterConfig(backend="ray", actor_num_gpus_per_node=2, colocate=False, rollout_num_gpus=3))
     assert (dis.num_bundles, dis.train_bundles, dis.engine_bundles) == (5, (0, 1), (2, 3, 4))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_engine_layout_of_tp_engines(tp):
+    """Disaggregated engines of TP size tp: one bundle of tp GPUs per engine (the actor reserves all of them), and
+    the weight-broadcast group counts tp ranks per engine after trainer rank 0."""
+    cluster = ClusterConfig(backend="ray", actor_num_gpus_per_node=2, colocate=False, rollout_num_gpus=2 * tp,
+                            rollout_num_gpus_per_engine=tp)
+    plan = placement_plan(cluster)
+    assert (plan.num_bundles, plan.train_bundles, plan.engine_bundles) == (4, (0, 1), (2, 3))
+    assert plan.bundle_gpus == (1, 1, tp, tp) and plan.engine_gpu_fraction == 1.0  # GPUs requested: 1.0 x tp
+    assert weight_group_ranks([tp, tp]) == ([1, 1 + tp], 1 + 2 * tp)
+    assert weight_group_ranks([1, 2, 1]) == ([1, 2, 4], 5)
 
 
 def test_split_steps_by_dp_keeps_each_global_batch():
@@ -108,7 +133,9 @@ def test_missing_ray_names_the_extra(monkeypatch):
 def ray_cluster(tmp_path_factory):
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'rlbench[dist]')")
     REWARDS["ray_digits"] = digit_reward
-    with local_ray(tmp_path_factory.mktemp("raystub")) as ray:
+    stub = tmp_path_factory.mktemp("raystub")
+    write_sglang_package(stub)  # the actors' `import sglang` finds fake_sglang.Engine (the driver's does not)
+    with local_ray(stub) as ray:
         yield ray
     REWARDS.pop("ray_digits", None)
 
@@ -215,6 +242,40 @@ def test_ref_update_interval_on_every_rank(ray_cluster, tmp_path):
     assert ["perf/ref_update_time" in h for h in history] == [False, True, False]
     assert history[1]["rollout/ref_log_probs"] != history[1]["rollout/log_probs"]
     assert history[2]["rollout/ref_log_probs"] == history[2]["rollout/log_probs"]
+
+
+def test_sglang_engine_actor_trains_disaggregated(ray_cluster, tmp_path):
+    """rollout_engine='sglang' on Ray: the engine actor builds the SGLang adapter (`local.build_engine`) over
+    `sglang.Engine(**engine_kwargs)`; the trainer casts to SGLang's parameter dtype (read from the checkpoint),
+    forms the broadcast group with the adapter (1 + tp_size ranks) and trains a step; the engine samples with the
+    trainer's weights, and each sync is verified by reading the engine's weights back."""
+    from rlbench.models import build_model
+    from rlbench.orchestration.ray_trainer import RayTrainer
+
+    model = build_model("tiny")
+    with torch.no_grad():
+        model.model.norm.weight.fill_(0.5)  # the fake samples int(sum(norm)) as its 2nd token: 32 here, 64 trained
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "hf")  # config.json: bfloat16, SGLang's load dtype
+    cfg = tiny_cfg(str(tmp_path))
+    cfg = cfg.replace(rollout_engine="sglang", sglang=SGLangEngineConfig(model_path=str(tmp_path / "hf")),
+                      batch=replace(cfg.batch, num_rollout=1))
+    assert cfg.weights.dtype is None
+    cluster = ClusterConfig(backend="ray", colocate=False, rollout_num_gpus=1, timeout_s=120)
+    trainer = RayTrainer(cfg, cluster=cluster)
+    try:
+        assert trainer.cluster.cfg.weights.dtype == "bfloat16"
+        assert trainer.cluster.call_engines("group_ranks") == [1] and trainer.cluster.plan.bundle_gpus == (1, 1)
+        shapes, dtype = trainer.cluster.call_engines("weight_layout")[0]
+        assert dtype == "bfloat16" and shapes["lm_head.weight"] == shapes["model.embed_tokens.weight"]  # tied
+        history = trainer.fit()
+        versions = trainer.cluster.call_engines("weight_version")
+    finally:
+        trainer.close()
+    h = history[0]
+    assert h["weights/verified"] == 1.0 and math.isfinite(h["train/loss"])
+    assert versions == [h["weights/version"]] == [h["train/optimizer_steps"]]  # bumped after a verified receive
+    samples = trainer.last_rollout.samples
+    assert {s.tokens[-s.response_length:][1] for s in samples} == {64}  # the trainer's norm (ones), not the file's
 
 
 def test_hung_collective_and_dead_actor_surface_within_timeout(disaggregated):

@@ -306,13 +306,52 @@ def test_run_config_selects_sglang():
     assert cfg.sglang.engine_kwargs("/m")["mem_fraction_static"] == 0.5
     with pytest.raises(ValueError, match="did you mean 'sglang'"):
         RunConfig(data=data, rollout_engine="sglng")
-    with pytest.raises(ValueError, match="cluster.backend='local'"):
-        RunConfig(data=data, rollout_engine="sglang",
-                  cluster=ClusterConfig(backend="ray", actor_num_gpus_per_node=1, colocate=True))
     with pytest.raises(ValueError, match="true_on_policy_mode"):
         RunConfig(data=data, rollout_engine="sglang", true_on_policy_mode=True)
     with pytest.raises(ValueError, match="sets \\['tp_size'\\]"):
         SGLangEngineConfig(extra={"tp_size": 2})
+
+
+def test_run_config_takes_sglang_on_ray_disaggregated_and_refuses_what_cannot_work():
+    data = DataConfig(path="x.jsonl")
+    tp2 = SGLangEngineConfig(tp_size=2)
+    cfg = RunConfig(data=data, rollout_engine="sglang", sglang=tp2,
+                    cluster=ClusterConfig(backend="ray", colocate=False, rollout_num_gpus=4, rollout_num_gpus_per_engine=2))
+    assert cfg.engine_num_gpus == 2 and cfg.cluster.num_engines == 2
+    assert RunConfig(data=data).engine_num_gpus == 1  # the torch engine
+    with pytest.raises(ValueError, match=r"rollout_engine='sglang' on Ray runs disaggregated only: .* set colocate=False "
+                                         r"with rollout_num_gpus \(--no-colocate --rollout-num-gpus N\), or "
+                                         "cluster.backend='local'"):
+        RunConfig(data=data, rollout_engine="sglang", cluster=ClusterConfig(backend="ray", colocate=True))
+    with pytest.raises(ValueError, match=r"sglang.tp_size=2 puts each SGLang engine on 2 GPUs, but "
+                                         r"rollout_num_gpus_per_engine=1; set both to the same value \(--sglang-tp-size 2 "
+                                         r"--rollout-num-gpus-per-engine 2\)"):
+        RunConfig(data=data, rollout_engine="sglang", sglang=tp2,
+                  cluster=ClusterConfig(backend="ray", colocate=False, rollout_num_gpus=2))
+    with pytest.raises(ValueError, match=r"weights.verify with sglang.tp_size=2: .* turn weights.verify off"):
+        RunConfig(data=data, rollout_engine="sglang", sglang=tp2, weights=WeightSyncConfig(verify=True))
+    with pytest.raises(ValueError, match="true_on_policy_mode"):
+        RunConfig(data=data, rollout_engine="sglang", true_on_policy_mode=True,
+                  cluster=ClusterConfig(backend="ray", colocate=False, rollout_num_gpus=1))
+
+
+def test_ray_sends_in_sglangs_dtype(model_dir):
+    """Before any actor starts, the Ray cluster sets weights.dtype to the dtype SGLang holds the parameters in (its
+    broadcast receive takes no other), or refuses another one; the torch engine's config is left as it is."""
+    from rlbench.orchestration.ray_cluster import with_engine_weight_dtype
+
+    data, cluster = DataConfig(path="x.jsonl"), ClusterConfig(backend="ray", colocate=False, rollout_num_gpus=1)
+    cfg = RunConfig(data=data, rollout_engine="sglang", sglang=SGLangEngineConfig(model_path=model_dir), cluster=cluster)
+    assert with_engine_weight_dtype(cfg).weights.dtype == "bfloat16"  # the fixture's config.json
+    cast = cfg.replace(weights=WeightSyncConfig(dtype="float32"))
+    with pytest.raises(ValueError, match=r"weights.dtype='float32', but SGLang holds .* in bfloat16 .* set "
+                                         r"weights.dtype='bfloat16' \(--weights-dtype bfloat16\) or leave it unset"):
+        with_engine_weight_dtype(cast)
+    assert with_engine_weight_dtype(cast.replace(weights=WeightSyncConfig(dtype="bfloat16"))).weights.dtype == "bfloat16"
+    with pytest.raises(ValueError, match="must be an HF model directory"):  # the trainer's preset name
+        with_engine_weight_dtype(cfg.replace(sglang=SGLangEngineConfig()))
+    torch_cfg = RunConfig(data=data, cluster=cluster)
+    assert with_engine_weight_dtype(torch_cfg) is torch_cfg
 
 
 # ---------------------------------------------------------------------------------------------- disaggregated

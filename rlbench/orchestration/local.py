@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from rlbench.config import RunConfig, TaskConfig
+from rlbench.config import RunConfig, SGLangEngineConfig, TaskConfig
 from rlbench.data import PromptDataset, build_tokenizer, write_jsonl
 from rlbench.models import build_config, load_tokenizer
 from rlbench.models.build import materialize, params_on_meta
@@ -79,7 +79,7 @@ def build_engine(cfg: RunConfig, device: torch.device, tokenizer):
     if cfg.rollout_engine == "sglang":
         from rlbench.rollout.sglang_engine import SGLangEngine
 
-        return SGLangEngine(dataclasses.replace(cfg.sglang, model_path=cfg.sglang.model_path or cfg.backend.model))
+        return SGLangEngine(sglang_config(cfg))
     from rlbench.backends.fsdp.config import PARAM_DTYPES
     from rlbench.engine.torch_engine import TorchEngine
 
@@ -92,6 +92,11 @@ def build_engine(cfg: RunConfig, device: torch.device, tokenizer):
     if engine_cfg.num_slots is None and device.type == "cpu":  # a GPU sizes its cache from free memory
         engine_cfg = dataclasses.replace(engine_cfg, num_slots=rollout_slots(cfg))
     return TorchEngine(model, engine_cfg, tokenizer=tokenizer)
+
+
+def sglang_config(cfg: RunConfig) -> SGLangEngineConfig:
+    """`cfg.sglang` with its model directory filled in (`sglang.model_path`, else the trainer's `backend.model`)."""
+    return dataclasses.replace(cfg.sglang, model_path=cfg.sglang.model_path or cfg.backend.model)
 
 
 def rollout_slots(cfg: RunConfig) -> int:

@@ -12,11 +12,17 @@ naming the call and the actor, never a silent hang.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Sequence
 
-from rlbench.orchestration.ray_config import ClusterConfig, placement_plan
+from rlbench.orchestration.ray_config import (
+    ClusterConfig,
+    check_engine_layout,
+    placement_plan,
+    weight_group_ranks,
+)
 from rlbench.orchestration.ray_placement import (
     NOSET_VISIBLE_DEVICES,
     create_placement,
@@ -24,6 +30,7 @@ from rlbench.orchestration.ray_placement import (
     import_ray,
     init_ray,
 )
+from rlbench.orchestration.ray_weights import DTYPE_NAMES
 from rlbench.orchestration.ray_workers import EngineWorker, TrainWorker
 
 
@@ -39,8 +46,9 @@ class RayCluster:
     def __init__(self, cfg, cluster: ClusterConfig, tokenizer) -> None:
         if cluster.backend != "ray":
             raise ValueError(f"RayCluster needs cluster.backend='ray', got {cluster.backend!r}")
+        check_engine_layout(cfg, cluster)
         self.ray = import_ray()
-        self.cfg, self.cluster = cfg, cluster
+        self.cfg, self.cluster = with_engine_weight_dtype(cfg), cluster
         init_ray(cluster)
         self.plan = placement_plan(cluster)
         self.placement = create_placement(self.plan, cfg.backend.device, cluster.timeout_s)
@@ -55,14 +63,20 @@ class RayCluster:
             raise
 
     # ---------------------------------------------------------------- start-up
-    def _options(self, bundle: int, fraction: float) -> dict:
-        """Actor options pinning it to ordered bundle `bundle` with `fraction` of its GPU (or CPU slot)."""
+    def _options(self, bundle: int, fraction: float, own_gpus_only: bool = False) -> dict:
+        """Actor options pinning it to ordered bundle `bundle` with `fraction` of its GPUs (or CPU slots).
+
+        `own_gpus_only`: the actor sees only the GPUs it reserved (Ray sets CUDA_VISIBLE_DEVICES), for an engine
+        that places its own device processes on the visible GPUs (SGLang's TP ranks on devices 0..tp_size-1);
+        every other actor sees all GPUs (`NOSET_VISIBLE_DEVICES`)."""
+        amount = fraction * self.plan.bundle_gpus[bundle]
         opts = {"scheduling_strategy": self.placement.strategy(bundle), "max_concurrency": 1}
         if self.cfg.backend.device == "cuda":
-            opts |= {"num_gpus": fraction, "num_cpus": fraction}
-            opts["runtime_env"] = {"env_vars": dict(NOSET_VISIBLE_DEVICES)}
+            opts |= {"num_gpus": amount, "num_cpus": amount}
+            if not own_gpus_only:
+                opts["runtime_env"] = {"env_vars": dict(NOSET_VISIBLE_DEVICES)}
         else:
-            opts |= {"num_cpus": fraction}
+            opts |= {"num_cpus": amount}
         return opts
 
     def _start_trainers(self, pad_token_id: int) -> None:
@@ -80,9 +94,10 @@ class RayCluster:
 
     def _start_engines(self, tokenizer) -> None:
         actor = self.ray.remote(EngineWorker)
-        cwd = os.getcwd()
+        cwd, own_gpus_only = os.getcwd(), self.cfg.rollout_engine == "sglang"  # SGLang starts its TP ranks itself
         self.engines = [
-            actor.options(**self._options(b, self.plan.engine_gpu_fraction)).remote(self.cfg, e, self.cluster, cwd, tokenizer)
+            actor.options(**self._options(b, self.plan.engine_gpu_fraction, own_gpus_only)).remote(
+                self.cfg, e, self.cluster, cwd, tokenizer)
             for e, b in enumerate(self.plan.engine_bundles)
         ]
         self.call_engines("weight_version")  # wait until every engine is built
@@ -98,8 +113,11 @@ class RayCluster:
         self._gather([self.trainers[0].connect_engines.remote(self.engines)], "connect engines", ["trainer rank 0"])
         host, port = self.call_trainers("master_address", ranks=[0])[0]
         sizes = self.call_engines("group_ranks")  # an engine takes one rank per TP rank
-        offsets = [1 + sum(sizes[:e]) for e in range(len(sizes))]
-        world = 1 + sum(sizes)
+        placed = [self.plan.bundle_gpus[b] for b in self.plan.engine_bundles]
+        if sizes != placed:
+            raise RuntimeError(f"the engines take {sizes} weight-group ranks (their TP sizes) but were placed on "
+                               f"{placed} GPUs; cluster.rollout_num_gpus_per_engine must equal the engine's GPU count")
+        offsets, world = weight_group_ranks(sizes)
         refs = [self.trainers[0].init_weight_group.remote(host, port, world)]
         refs += [e.init_weight_group.remote(host, port, offsets[i], world) for i, e in enumerate(self.engines)]
         self._gather(refs, "weight-broadcast group rendezvous", ["trainer rank 0"] + self._engine_names())
@@ -229,6 +247,27 @@ class TrainGroup:
 
     def load(self, step: int | None = None) -> int:
         return self.cluster.call_trainers("load", self.cfg.checkpoint_dir, step)[0]
+
+
+def with_engine_weight_dtype(cfg):
+    """`cfg` with `weights.dtype` set to the dtype an SGLang engine holds its parameters in (what its broadcast
+    receive takes: `SGLangEngine.weight_layout`), so every trainer rank casts to it before sending; ValueError
+    when `weights.dtype` names another. The torch engine casts on load: `cfg` unchanged."""
+    if cfg.rollout_engine != "sglang":
+        return cfg
+    from rlbench.orchestration.local import sglang_config
+    from rlbench.rollout.sglang_engine import check_model_dir, sglang_load_dtype
+
+    sglang = sglang_config(cfg)
+    check_model_dir(sglang.model_path)
+    dtype = DTYPE_NAMES[sglang_load_dtype(sglang.model_path, str(sglang.extra.get("dtype", "auto")))]
+    if cfg.weights.dtype is None:
+        return cfg.replace(weights=dataclasses.replace(cfg.weights, dtype=dtype))
+    if cfg.weights.dtype != dtype:
+        raise ValueError(f"weights.dtype={cfg.weights.dtype!r}, but SGLang holds {sglang.model_path}'s parameters in "
+                         f"{dtype} and receives broadcast weights only in that dtype; set weights.dtype={dtype!r} "
+                         f"(--weights-dtype {dtype}) or leave it unset")
+    return cfg
 
 
 def _blocks(n: int, k: int) -> list[tuple[int, int]]:

@@ -15,7 +15,8 @@ from typing import Any
 from rlbench.orchestration.ray_config import ClusterConfig, PlacementPlan
 
 # Every process sees every GPU; an actor finds its own through ray.get_gpu_ids() (as slime does), so CUDA IPC
-# handles and NCCL peers use one consistent device numbering.
+# handles and NCCL peers use one consistent device numbering. Except SGLang engine actors: they see only the
+# tp_size GPUs they reserved (Ray's CUDA_VISIBLE_DEVICES), where SGLang puts TP rank i on visible device i.
 NOSET_VISIBLE_DEVICES = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
 
 
@@ -43,16 +44,16 @@ def init_ray(cluster: ClusterConfig) -> None:
     ray.init(num_cpus=cluster.num_cpus, include_dashboard=False, log_to_driver=True)
 
 
-def bundle_resources(device: str) -> dict[str, float]:
-    """One bundle: a GPU and a CPU on CUDA; on a CPU run a CPU slot stands in for the GPU."""
-    return {"GPU": 1.0, "CPU": 1.0} if device == "cuda" else {"CPU": 1.0}
+def bundle_resources(device: str, gpus: int = 1) -> dict[str, float]:
+    """A bundle of `gpus` GPUs: a GPU and a CPU each on CUDA; on a CPU run a CPU slot stands in for each GPU."""
+    return {"GPU": float(gpus), "CPU": float(gpus)} if device == "cuda" else {"CPU": float(gpus)}
 
 
 def check_resources(plan: PlacementPlan, device: str) -> None:
     """ValueError naming the fix when the cluster cannot hold the plan's bundles."""
     ray = import_ray()
     have = ray.cluster_resources()
-    need = {k: v * plan.num_bundles for k, v in bundle_resources(device).items()}
+    need = {k: v * sum(plan.bundle_gpus) for k, v in bundle_resources(device).items()}
     short = {k: (have.get(k, 0.0), v) for k, v in need.items() if have.get(k, 0.0) < v}
     if short:
         detail = ", ".join(f"{k}: need {v:g}, cluster has {h:g}" for k, (h, v) in short.items())
@@ -87,21 +88,23 @@ def create_placement(plan: PlacementPlan, device: str, timeout_s: float) -> Plac
     from ray.util.placement_group import placement_group, remove_placement_group
 
     check_resources(plan, device)
-    pg = placement_group([bundle_resources(device)] * plan.num_bundles, strategy="PACK")
+    bundles = [bundle_resources(device, gpus) for gpus in plan.bundle_gpus]
+    pg = placement_group(bundles, strategy="PACK")
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(pg)
         raise RuntimeError(
-            f"placement group of {plan.num_bundles} bundles {bundle_resources(device)} not ready after {timeout_s:.0f}s; "
+            f"placement group of {plan.num_bundles} bundles {bundles} not ready after {timeout_s:.0f}s; "
             "the cluster is busy or too small (check `ray status`)"
         )
     if device != "cuda":
         return Placement(pg, list(range(plan.num_bundles)))
-    return Placement(pg, _node_major_order(pg, plan.num_bundles, timeout_s))
+    return Placement(pg, _node_major_order(pg, plan.bundle_gpus, timeout_s))
 
 
-def _node_major_order(pg, n: int, timeout_s: float) -> list[int]:
-    """Probe each bundle for (node IP, GPU id) and sort: IP octets, then GPU id."""
+def _node_major_order(pg, bundle_gpus: Sequence[int], timeout_s: float) -> list[int]:
+    """Probe each bundle for (node IP, GPU id) and sort: IP octets, then GPU id. Bundles of one size swap places
+    only with each other (an engine's multi-GPU bundle stays an engine's)."""
     ray = import_ray()
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -109,6 +112,7 @@ def _node_major_order(pg, n: int, timeout_s: float) -> list[int]:
     def where():
         return ray.util.get_node_ip_address(), [int(g) for g in ray.get_gpu_ids()]
 
+    n = len(bundle_gpus)
     refs = [
         where.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)).remote()
         for i in range(n)
@@ -119,7 +123,12 @@ def _node_major_order(pg, n: int, timeout_s: float) -> list[int]:
         ip, gpus = infos[i]
         return [int(x) for x in ip.split(".") if x.isdigit()], gpus[0] if gpus else 0
 
-    return sorted(range(n), key=key)
+    order = list(range(n))
+    for size in set(bundle_gpus):
+        same = [i for i in range(n) if bundle_gpus[i] == size]
+        for position, bundle in zip(same, sorted(same, key=key)):
+            order[position] = bundle
+    return order
 
 
 def local_gpu_index() -> int:

@@ -38,12 +38,18 @@ from torch.distributed.distributed_c10d import (
     rendezvous,
 )
 
-from rlbench.weights import Bucket, bucket_nbytes, checksum
+from rlbench.weights import (
+    DTYPE_NAMES,
+    DTYPES,
+    GROUP_NAME,
+    LOAD_FORMAT,
+    Bucket,
+    announce,
+    bucket_nbytes,
+    check_announcement,
+    checksum,
+)
 from rlbench.weights import SyncTally as _SyncTally
-
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float64: "float64",
-                torch.int64: "int64", torch.int32: "int32", torch.bool: "bool", torch.uint8: "uint8"}
-_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 
 
 @dataclass
@@ -124,13 +130,6 @@ def load_ipc_payload(engine, payload: list[tuple[bytes, dict]], version: int) ->
 
 
 # ------------------------------------------------------------------------------------ broadcast (disaggregated)
-GROUP_NAME = "rlbench"
-"""The weight-broadcast group's name: the prefix of its store keys, the same on the trainer and every engine."""
-LOAD_FORMAT = "flattened_bucket"
-"""How a bucket travels: "flattened_bucket" (one uint8 broadcast per bucket) or None (one broadcast per tensor),
-SGLang's `load_format` of `update_weights_from_distributed`; rlbench's own engines receive both too."""
-
-
 class BroadcastGroup:
     """A process group of trainer rank 0 (rank 0 here) and the engines (ranks 1..), separate from the trainer's
     default group, formed as SGLang 0.5.23 forms its side (`init_custom_process_group`, srt/utils/common.py:2859-2927):
@@ -161,47 +160,6 @@ class BroadcastGroup:
             torch.cuda.synchronize(tensor.device)
 
 
-def announce(bucket: Bucket, load_format: str | None = LOAD_FORMAT) -> dict:
-    """What the engines are told before a bucket is broadcast: SGLang's `update_weights_from_distributed` arguments
-    `names`, `dtypes` (torch attribute names), `shapes`, `load_format`, in the order the tensors travel.
-
-    For "flattened_bucket" the tensors go largest itemsize first, so every tensor's byte offset is a multiple of
-    its itemsize: SGLang refuses an unaligned one before receiving (srt/weight_sync/tensor_bucket.py:98-101),
-    which would leave the sender waiting.
-    """
-    if load_format not in (None, "flattened_bucket"):
-        raise ValueError(f"load_format={load_format!r}: SGLang receives None (per tensor) or 'flattened_bucket'")
-    if load_format == "flattened_bucket":
-        bucket = sorted(bucket, key=lambda item: -item[1].element_size())  # stable: same-dtype order kept
-    return {"names": [n for n, _ in bucket], "dtypes": [DTYPE_NAMES[t.dtype] for _, t in bucket],
-            "shapes": [list(t.shape) for _, t in bucket], "load_format": load_format}
-
-
-def check_announcement(meta: dict, shapes: dict[str, tuple[int, ...]] | None = None, dtype: str | None = None) -> None:
-    """Raise ValueError unless `meta` can be received as announced (and, when given, matches the engine's `shapes`
-    by name and its parameter `dtype`): a receiver that fails before its broadcast leaves the sender waiting."""
-    names, dtypes, sizes = meta["names"], meta["dtypes"], meta["shapes"]
-    if not names or not len(names) == len(dtypes) == len(sizes):
-        raise ValueError(f"weight announcement of {len(names)} names, {len(dtypes)} dtypes, {len(sizes)} shapes: "
-                         "SGLang needs one of each per tensor, at least one")
-    offset = 0
-    for name, dtype_name, shape in zip(names, dtypes, sizes):
-        if dtype_name not in _DTYPES:
-            raise ValueError(f"{name}: dtype {dtype_name!r} is not one of {sorted(_DTYPES)} (torch attribute names)")
-        if shapes is not None and name not in shapes:
-            raise ValueError(f"{name} is not a tensor of the engine's checkpoint (name mapping?)")
-        if shapes is not None and tuple(shape) != tuple(shapes[name]):
-            raise ValueError(f"{name} announced with shape {list(shape)}, the engine holds {list(shapes[name])}")
-        if dtype is not None and dtype_name != dtype:
-            raise ValueError(f"{name} announced as {dtype_name}, the engine holds {dtype}: cast before sending "
-                             "(weights.dtype)")
-        itemsize = _DTYPES[dtype_name].itemsize
-        if meta["load_format"] == "flattened_bucket" and offset % itemsize:
-            raise ValueError(f"{name}: byte offset {offset} of the flattened bucket is not a multiple of its itemsize "
-                             f"{itemsize} (SGLang refuses it); order the bucket with announce()")
-        offset += math.prod(shape) * itemsize
-
-
 def outgoing(bucket: Bucket, meta: dict) -> list[torch.Tensor]:
     """The tensors to broadcast for `meta`, in order: each tensor (per-tensor format) or one uint8 buffer
     (SGLang's FlattenedTensorBucket layout, srt/weight_sync/tensor_bucket.py:86-135).
@@ -217,7 +175,7 @@ def outgoing(bucket: Bucket, meta: dict) -> list[torch.Tensor]:
     out = []
     for name, dtype_name, shape in zip(meta["names"], meta["dtypes"], meta["shapes"]):
         t = tensors[name]
-        if t.dtype != _DTYPES[dtype_name] or list(t.shape) != list(shape):
+        if t.dtype != DTYPES[dtype_name] or list(t.shape) != list(shape):
             raise ValueError(f"{name} is {DTYPE_NAMES.get(t.dtype, t.dtype)} {list(t.shape)}, announced as "
                              f"{dtype_name} {list(shape)}; nothing was broadcast")
         out.append(t.detach().contiguous())
@@ -228,7 +186,7 @@ def outgoing(bucket: Bucket, meta: dict) -> list[torch.Tensor]:
 
 def receive_bucket(group: BroadcastGroup, meta: dict) -> Bucket:
     """Receive one announced bucket as SGLang does (model_runner_components/weight_updater.py:260-310)."""
-    dtypes = [_DTYPES[d] for d in meta["dtypes"]]
+    dtypes = [DTYPES[d] for d in meta["dtypes"]]
     if meta["load_format"] != "flattened_bucket":
         bucket = [(n, torch.empty(s, dtype=d, device=group.device)) for n, d, s in zip(meta["names"], dtypes, meta["shapes"])]
         for _, t in bucket:

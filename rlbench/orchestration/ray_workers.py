@@ -3,7 +3,9 @@
 Plain classes (Ray wraps them with `ray.remote` in `ray_cluster`), so each method is an ordinary call.
 A TrainWorker owns one FSDP rank (torch.distributed is set up from the rank/world/master the driver hands
 it) and its part of every RL step (`rlbench.rank_step.RankStep`, all-reducing over the DP group, with the
-packs and log-probs of the current batch kept here between the driver's calls); an EngineWorker owns one `TorchEngine`. Weights go from
+packs and log-probs of the current batch kept here between the driver's calls); an EngineWorker owns one rollout
+engine (`local.build_engine`: a `TorchEngine`, or the SGLang adapter, whose `sglang.Engine` starts its tp_size
+scheduler processes on the GPUs this actor reserved). Weights go from
 trainer ranks to engines directly (CUDA IPC or a broadcast group), never through the driver.
 """
 

@@ -94,7 +94,7 @@ class RolloutManager:
         rounds = 0
         while len(kept) < c.rollout_batch_size and rounds < c.max_sampling_rounds:
             items = self.dataset.next_batch(c.prompts_per_round)
-            groups = self._sample_groups(items, c.n_samples_per_prompt, _seeds(c.seed, rollout_id, rounds, len(items), c.n_samples_per_prompt))
+            groups = self._sample_groups(items, c.n_samples_per_prompt, prompt_seeds(c.seed, rollout_id, rounds, len(items), c.n_samples_per_prompt))
             for group in groups:
                 (dropped if c.dynamic_sampling and _equal_rewards(group) else kept).append(group)
             all_groups += groups
@@ -167,7 +167,7 @@ class RolloutManager:
         start = time.perf_counter()
         n = cfg.n_samples_per_prompt
         temperature = self.cfg.temperature if cfg.temperature is None else cfg.temperature
-        seeds = _seeds(cfg.seed, 0, 0, len(items), n)
+        seeds = prompt_seeds(cfg.seed, 0, 0, len(items), n)
         groups = self._sample_groups(items, n, seeds, temperature=temperature, max_new_tokens=cfg.max_response_len)
         samples = [s for g in groups for s in g]
         correct = [sum(s.reward >= 1.0 for s in g) for g in groups]
@@ -206,7 +206,7 @@ def _equal_rewards(group: list[Sample]) -> bool:
     return len({s.reward for s in group}) == 1
 
 
-def _seeds(base: int, rollout_id: int, round_: int, n_prompts: int, n: int) -> list[int]:
+def prompt_seeds(base: int, rollout_id: int, round_: int, n_prompts: int, n: int) -> list[int]:
     """One seed per prompt, a pure function of (base, rollout, round); sample j adds j (see expand_seeds)."""
     rng = np.random.default_rng([base, rollout_id, round_])
     return (rng.integers(0, 2**31 - n - 1, size=n_prompts)).tolist()

@@ -47,10 +47,11 @@ from typing import Any
 import torch
 
 from rlbench.config import SGLangEngineConfig
-from rlbench.orchestration.ray_weights import DTYPE_NAMES, GROUP_NAME, LOAD_FORMAT, check_announcement
 from rlbench.rollout.base import Generation, SamplingParams, WeightBucket, expand_seeds
+from rlbench.weights import DTYPE_NAMES, GROUP_NAME, LOAD_FORMAT, check_announcement
 
-__all__ = ["SGLangEngine", "SGLangEngineConfig", "checkpoint_weight_shapes", "sglang_load_dtype", "to_sglang_params"]
+__all__ = ["SGLangEngine", "SGLangEngineConfig", "check_model_dir", "checkpoint_weight_shapes", "sglang_load_dtype",
+           "to_sglang_params"]
 
 MIN_VERSION = (0, 5, 23)
 """The oldest SGLang whose API this adapter follows (weight-update sessions, `(ok, msg)` returns)."""
@@ -98,6 +99,13 @@ def checkpoint_weight_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
     if tied and "model.embed_tokens.weight" in shapes:
         shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]
     return shapes
+
+
+def check_model_dir(model_path: str | None) -> None:
+    """ValueError unless `model_path` is an HF model directory (SGLang loads nothing else)."""
+    if model_path is None or not os.path.isfile(os.path.join(model_path, "config.json")):
+        raise ValueError(f"sglang model_path={model_path!r} must be an HF model directory (config.json + "
+                         "safetensors); a model preset name cannot be loaded by SGLang")
 
 
 _DTYPES = {"half": torch.float16, "float16": torch.float16, "float": torch.float32, "float32": torch.float32,
@@ -201,9 +209,7 @@ class SGLangEngine:
     """
 
     def __init__(self, cfg: SGLangEngineConfig, engine: Any = None, weight_shapes: dict | None = None):
-        if cfg.model_path is None or not os.path.isfile(os.path.join(cfg.model_path, "config.json")):
-            raise ValueError(f"sglang model_path={cfg.model_path!r} must be an HF model directory (config.json + "
-                             "safetensors); a model preset name cannot be loaded by SGLang")
+        check_model_dir(cfg.model_path)
         if engine is None:
             sglang, kwargs = _import_sglang(), cfg.engine_kwargs(cfg.model_path)
             if _in_running_loop():  # e.g. Jupyter: SGLang's run_until_complete cannot run on that loop
