@@ -180,7 +180,7 @@ def qwen3_0p6b_gpu(model: str, workdir: str | None = None, *, num_rollout: int =
                           num_rollout=num_rollout),
         loss=LossConfig(advantage_estimator="grpo", eps_clip=0.2, eps_clip_high=0.28),
         optim=OptimConfig(lr=1e-6, betas=(0.9, 0.98), weight_decay=0.1),
-        engine=TorchEngineConfig(max_seq_len=256, compile=False),
+        engine=TorchEngineConfig(max_seq_len=256),
         eval=EvalConfig(interval=2, n_samples_per_prompt=4, pass_k=(1, 4), temperature=1.0),
     )
 

@@ -88,10 +88,19 @@ def build_engine(cfg: RunConfig, device: torch.device, tokenizer):
     with params_on_meta():
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     model = materialize(model, device)
+    return TorchEngine(model, engine_config(cfg, device), tokenizer=tokenizer)
+
+
+def engine_config(cfg: RunConfig, device: torch.device):
+    """`cfg.engine` sized for the run when `num_slots` is None: a CPU gets one slot per sample of a rollout round; a
+    GPU sizes its cache from free memory (`mem_fraction`) but at most to that many slots, so the memory a rollout
+    never fills stays free for training (and the memory plan need not offload for it)."""
     engine_cfg = cfg.engine
-    if engine_cfg.num_slots is None and device.type == "cpu":  # a GPU sizes its cache from free memory
-        engine_cfg = dataclasses.replace(engine_cfg, num_slots=rollout_slots(cfg))
-    return TorchEngine(model, engine_cfg, tokenizer=tokenizer)
+    if engine_cfg.num_slots is not None:
+        return engine_cfg
+    if device.type == "cpu":
+        return dataclasses.replace(engine_cfg, num_slots=rollout_slots(cfg))
+    return dataclasses.replace(engine_cfg, max_slots=rollout_slots(cfg))
 
 
 def sglang_config(cfg: RunConfig) -> SGLangEngineConfig:
@@ -100,8 +109,9 @@ def sglang_config(cfg: RunConfig) -> SGLangEngineConfig:
 
 
 def rollout_slots(cfg: RunConfig) -> int:
-    """Slots that decode one rollout's samples at once (at most `engine.max_slots`): on a CPU a decode step's
-    cost is per row plus a fixed part, so the fewer the steps, the shorter the rollout."""
+    """Slots that decode one rollout round's samples at once (at most `engine.max_slots`): on a CPU a decode
+    step's cost is per row plus a fixed part, so the fewer the steps, the shorter the rollout; on a GPU more
+    slots than this are never filled by the loop (eval rounds larger than this run in waves)."""
     return min(cfg.engine.max_slots, cfg.rollout.prompts_per_round * cfg.rollout.n_samples_per_prompt)
 
 
