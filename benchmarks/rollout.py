@@ -79,16 +79,16 @@ def decode_step_ms(engine: TorchEngine, prompt_len: int, new_tokens: int, steps:
     return start.elapsed_time(end) / steps
 
 
-def profile_step(engine: TorchEngine, b: int, kv: int, steps: int = 10) -> str:
+def profile_step(engine: TorchEngine, b: int, kv: int, steps: int = 10, group: int = 1) -> str:
     """CUDA kernel table of `steps` compiled (not graph-replayed) decode steps: where a step's time goes."""
     from torch.profiler import ProfilerActivity, profile
 
     runner = engine.runner
-    runner.decode(b, kv, "sample")  # compiled + captured already; the eager call below reuses the compile
+    runner.decode(b, kv, "sample", group)  # compiled + captured already; the eager call below reuses the compile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.inference_mode():
         for _ in range(steps):
-            runner._decode_eager(b, kv, "sample")
+            runner._decode_eager(b, kv, "sample", group)
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
     kernels = sum(e.count for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA"))
