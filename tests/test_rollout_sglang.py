@@ -489,3 +489,44 @@ def test_the_ray_trainers_sender_feeds_sglang_and_checks_its_layout_first(joined
     with pytest.raises(ValueError, match="announced as float32, the engine holds bfloat16"):  # an fp32 trainer
         push_broadcast([[(NORM, torch.ones(2))]], [handle], group, 8, wait, layouts=[engine.weight_layout()])
     assert len(handle.announced) == 2 and engine.weight_version == 7  # refused before the engine was told
+
+
+def test_the_local_trainer_steps_with_sglang_colocated(tmp_path, monkeypatch):
+    """`rollout_engine="sglang"` through a whole local `Trainer.step()` (colocated, in this process): the adapter's
+    own `import sglang` finds the test double (`fake_sglang.write_sglang_package`); every step syncs the trainer's
+    weights into it (verified by reading them back) and the engine samples with them, not with the file's."""
+    import math
+    import sys
+    from dataclasses import replace
+
+    from fake_sglang import write_sglang_package
+
+    from rlbench import presets
+    from rlbench.config import EvalConfig, LoggingConfig
+    from rlbench.models import build_model
+    from rlbench.trainer import Trainer
+
+    model = build_model("tiny")
+    with torch.no_grad():
+        model.model.norm.weight.fill_(0.5)  # the double samples int(sum(norm)) as its 2nd token: 32 here, 64 trained
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    write_sglang_package(tmp_path / "pkg")
+    monkeypatch.syspath_prepend(str(tmp_path / "pkg"))
+    monkeypatch.delitem(sys.modules, "sglang", raising=False)
+    cfg = presets.cpu_test(model="tiny", workdir=str(tmp_path / "run"), level=1, n_eval=8)
+    cfg = cfg.replace(
+        rollout_engine="sglang", sglang=SGLangEngineConfig(model_path=str(tmp_path / "hf")),
+        data=replace(cfg.data, path=cfg.task.train_path, metadata_key=None),
+        rollout=replace(cfg.rollout, rollout_batch_size=4, n_samples_per_prompt=4, max_response_len=8),
+        batch=replace(cfg.batch, global_batch_size=16, num_rollout=2, max_tokens_per_gpu=256),
+        weights=WeightSyncConfig(verify=True, dtype="bfloat16"), eval=EvalConfig(), logging=LoggingConfig(console=False))
+    trainer = Trainer(cfg)
+    try:
+        history = [trainer.step() for _ in range(2)]
+        version = trainer.engine.weight_version
+    finally:
+        trainer.close()
+    assert [h["weights/verified"] for h in history] == [1.0, 1.0]
+    assert all(math.isfinite(h["train/loss"]) for h in history)
+    assert version == history[-1]["weights/version"] == sum(h["train/optimizer_steps"] for h in history)
+    assert {s.tokens[-s.response_length:][1] for s in trainer.last_rollout.samples} == {64}
