@@ -153,7 +153,8 @@ def prompt_texts(w: Workload, rollouts: int) -> list[str]:
 # ---------------------------------------------------------------------------------------------- rlbench
 def rlbench_config(w: Workload, model_dir: str, workdir: str, rollouts: int, fast: bool):
     """The RunConfig of the workload: the one-GPU preset with the workload's batch, lengths and numerics.
-    `fast`: flex_attention, compiled engine and trainer, no offload."""
+    `fast`: flex_attention, compiled engine and trainer (the GPU defaults too) and offload forced off (the defaults
+    let the memory plan decide)."""
     from rlbench import presets
     from rlbench.config import EvalConfig, LoggingConfig
     from rlbench.data import write_jsonl
@@ -369,7 +370,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--preset", choices=sorted(WORKLOADS), default="qwen3-0.6b-shape", help="the workload")
     p.add_argument("--trl", action=argparse.BooleanOptionalAction, default=None,
                    help="run TRL's GRPOTrainer too (default: when importable)")
-    p.add_argument("--fast", action="store_true", help="also rlbench with flex_attention + compile + no offload")
+    p.add_argument("--fast", action="store_true", help="also rlbench with flex_attention + compile forced on and offload off")
     p.add_argument("--steps", type=int, default=3, help="measured steps after the first (cold) one")
     p.add_argument("--prompts", type=int, help="prompts per rollout (workload default)")
     p.add_argument("--n", type=int, help="samples per prompt")
