@@ -12,6 +12,7 @@
 #   loop     `rlbench bench e2e` 0.6B shape: defaults, compiled engine (--fast) and TRL, cold caches
 #   warm     the same without TRL on the caches `loop` left: the warm-cache first step
 #   gputests the rollout, FSDP and e2e GPU tests
+#   loop4b   `rlbench bench e2e` 4B shape, defaults and TRL (the memory plan's peak per phase, the ratio to TRL)
 set -u
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
@@ -50,6 +51,8 @@ for part in "$@"; do case $part in
           --model-dir /tmp/e2e-0.6b --out $OUT/e2e.json" ;;
   warm) run warm 0 "$(lim 200)" "python3 -m rlbench.cli bench e2e --preset qwen3-0.6b-shape --steps 3 --no-trl --fast \
           --model-dir /tmp/e2e-0.6b --out $OUT/e2e_warm.json" ;;
+  loop4b) run loop4b 0 "$(lim 560)" "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m rlbench.cli bench e2e \
+            --preset qwen3-4b-shape --steps 2 --trl --out $OUT/e2e_4b.json" ;;
   gputests) run gputests 0 "$(lim 240)" "python3 -m pytest -q -m gpu tests/test_rollout_gpu.py tests/test_fsdp_gpu.py tests/test_e2e_gpu.py" ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac; done
