@@ -93,10 +93,13 @@ def decode_attention(name: str, *, compiled: bool, grouped: bool, cuda: bool) ->
 
     "auto": on CUDA the grouped layout takes "split_kv" (its few group rows x KV heads each hold k G query
     rows over the prompt plus k interleaved samples: SDPA would walk those keys on few SMs); otherwise the
-    compiled step takes `auto_decode` and the eager one SDPA (`split_decode` materialises its products eagerly).
+    compiled step takes `auto_decode`. Eager, "auto" and "split" run SDPA (`split_decode` would materialise its
+    `[B, n_kv, G, L, hd]` products).
     """
-    if name == "auto":
-        name = "split_kv" if cuda and grouped else ("auto" if compiled else "sdpa")
+    if name == "auto" and cuda and grouped:
+        name = "split_kv"
+    elif name in ("auto", "split") and not compiled:
+        name = "sdpa"
     if name == "split_kv":
         from rlbench.engine.split_kv import split_kv_decode
 

@@ -146,10 +146,8 @@ class ModelRunner:
 
     def _use_compiled(self, compiled: bool) -> None:
         self.compiled = compiled
-        name, cuda = self.opts.decode_attention, self.device.type == "cuda"
-        if not compiled and name == "split":
-            name = "sdpa"  # eager, split_decode would materialise [B, n_kv, G, L, hd] products
-        self._attend = {group: decode_attention(name, compiled=compiled, grouped=group, cuda=cuda)
+        cuda = self.device.type == "cuda"
+        self._attend = {group: decode_attention(self.opts.decode_attention, compiled=compiled, grouped=group, cuda=cuda)
                         for group in (False, True)}
         """The decode attention of the slot layout (False) and of the grouped layout (True)."""
         # Coordinate-descent tuning (for the batch-1 GEMV graph) benchmarks every kernel of every graph in a cold

@@ -30,8 +30,8 @@ from rlbench.orchestration.ray_placement import (
     import_ray,
     init_ray,
 )
-from rlbench.orchestration.ray_weights import DTYPE_NAMES
 from rlbench.orchestration.ray_workers import EngineWorker, TrainWorker
+from rlbench.weights import DTYPE_NAMES
 
 
 class RayCluster:
