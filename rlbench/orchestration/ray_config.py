@@ -109,8 +109,6 @@ class ClusterConfig:
 class PlacementPlan:
     """Bundle indices (in node-major, GPU-minor order) for every actor of the run."""
 
-    num_bundles: int
-    """Bundles in the placement group (one CPU slot stands in for each "GPU" on a CPU run)."""
     bundle_gpus: tuple[int, ...]
     """GPUs of each bundle (ordered position): 1 per trainer rank; a disaggregated engine's bundle holds all of
     its GPUs (an actor lives in one bundle, and an engine of TP size t is one actor on t GPUs)."""
@@ -123,6 +121,11 @@ class PlacementPlan:
     engine_gpu_fraction: float
     """Fraction of its bundle's GPUs (and CPUs) one engine actor requests (disaggregated: all of them)."""
 
+    @property
+    def num_bundles(self) -> int:
+        """Bundles in the placement group (one CPU slot stands in for each "GPU" on a CPU run)."""
+        return len(self.bundle_gpus)
+
 
 def placement_plan(cluster: ClusterConfig) -> PlacementPlan:
     """The bundles of `cluster` (slime's create_placement_groups): colocated, engine e shares the bundle of trainer
@@ -131,9 +134,9 @@ def placement_plan(cluster: ClusterConfig) -> PlacementPlan:
     per = cluster.rollout_num_gpus_per_engine
     if cluster.colocate:
         engines = tuple(range(0, world, per))
-        return PlacementPlan(world, (1,) * world, tuple(range(world)), engines, 0.4, 0.2)
+        return PlacementPlan((1,) * world, tuple(range(world)), engines, 0.4, 0.2)
     n = cluster.num_engines
-    return PlacementPlan(world + n, (1,) * world + (per,) * n, tuple(range(world)), tuple(range(world, world + n)),
+    return PlacementPlan((1,) * world + (per,) * n, tuple(range(world)), tuple(range(world, world + n)),
                          0.4, 1.0)
 
 
