@@ -21,6 +21,8 @@ Settings (all GRPO from `rlbench.presets.cpu_demo`, only `loss`, `engine.dtype` 
 | standard | --engine-dtype | plain PPO: old = recomputed by the trainer, no IS |
 | tis | --engine-dtype | `use_tis=True`: token-level TIS, weight min(pi_old/pi_rollout, tis_clip=2) |
 | mis | --engine-dtype | `use_tis=True, mis=MISConfig()`: slime's mis.yaml (token truncate [0.5, 2], token rejection, veto 1e-4, batch-normalised) |
+| mis_no_rs | --engine-dtype | MIS without rejection or veto (truncate [0.5, 2], batch-normalised) |
+| mis_veto_only | --engine-dtype | MIS with the veto but no band rejection |
 | bypass | --engine-dtype | `use_rollout_logprobs=True`: old = the engine's log-probs |
 | matched_standard | trainer's dtype | plain PPO, engine == trainer precision (the reference) |
 | matched_standard_seed1 | trainer's dtype | the same with another rollout/data seed: the seed-to-seed noise floor |
@@ -40,6 +42,7 @@ import argparse
 import dataclasses as dc
 import datetime
 import json
+import math
 import os
 import platform
 import subprocess
@@ -74,6 +77,9 @@ def settings(engine_dtype: str, names: list[str] | None = None, weight_format: s
         "standard": dict(engine_dtype=engine_dtype, loss={}),
         "tis": dict(engine_dtype=engine_dtype, loss=dict(use_tis=True, tis_clip=2.0)),
         "mis": dict(engine_dtype=engine_dtype, loss=dict(use_tis=True, mis=MISConfig())),
+        "mis_no_rs": dict(engine_dtype=engine_dtype, loss=dict(use_tis=True, mis=MISConfig(use_rs=False))),
+        "mis_veto_only": dict(engine_dtype=engine_dtype, loss=dict(use_tis=True, mis=MISConfig(
+            rs_lower_bound=0.0, rs_upper_bound=math.inf))),
         "bypass": dict(engine_dtype=engine_dtype, loss=dict(use_rollout_logprobs=True)),
         "matched_standard": dict(engine_dtype=None, loss={}),
         "matched_standard_seed1": dict(engine_dtype=None, loss={}, seed_offset=1),

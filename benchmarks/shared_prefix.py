@@ -47,11 +47,36 @@ def run_variant(model, args, compile_: bool, shared: bool, attention: str, promp
     tokens = sum(len(g.token_ids) for g in out)
     row = dict(compile=compile_, shared_prefix=shared, decode_attention=attention, first_s=times[0], median_s=statistics.median(times[1:]),
                tok_s=tokens / statistics.median(times[1:]), graphs=len(engine.runner._graphs))
+    if args.profile and compile_:
+        print(profile_generate(engine, prompts, sampling), flush=True)
     del engine
     gc.collect()
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return row, out
+
+
+def profile_generate(engine: TorchEngine, prompts, sampling: SamplingParams) -> str:
+    """One warm `generate` under torch.profiler: wall vs GPU-busy time (the difference is the host: launches,
+    syncs, Python), the kernels per decode step, and the top kernels and host ops."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompts, sampling)
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    avgs = prof.key_averages()
+    kernels = [e for e in avgs if e.device_type == DeviceType.CUDA]
+    busy = sum(e.self_device_time_total for e in kernels) / 1e6
+    launches = sum(e.count for e in kernels)
+    steps = sampling.max_new_tokens
+    head = (f"profiled generate: wall {wall:.3f} s (profiler on), GPU busy {busy:.3f} s ({busy / wall:.0%}), "
+            f"{launches} kernels = {launches / steps:.0f} per decode step, {busy / steps * 1e3:.2f} ms GPU per step")
+    return "\n".join([head, avgs.table(sort_by="self_device_time_total", row_limit=25),
+                      avgs.table(sort_by="self_cpu_time_total", row_limit=15)])
 
 
 def agreement(a: list, b: list) -> dict:
@@ -77,6 +102,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--decode-attention", nargs="+", default=["auto"],
                     choices=["auto", "sdpa", "split", "split_kv"], help="the shared layout's decode attentions")
+    ap.add_argument("--profile", action="store_true", help="CUDA: print a profile of one more generate per compiled variant")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     cuda = args.device.startswith("cuda")
