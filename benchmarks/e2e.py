@@ -151,10 +151,15 @@ def prompt_texts(w: Workload, rollouts: int) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- rlbench
-def rlbench_config(w: Workload, model_dir: str, workdir: str, rollouts: int, fast: bool):
+VARIANTS = {"rlbench": "defaults", "rlbench-fast": "fast", "rlbench-top": "true_on_policy"}
+"""rlbench's systems -> `rlbench_config` variants."""
+
+
+def rlbench_config(w: Workload, model_dir: str, workdir: str, rollouts: int, variant: str = "defaults"):
     """The RunConfig of the workload: the one-GPU preset with the workload's batch, lengths and numerics.
-    `fast`: flex_attention, compiled engine and trainer (the GPU defaults too) and offload forced off (the defaults
-    let the memory plan decide)."""
+    `variant` "fast": flex_attention, compiled engine and trainer (the GPU defaults too) and offload forced off (the
+    defaults let the memory plan decide); "true_on_policy": the defaults with `true_on_policy_mode=True`."""
+    fast = variant == "fast"
     from rlbench import presets
     from rlbench.config import EvalConfig, LoggingConfig
     from rlbench.data import write_jsonl
@@ -177,18 +182,18 @@ def rlbench_config(w: Workload, model_dir: str, workdir: str, rollouts: int, fas
                                     max_response_len=w.response_len, rm_type="bench_text", ignore_eos=True),
         batch=dataclasses.replace(base.batch, global_batch_size=w.prompts * w.n, num_rollout=rollouts,
                                   max_tokens_per_gpu=w.max_tokens_per_gpu),
-        offload=False if fast else None,
+        offload=False if fast else None, true_on_policy_mode=variant == "true_on_policy",
     )
 
 
-def run_rlbench(w: Workload, model_dir: str, rollouts: int, fast: bool) -> dict:
+def run_rlbench(w: Workload, model_dir: str, rollouts: int, variant: str = "defaults") -> dict:
     """Build the Trainer from the HF dir and run `rollouts` steps; per-step times, peaks and token counts."""
     from rlbench.rewards import REWARDS
     from rlbench.trainer import Trainer
 
     REWARDS["bench_text"] = text_reward
     with tempfile.TemporaryDirectory(prefix="rlbench-e2e-") as workdir:
-        cfg = rlbench_config(w, model_dir, workdir, rollouts, fast)
+        cfg = rlbench_config(w, model_dir, workdir, rollouts, variant)
         t0 = time.perf_counter()
         trainer = Trainer(cfg)
         build_s = time.perf_counter() - t0
@@ -204,7 +209,9 @@ def run_rlbench(w: Workload, model_dir: str, rollouts: int, fast: bool) -> dict:
                       "generated_tokens": round(m["perf/rollout_tokens_per_sec"] * m["perf/rollout_time"]),
                       "log_prob_tokens": m.get("perf/log_probs_tokens", 0.0) + m.get("perf/ref_log_probs_tokens", 0.0),
                       "compiles": m.get("perf/compiles"), "compile_s": m.get("perf/compile_time"),
-                      "response_len": m["rollout/response_len/mean"]})
+                      "response_len": m["rollout/response_len/mean"],
+                      "logprob_abs_diff": m.get("train/train_rollout_logprob_abs_diff"),
+                      "ppo_kl_first_mb": m.get("train/ppo_kl_first_mb")})
     return {"build_s": build_s, "num_params": trainer.num_params, "steps": steps}
 
 
@@ -319,6 +326,9 @@ def summarize(run: dict, peak_flops: float | None) -> dict:
             "phase_peak_memory_gb": peaks, "rollout_tokens_per_s": generated / phases["rollout"],
             "mfu": mfu, "tokens_per_step": tokens, "response_len": med(lambda s: s["response_len"]),
             "steady_compiles": _total(s.get("compiles") for s in rest if s is not first),
+            "max_logprob_abs_diff": _max(s.get("logprob_abs_diff") for s in run["steps"]),
+            "max_abs_ppo_kl_first_mb": _max(abs(v) if v is not None else None
+                                            for v in (s.get("ppo_kl_first_mb") for s in run["steps"])),
             "num_params": run["num_params"], "steps": run["steps"]}
 
 
@@ -337,6 +347,8 @@ def table(rows: dict[str, dict]) -> str:
     lines += [("peak memory GiB", lambda r: r["peak_memory_gb"])]
     lines += [(f"peak memory {p} GiB", lambda r, p=p: r["phase_peak_memory_gb"].get(p)) for p in PHASES[:4]]
     lines += [("graphs compiled after the first step", lambda r: r.get("steady_compiles"))]
+    lines += [("max mean \\|rollout - trainer log-prob\\| (per step)", lambda r: r.get("max_logprob_abs_diff")),
+              ("max \\|PPO KL\\| of the first micro-batch", lambda r: r.get("max_abs_ppo_kl_first_mb"))]
     head = ["| | " + " | ".join(names) + "".join(f" | {n} / trl" for n in ratios) + " |",
             "|---" * (1 + len(names) + len(ratios)) + "|"]
     out = []
@@ -356,11 +368,19 @@ def _total(values) -> float | None:
     return None if not values or None in values else sum(values)
 
 
+def _max(values) -> float | None:
+    """The maximum, None when no value was reported (TRL, or a metric the run does not log)."""
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
+
+
 def _fmt(v, label: str) -> str:
     if v is None:
         return "n/a" if label.startswith("MFU") else "—"
     if label.startswith("MFU"):
         return f"{100 * v:.1f}%"
+    if label.startswith("max"):  # mismatch numbers: 0.0 must read as exactly 0
+        return "0.0" if v == 0 else f"{v:.2e}"
     return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3f}"
 
 
@@ -381,7 +401,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: min(2, cores))")
     p.add_argument("--model-dir", default=None, help="reuse or write the HF directory here (default: a temp dir)")
     p.add_argument("--out", default=None, help="JSON file (default benchmarks/results/e2e_<date>.json)")
-    p.add_argument("--child", choices=["rlbench", "rlbench-fast", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--true-on-policy", action="store_true",
+                   help="also rlbench with the defaults and true_on_policy_mode (the mode's cost beside the defaults)")
+    p.add_argument("--child", choices=[*VARIANTS, "trl"], help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.steps < 1:
@@ -403,7 +425,7 @@ def child(args: argparse.Namespace) -> None:
     if args.child == "trl":
         run = run_trl(w, args.model_dir, rollouts)
     else:
-        run = run_rlbench(w, args.model_dir, rollouts, fast=args.child == "rlbench-fast")
+        run = run_rlbench(w, args.model_dir, rollouts, VARIANTS[args.child])
     with open(args.result, "w") as f:
         json.dump(run, f)
 
@@ -440,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     from rlbench.trainer import PEAK_FLOPS
 
     w = workload(args)
-    systems = ["rlbench"] + ["rlbench-fast"] * args.fast + ["trl"] * check_trl(args.trl)
+    systems = (["rlbench"] + ["rlbench-fast"] * args.fast + ["rlbench-top"] * args.true_on_policy
+               + ["trl"] * check_trl(args.trl))
     machine = device_name(w.device)
     peak_flops = next((v for k, v in PEAK_FLOPS.items() if k in machine), None) if w.device == "cuda" else None
     load = os.getloadavg()

@@ -9,7 +9,7 @@
 #   extra    GPU1 after lane1 (add it only when there is time): rollout GPU tests, decode variants, 4B training, packing
 # One-GPU parts (GPU0, in the order given; each alone fits one call with the others skipped):
 #   splitkv  the split-KV decode attention's GPU test, then the compiled shared-prefix rollout with SDPA vs split_kv
-#   loop     `rlbench bench e2e` 0.6B shape: defaults, compiled engine (--fast) and TRL, cold caches
+#   loop     `rlbench bench e2e` 0.6B shape: defaults, --fast, the true on-policy mode and TRL, cold caches
 #   warm     the same without TRL on the caches `loop` left: the warm-cache first step
 #   gputests the rollout, FSDP and e2e GPU tests
 #   loop4b   `rlbench bench e2e` 4B shape, defaults and TRL (the memory plan's peak per phase, the ratio to TRL)
@@ -47,7 +47,7 @@ for part in "$@"; do case $part in
            python3 benchmarks/packing.py --gpu --attn sdpa flex_attention --out $OUT/packing_gpu.json" ;;
   splitkv) run splitkv 0 "$(lim 300)" "python3 -m pytest -q -x -m gpu tests/test_split_kv.py && python3 benchmarks/shared_prefix.py \
              --device cuda --preset qwen3-0.6b-shape --compile 1 --repeats 1 --decode-attention sdpa split_kv --out $OUT/shared_prefix.json" ;;
-  loop) run loop 0 "$(lim 400)" "python3 -m rlbench.cli bench e2e --preset qwen3-0.6b-shape --steps 3 --trl --fast \
+  loop) run loop 0 "$(lim 400)" "python3 -m rlbench.cli bench e2e --preset qwen3-0.6b-shape --steps 3 --trl --fast --true-on-policy \
           --model-dir /tmp/e2e-0.6b --out $OUT/e2e.json" ;;
   warm) run warm 0 "$(lim 200)" "python3 -m rlbench.cli bench e2e --preset qwen3-0.6b-shape --steps 3 --no-trl --fast \
           --model-dir /tmp/e2e-0.6b --out $OUT/e2e_warm.json" ;;
