@@ -126,6 +126,11 @@ class RolloutConfig:
     reward_timeout: float | None = 30.0
     """Seconds one reward call may take before `RewardError` names the function and the sample (calls run
     in a daemon worker thread; a stuck call's thread is abandoned). None or 0: no limit, calls run inline."""
+    reward_workers: int | None = None
+    """Processes that score rewards while the engine generates: each sample goes to a worker as soon as it
+    stops, and the rollout waits only for those still scoring at the end (`rlbench.rollout.reward_pool`).
+    None: half the cores (at most 8) on a GPU run, 0 on a CPU run; 0: inline, after generation. Rewards a worker
+    cannot import by name (registered at run time, `__main__:fn`) are scored inline either way."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (zero advantage) and sample more prompts to refill."""
     over_sampling_batch_size: int | None = None
@@ -152,6 +157,8 @@ class RolloutConfig:
             )
         if self.dynamic_sampling and self.n_samples_per_prompt < 2:
             raise ValueError("dynamic_sampling needs n_samples_per_prompt >= 2 (a group of 1 always has equal rewards)")
+        if self.reward_workers is not None and self.reward_workers < 0:
+            raise ValueError(f"rollout.reward_workers={self.reward_workers} must be >= 0 (0: score inline; None: auto)")
         if self.reward_timeout is not None and self.reward_timeout < 0:
             raise ValueError(f"reward_timeout={self.reward_timeout} must be > 0 seconds (None or 0: no limit)")
         check_rm_type(self.rm_type)

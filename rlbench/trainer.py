@@ -38,6 +38,7 @@ from rlbench.metrics import MetricsLogger, build_sinks, to_floats
 from rlbench.rank_step import RankStep, TrainProgress
 from rlbench.rewards import check_reward, describe_sample, get_reward_fn, score_batch
 from rlbench.rollout.manager import RolloutBatch, RolloutManager
+from rlbench.rollout.reward_pool import default_workers as default_reward_workers
 from rlbench.weights import WeightSync
 
 # bf16 dense peak FLOP/s per GPU, for perf/mfu (absent on other devices).
@@ -71,7 +72,9 @@ class Trainer:
         self.tokenizer, self.backend, self.engine = components.tokenizer, components.backend, components.engine
         self.dataset, self.eval_items = components.dataset, components.eval_items
         _check_row_rewards(getattr(self.dataset, "items", []) + list(self.eval_items or []))
-        self.rollouts = RolloutManager(cfg.rollout, self.engine, self.dataset, self.tokenizer)
+        workers = cfg.rollout.reward_workers
+        self.rollouts = RolloutManager(cfg.rollout, self.engine, self.dataset, self.tokenizer, reward_workers=(
+            default_reward_workers(cfg.backend.device) if workers is None else workers))
         self.weight_sync = WeightSync(cfg.weights, self.backend, self.engine)
         self.rank_step = RankStep(cfg.batch, cfg.loss, self.backend, cp_size=cfg.backend.cp_size,
                                   pad_token_id=self.tokenizer.pad_token_id)

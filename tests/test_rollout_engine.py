@@ -177,3 +177,19 @@ def test_abort_returns_partial_and_waiting_samples():
     assert [g.finish_reason for g in out] == ["abort"] * len(LENGTHS)
     assert [len(g.token_ids) for g in out] == [5, 5] + [0] * (len(LENGTHS) - 2)  # prefill token + 4 decode steps
     assert all(len(g.log_probs) == len(g.token_ids) for g in out)
+
+
+def test_on_finish_reports_each_sample_as_it_stops():
+    """Stop tokens end samples at different steps through 3 slots (n = 2, so slots are freed and re-admitted):
+    `on_finish` gets every sample once, equal to the returned one, before generate returns."""
+    engine = _engine()
+    prompts = _prompts()
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=20, n=2, stop_token_ids=list(range(0, 128, 9)), seed=3)
+    reported = []
+    out = engine.generate(prompts, sampling, on_finish=reported.append)
+    stops = {g.finish_reason for g in out}
+    assert stops == {"stop", "length"}  # both kinds of ending are exercised
+    assert sorted(reported, key=lambda g: (g.prompt_index, g.sample_index)) == out
+    first_done = [(g.prompt_index, g.sample_index) for g in reported]
+    assert first_done != sorted(first_done)  # in the order they stopped, not the returned order
+    assert engine.generate(prompts, sampling) == out  # the callback changes nothing

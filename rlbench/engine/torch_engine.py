@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import warnings
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -87,6 +87,7 @@ class TorchEngine:
         self.dtype = next(model.parameters()).dtype
         self._released: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self._abort = False
+        self._on_finish: Callable[[Generation], None] | None = None
         if self.device.type == "cpu":
             retain_freed_host_memory()  # the sampler's [rows, vocab] temporaries reuse freed blocks
         if self.cfg.batch_invariant:  # the trainer's numerics (`rlbench.numerics`): checked on this machine first
@@ -110,10 +111,13 @@ class TorchEngine:
 
     # ---- generation ----
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seeds: Sequence[int] | None = None
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seeds: Sequence[int] | None = None,
+        on_finish: Callable[[Generation], None] | None = None,
     ) -> list[Generation]:
-        """Generate `sampling.n` samples per prompt; returns them ordered by (prompt_index, sample_index)."""
+        """Generate `sampling.n` samples per prompt; returns them ordered by (prompt_index, sample_index).
+        `on_finish` gets each finished sample's `Generation` as soon as it stops (aborted ones only in the list)."""
         self._check_ready(prompts, sampling)
+        self._on_finish = on_finish
         all_seeds = expand_seeds(len(prompts), sampling, seeds)
         waiting = deque(range(len(prompts)))
         running: list[_Seq] = []
@@ -134,8 +138,18 @@ class TorchEngine:
         done += [_Seq(i, j, len(prompts[i]), all_seeds[i][j], finish_reason="abort")
                  for i in waiting for j in range(sampling.n)]
         done.sort(key=lambda s: (s.prompt_index, s.sample_index))
-        return [Generation(s.prompt_index, s.tokens, s.log_probs, s.finish_reason, self.weight_version,
-                           s.sample_index) for s in done]
+        return [self._generation(s) for s in done]
+
+    def _generation(self, seq: _Seq) -> Generation:
+        return Generation(seq.prompt_index, seq.tokens, seq.log_probs, seq.finish_reason, self.weight_version,
+                          seq.sample_index)
+
+    def _finished(self, seq: _Seq, done: list[_Seq]) -> None:
+        """`seq` stopped: free its cache unit and report it."""
+        done.append(seq)
+        self._free(seq)
+        if self._on_finish is not None:
+            self._on_finish(self._generation(seq))
 
     def warm_up(self, truncate: bool = False, greedy: bool = False) -> int:
         """Compile and capture every decode graph now (GPU with cuda_graphs) instead of on first use.
@@ -204,9 +218,10 @@ class TorchEngine:
         tokens, log_probs = self._first_tokens(logits.repeat_interleave(sampling.n, dim=0), flat, sampling)
         self._start_slots(flat, tokens, sampling)
         for seq, tok, lp in zip(flat, tokens.tolist(), log_probs.tolist()):
-            (done if self._append(seq, tok, lp, sampling) else running).append(seq)
-            if seq.finish_reason:
-                self._free(seq)
+            if self._append(seq, tok, lp, sampling):
+                self._finished(seq, done)
+            else:
+                running.append(seq)
         return True
 
     def _free(self, seq: _Seq) -> None:
@@ -272,8 +287,7 @@ class TorchEngine:
             for tok, lp in zip(toks[seq.slot], lps[seq.slot]):
                 if self._append(seq, tok, lp, sampling):
                     running.remove(seq)
-                    done.append(seq)
-                    self._free(seq)
+                    self._finished(seq, done)
                     break
 
     def _append(self, seq: _Seq, tok: int, lp: float, sampling: SamplingParams) -> bool:

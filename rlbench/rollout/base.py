@@ -91,7 +91,10 @@ class RolloutEngine(Protocol):
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seeds: Sequence[int] | None = None
     ) -> list[Generation]:
-        """Generate `sampling.n` samples per prompt; results are ordered by (prompt_index, sample_index)."""
+        """Generate `sampling.n` samples per prompt; results are ordered by (prompt_index, sample_index).
+
+        An engine may also take `on_finish: Callable[[Generation], None]` and call it with each sample as soon
+        as it stops; the rollout manager then scores samples while the rest are generated (`RewardPool`)."""
         ...
 
     def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:

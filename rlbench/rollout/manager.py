@@ -4,7 +4,9 @@
     batch = manager.generate(rollout_id=0)        # RolloutBatch: samples (rewards set), metrics
     scores = manager.evaluate(eval_items, cfg.eval)   # eval/reward, eval/pass@k, ...
 
-Only the engine protocol (`generate(prompts, SamplingParams, seeds)`) is used, so any engine works.
+Only the engine protocol (`generate(prompts, SamplingParams, seeds)`) is used, so any engine works. With
+`reward_workers` > 0 rewards are scored in worker processes (`reward_pool.RewardPool`); an engine whose `generate`
+takes `on_finish` (the torch engine) reports each sample as it stops, so scoring overlaps generation.
 Sampling seeds derive from (rollout seed, rollout id, refill round, prompt), so a resumed run draws
 exactly what the uninterrupted run drew. Advantages are not computed here (the Trainer's `score`
 step does it with the configured estimator); groups stay contiguous and in prompt order.
@@ -12,9 +14,11 @@ step does it with the configured estimator); groups stay contiguous and in promp
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections import Counter
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,6 +26,7 @@ import numpy as np
 from rlbench.metrics import pass_at_k, summarize
 from rlbench.rewards import score_batch
 from rlbench.rollout.base import Generation, SamplingParams
+from rlbench.rollout.reward_pool import RewardPool, poolable
 from rlbench.types import Sample, Status
 
 _STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
@@ -65,9 +70,10 @@ class RolloutManager:
         engine: a `RolloutEngine`.
         dataset: a `PromptDataset` (or anything with `next_batch(n) -> list[PromptItem]`).
         tokenizer: decodes responses for the reward and supplies the stop (eos) token.
+        reward_workers: processes that score rewards (0: inline, in this thread, after generation).
     """
 
-    def __init__(self, cfg, engine, dataset, tokenizer) -> None:
+    def __init__(self, cfg, engine, dataset, tokenizer, reward_workers: int = 0) -> None:
         self.cfg = cfg
         self.engine = engine
         self.dataset = dataset
@@ -75,6 +81,9 @@ class RolloutManager:
         self.stop_token_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         self.next_group = 0  # global group / sample ids keep increasing over the run
         self.next_index = 0
+        self.reward_pool = RewardPool(reward_workers, cfg.reward_timeout) if reward_workers > 0 else None
+        self._reports_finish = "on_finish" in inspect.signature(engine.generate).parameters
+        self._reward_wait = 0.0  # seconds spent waiting for rewards after generation, this rollout
 
     def sampling(self, n: int, temperature: float | None = None, max_new_tokens: int | None = None) -> SamplingParams:
         """The engine's SamplingParams for `n` samples per prompt."""
@@ -90,6 +99,7 @@ class RolloutManager:
         """One rollout of `rollout_batch_size` groups (refilled by over-sampling under dynamic sampling)."""
         c = self.cfg
         start = time.perf_counter()
+        self._reward_wait = 0.0
         kept, dropped, all_groups = [], [], []
         rounds = 0
         while len(kept) < c.rollout_batch_size and rounds < c.max_sampling_rounds:
@@ -109,6 +119,7 @@ class RolloutManager:
                     s.loss_mask = [0] * s.response_length
         metrics = rollout_metrics(samples, all_groups)
         metrics |= {
+            "perf/reward_wait_time": self._reward_wait,
             "rollout/dynamic_filter/drop_zero_std": float(len(dropped)),
             "rollout/dynamic_filter/rounds": float(rounds),
             "rollout/dynamic_filter/refilled_with_dropped": float(refill),
@@ -123,14 +134,54 @@ class RolloutManager:
         prompts = [it.prompt_token_ids for it in items]
         if any(p is None for p in prompts):
             raise ValueError("prompt items have no prompt_token_ids; build the PromptDataset with a tokenizer")
-        gens = self.engine.generate(prompts, self.sampling(n, **sampling), seeds=seeds)
+        early: dict[tuple[int, int], tuple[Sample, Future | None]] = {}  # scored while the rest generate
+
+        def on_finish(g: Generation) -> None:
+            sample = self._to_sample(items[g.prompt_index], g)
+            early[g.prompt_index, g.sample_index] = sample, self._submit(sample, g.prompt_index * n + g.sample_index)
+
+        overlap = {"on_finish": on_finish} if self.reward_pool is not None and self._reports_finish else {}
+        gens = self.engine.generate(prompts, self.sampling(n, **sampling), seeds=seeds, **overlap)
         if len(gens) != len(items) * n:
             raise RuntimeError(f"engine returned {len(gens)} generations for {len(items)} prompts x n={n}")
-        groups = [[self._to_sample(items[g.prompt_index], g) for g in gens[i * n : (i + 1) * n]] for i in range(len(items))]
-        flat = [s for g in groups for s in g]
-        for s, r in zip(flat, score_batch(flat, rm_type=self.cfg.rm_type, timeout=self.cfg.reward_timeout)):
+        start = time.perf_counter()
+        pairs = [early.get((g.prompt_index, g.sample_index)) or (self._to_sample(items[g.prompt_index], g), None)
+                 for g in gens]
+        for s, r in zip([s for s, _ in pairs], self._rewards(pairs)):
             s.reward = r
-        return groups
+        self._reward_wait += time.perf_counter() - start
+        return [[s for s, _ in pairs[i * n : (i + 1) * n]] for i in range(len(items))]
+
+    def _submit(self, sample: Sample, index: int) -> Future | None:
+        """Score `sample` in the pool now; None when its reward cannot run in a worker (`poolable`)."""
+        spec = sample.metadata.get("rm_type") or self.cfg.rm_type
+        if not poolable(spec):
+            return None
+        return self.reward_pool.submit([(sample.response, sample.label, spec, sample.prompt, index)])
+
+    def _rewards(self, pairs: list[tuple[Sample, Future | None]]) -> list[float]:
+        """One reward per sample, in order: the early ones' futures, the rest scored now (spread over the pool's
+        workers where their reward can run there, else inline)."""
+        c = self.cfg
+        flat = [s for s, _ in pairs]
+        if self.reward_pool is None:
+            return score_batch(flat, rm_type=c.rm_type, timeout=c.reward_timeout)
+        rewards: list[float | None] = [None] * len(flat)
+        late = [i for i, (s, future) in enumerate(pairs) if future is None]
+        pooled = [i for i in late if poolable(flat[i].metadata.get("rm_type") or c.rm_type)]
+        records = [(flat[i].response, flat[i].label, flat[i].metadata.get("rm_type") or c.rm_type, flat[i].prompt, i)
+                   for i in pooled]
+        for i, r in zip(pooled, self.reward_pool.map(records)):
+            rewards[i] = r
+        inline = [i for i in late if rewards[i] is None]
+        if inline:
+            for i, r in zip(inline, score_batch([flat[i] for i in inline], rm_type=c.rm_type,
+                                                timeout=c.reward_timeout, indices=inline)):
+                rewards[i] = r
+        for i, (_, future) in enumerate(pairs):
+            if future is not None:
+                rewards[i] = future.result()[0]
+        return rewards
 
     def _to_sample(self, item, gen: Generation) -> Sample:
         """A Sample from a prompt item and one generation (response decoded for the reward)."""
