@@ -468,14 +468,12 @@ class RunConfig:
         if self.train_backend != "megatron":
             return
         m = self.megatron
-        if self.cluster.backend != "local":
-            raise ValueError(f"train_backend='megatron' with cluster.backend={self.cluster.backend!r}: the Ray actors "
-                             "build the FSDP backend only so far; use cluster.backend='local' (docs/megatron.md)")
-        if m.tensor_model_parallel_size * m.pipeline_model_parallel_size > 1:
+        if self.cluster.backend == "local" and m.tensor_model_parallel_size * m.pipeline_model_parallel_size > 1:
             raise ValueError(
                 f"tensor_model_parallel_size={m.tensor_model_parallel_size} x pipeline_model_parallel_size="
                 f"{m.pipeline_model_parallel_size} needs that many trainer processes, but cluster.backend='local' "
-                "runs one; drive MegatronBackend under torchrun (docs/megatron.md) or use TP = PP = 1")
+                "runs one; set cluster.backend='ray' (one trainer actor per GPU), drive MegatronBackend under "
+                "torchrun (docs/megatron.md), or use TP = PP = 1")
         if self.true_on_policy_mode:
             raise ValueError("true_on_policy_mode runs rlbench's batch-invariant HF layers in the trainer; "
                              "use train_backend='fsdp'")

@@ -319,3 +319,58 @@ def test_build_trainer_picks_the_class_of_the_cluster_backend(tmp_path):
         Trainer(ray_cfg)  # refused before anything is built
     with pytest.raises(ValueError, match="global_batch_size=8 must be divisible by dp_size=3"):
         cfg.replace(cluster=ClusterConfig(backend="ray", actor_num_gpus_per_node=3))
+
+
+# ---------------------------------------------------------------------------------------------- megatron on Ray
+def megatron_cfg(workdir: str, tp: int = 1, cluster: ClusterConfig | None = None):
+    pytest.importorskip("megatron.core")
+    from rlbench.backends.megatron import MegatronConfig
+
+    return tiny_cfg(workdir).replace(train_backend="megatron", megatron=MegatronConfig(tensor_model_parallel_size=tp),
+                                     cluster=cluster or ClusterConfig())
+
+
+@pytest.fixture(scope="module")
+def megatron_local_history(ray_cluster, tmp_path_factory):
+    """The single-process megatron (TP1) curve, in a child process: megatron's CPU redirect and parallel state
+    stay out of this one."""
+    import json
+    import subprocess
+
+    workdir = str(tmp_path_factory.mktemp("megatron_local"))
+    code = ("import json, sys; sys.path.insert(0, 'tests'); import test_ray as t; from rlbench.rewards import REWARDS; "
+            "from rlbench.trainer import Trainer; REWARDS['ray_digits'] = t.digit_reward; "
+            f"tr = Trainer(t.megatron_cfg({workdir!r})); print('HISTORY', json.dumps(tr.fit()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(next(line for line in out.stdout.splitlines() if line.startswith("HISTORY "))[8:])
+
+
+@pytest.mark.parametrize("tp, colocate", [(2, True), (1, False)])
+def test_megatron_on_ray_matches_single_process(ray_cluster, megatron_local_history, tmp_path, tp, colocate):
+    """`train_backend="megatron"` in the trainer actors: TP2 on 2 colocated ranks (both ranks train the same
+    samples; each pushes the TP-gathered HF weights to its own engine) and TP1 x DP2 disaggregated (gloo broadcast
+    to one engine) give the single-process megatron curve; every sync is verified on the engines, and the engine's
+    weights after the last step are bit for bit the HF export of the same step."""
+    from safetensors.torch import load_file
+
+    from rlbench.orchestration.ray_trainer import RayTrainer
+    from rlbench.weights import checksum
+
+    cluster = ClusterConfig(backend="ray", actor_num_gpus_per_node=2, timeout_s=180, colocate=colocate,
+                            rollout_num_gpus=None if colocate else 1)
+    trainer = RayTrainer(megatron_cfg(str(tmp_path), tp, cluster))
+    try:
+        assert trainer.cluster.dp_ranks == ([0, 0] if tp == 2 else [0, 1])
+        history = trainer.fit()
+        trainer.cluster.call_trainers("export_hf", str(tmp_path / "hf"), "float32")
+        exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+        on_engines = trainer.cluster.call_engines("checksums", sorted(exported))
+    finally:
+        trainer.close()
+    assert_same_curve(history, megatron_local_history)
+    assert len(on_engines) == (2 if colocate else 1)
+    for got in on_engines:
+        assert got == {n: checksum(t) for n, t in exported.items() if n in got}
+        assert set(exported) - set(got) <= {"lm_head.weight"}  # tied to the embedding: the engine names it once

@@ -91,6 +91,8 @@ class RayCluster:
         addr, port = self.call_trainers("master_address", ranks=[0])[0]
         infos = self.call_trainers("init", addr, port, pad_token_id)
         self.num_params = int(infos[0]["num_params"])
+        self.dp_ranks = [int(info["dp_rank"]) for info in infos]
+        """Each trainer rank's DP rank: which shard of every batch it trains (CP / TP / PP peers share one)."""
 
     def _start_engines(self, tokenizer) -> None:
         actor = self.ray.remote(EngineWorker)

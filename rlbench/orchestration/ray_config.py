@@ -168,13 +168,23 @@ def check_engine_layout(cfg, cluster: ClusterConfig) -> None:
         )
 
 
+def model_parallel_size(cfg) -> tuple[int, str]:
+    """Trainer ranks that hold the same samples, and what makes them (CP for FSDP; TP x PP for megatron)."""
+    if cfg.train_backend == "megatron":
+        m = cfg.megatron
+        return (m.tensor_model_parallel_size * m.pipeline_model_parallel_size,
+                f"tensor_model_parallel_size={m.tensor_model_parallel_size} x pipeline_model_parallel_size="
+                f"{m.pipeline_model_parallel_size}")
+    return cfg.backend.cp_size, f"cp_size={cfg.backend.cp_size} (--context-parallel-size)"
+
+
 def check_batch_layout(cfg, cluster: ClusterConfig) -> int:
     """The DP size of the run; ValueError naming the fix when a global batch does not split evenly over it."""
-    cp = cfg.backend.cp_size
-    if cluster.world_size % cp:
-        raise ValueError(f"{cluster.world_size} trainer ranks are not divisible by cp_size={cp} (--context-parallel-size); "
+    mp, what = model_parallel_size(cfg)
+    if cluster.world_size % mp:
+        raise ValueError(f"{cluster.world_size} trainer ranks are not divisible by {what}; "
                          "make actor_num_nodes x actor_num_gpus_per_node a multiple of it")
-    dp = cluster.world_size // cp
+    dp = cluster.world_size // mp
     mbs = 1 if cfg.batch.use_dynamic_batch_size else cfg.batch.micro_batch_size
     if cfg.batch.global_batch_size % (dp * mbs):
         per_rank = f"dp_size={dp}" + (f" x micro_batch_size={mbs}" if mbs > 1 else "")

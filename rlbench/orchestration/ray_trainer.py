@@ -108,7 +108,7 @@ class RayTrainer(Trainer):
         """
         b = self.cfg.batch
         shards = split_steps_by_dp(batch.samples, b.global_batch_size, self.dp_size, b.balance_data)
-        ranks = [shards[r // self.cfg.backend.cp_size] for r in range(self.cluster_cfg.world_size)]
+        ranks = [shards[dp] for dp in self.cluster.dp_ranks]
         batch.packs = self.cluster.call_trainers_with_shards("pack", self.cluster.put_shards(ranks))
         self._packed, self._log_probs_of = batch, None  # the ranks hold this batch's packs, no log-probs yet
         return batch.packs

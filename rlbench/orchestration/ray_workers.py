@@ -81,25 +81,49 @@ class TrainWorker:
         return _node_ip(), _free_port()
 
     def init(self, master_addr: str, master_port: int, pad_token_id: int) -> dict:
-        """Join the trainer process group and build the FSDP backend; returns `num_params`."""
-        from rlbench.backends.fsdp.actor import FSDPBackend
+        """Join the trainer process group and build the training backend (`cfg.train_backend`: FSDP2 or
+        megatron-core); returns `num_params` and this rank's DP rank (which shard of each batch it trains)."""
         from rlbench.distributed.mesh import init_distributed
 
         local_rank = self.device.index if self.device.type == "cuda" else 0
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(local_rank),
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         b = self.cfg.backend
-        env = init_distributed(b.device, cp_size=b.cp_size, cpu_offload=b.cpu_offload,
+        megatron = self.cfg.train_backend == "megatron"
+        env = init_distributed(b.device, cp_size=1 if megatron else b.cp_size, cpu_offload=b.cpu_offload,
                                timeout_minutes=self.cluster.collective_timeout_s / 60)
         if self.cfg.checkpoint.save_dir and not b.checkpoint_dir:
             b = dataclasses.replace(b, checkpoint_dir=self.cfg.checkpoint.save_dir)
-        self.backend = FSDPBackend(b, env=env, temperature=self.cfg.rollout.temperature)
-        self.backend.init()
-        # CP peers hold the same samples: reduce over DP only (gloo reduces CPU tensors)
-        reduce = DPAllReduce(env.mesh["dp"].get_group(), env.device if env.device.type == "cuda" else None)
-        self.step = RankStep(self.cfg.batch, self.cfg.loss, self.backend, cp_size=b.cp_size, pad_token_id=pad_token_id,
-                             reduce=reduce)
-        return {"num_params": sum(p.numel() for p in self.backend.model.parameters())}
+        if megatron:
+            from megatron.core import parallel_state as ps
+
+            from rlbench.backends.megatron.backend import MegatronBackend
+
+            self.backend = MegatronBackend(b, self.cfg.megatron, env=env, temperature=self.cfg.rollout.temperature)
+            self.backend.init()
+            # TP / PP peers hold the same samples: reduce over megatron's DP group
+            dp_group, dp_rank = ps.get_data_parallel_group(), ps.get_data_parallel_rank()
+        else:
+            from rlbench.backends.fsdp.actor import FSDPBackend
+
+            self.backend = FSDPBackend(b, env=env, temperature=self.cfg.rollout.temperature)
+            self.backend.init()
+            # CP peers hold the same samples: reduce over DP only
+            dp_group, dp_rank = env.mesh["dp"].get_group(), env.mesh["dp"].get_local_rank()
+        reduce = DPAllReduce(dp_group, env.device if env.device.type == "cuda" else None)  # gloo reduces CPU tensors
+        self.step = RankStep(self.cfg.batch, self.cfg.loss, self.backend, cp_size=1 if megatron else b.cp_size,
+                             pad_token_id=pad_token_id, reduce=reduce)
+        return {"num_params": self._num_params(), "dp_rank": int(dp_rank)}
+
+    def _num_params(self) -> int:
+        """The model's parameter count (tied weights once): FSDP's DTensors report global sizes; megatron's
+        TP shards do not, so its count comes from the HF config on the meta device."""
+        if self.cfg.train_backend != "megatron":
+            return sum(p.numel() for p in self.backend.model.parameters())
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            return sum(p.numel() for p in AutoModelForCausalLM.from_config(self.backend.hf_config).parameters())
 
     # ---------------------------------------------------------------- the RL step (collective)
     def pack(self, steps: list) -> dict:
@@ -177,6 +201,11 @@ class TrainWorker:
 
     def update_ref(self) -> dict:
         return self.backend.update_ref()
+
+    def export_hf(self, path: str, dtype: str | None = None) -> None:
+        """A plain HF directory of the trainer's weights (collective; rank 0 writes), cast to `dtype` (a
+        `torch` dtype name such as "bfloat16"; None keeps the parameters' own)."""
+        self.backend.export_hf(path, None if dtype is None else getattr(torch, dtype))
 
     def save(self, checkpoint_dir: str, step: int | None = None, extra: dict | None = None) -> str:
         self.backend.cfg = dataclasses.replace(self.backend.cfg, checkpoint_dir=checkpoint_dir)
