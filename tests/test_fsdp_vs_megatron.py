@@ -61,7 +61,8 @@ def test_feature_cells_are_the_backends_own_answers(features):
     assert features["param dtypes on CPU"]["Megatron"].startswith("fp32; not bf16, fp16 (megatron on CPU runs fp32")
     assert features["param dtypes on CUDA"]["Megatron"] == "bf16, fp16, fp32"
     assert features["pipeline parallel (PP)"]["Megatron"].startswith("yes (1F1B) on CUDA; CPU: no (")
-    assert "cluster.backend='local'" in features["Ray cluster (several trainer ranks)"]["Megatron"]
+    assert features["Ray cluster (several trainer ranks)"]["Megatron"] == "yes"
+    assert "cluster.backend='ray'" in features["TP / PP through the Trainer (one process)"]["Megatron"]
     assert features["rlbench train / Trainer (one process)"]["Megatron"] == "yes"
 
 
