@@ -350,7 +350,10 @@ class Trainer:
         _set_rng_state(state["rng"])
 
     def close(self) -> None:
+        """Flush the metric sinks and stop the reward worker processes."""
         self.logger.close()
+        if self.rollouts.reward_pool is not None:
+            self.rollouts.reward_pool.close()
 
     # ------------------------------------------------------------------ helpers
     def _snapshot(self) -> dict:

@@ -165,3 +165,17 @@ def test_cli_writes_a_result_the_notebook_loads(run, tmp_path, capsys):
     assert res == json.loads(out.read_text())
     assert res["checks"]["step0_reward_equal"] is True
     assert [r["backend"] for r in fvm.cost_rows({"test": res})] == ["fsdp", "megatron"]
+
+
+def test_two_gpu_layouts_run_on_ray():
+    """`--gpus 2`: colocated Ray actors; FSDP at DP 2, megatron at TP 2 (or PP 2 with --pp 2), issue 32's runs."""
+    from rlbench.orchestration.ray_config import check_batch_layout
+
+    cfg = fvm.run_config("tiny", "/tmp/unused", gpus=2, sequence_parallel=True)
+    assert cfg.cluster.backend == "ray" and cfg.cluster.actor_num_gpus_per_node == 2 and cfg.cluster.colocate
+    assert (cfg.megatron.tensor_model_parallel_size, cfg.megatron.pipeline_model_parallel_size) == (2, 1)
+    assert cfg.megatron.sequence_parallel
+    assert check_batch_layout(cfg, cfg.cluster) == 2  # FSDP: DP 2
+    assert check_batch_layout(cfg.replace(train_backend="megatron"), cfg.cluster) == 1  # TP peers share a shard
+    pp = fvm.run_config("tiny", "/tmp/unused", gpus=2, pp=2)
+    assert (pp.megatron.tensor_model_parallel_size, pp.megatron.pipeline_model_parallel_size) == (1, 2)

@@ -352,12 +352,18 @@ def warm_start(device: str, out: str, sft_steps: int | None = None, preset: str 
 
 
 def run_config(model: str, workdir: str, *, device: str = "cpu", steps: int = 4, seed: int = 0,
-               kl_loss_coef: float = 0.01, lr: float | None = None):
+               kl_loss_coef: float = 0.01, lr: float | None = None, gpus: int = 1, tp: int | None = None, pp: int = 1,
+               sequence_parallel: bool = False):
     """The comparison's run: GRPO on arithmetic from the warm start `model`, a KL loss to it (reference model =
     `model`), no eval. CPU: `presets.cpu_test` (level 1, 4 prompts x 8 samples, gbs 16: 2 optimizer steps per
-    rollout, fp32); CUDA: `presets.qwen3_0p6b_gpu` (bf16). `lr` None: the preset's."""
+    rollout, fp32); CUDA: `presets.qwen3_0p6b_gpu` (bf16). `lr` None: the preset's.
+
+    `gpus` > 1: a Ray cluster of that many colocated trainer ranks (one engine each): FSDP runs DP = gpus,
+    megatron TP = `tp` (None: gpus / pp) x PP = `pp` (with `sequence_parallel`), DP = the rest."""
     from rlbench import presets
+    from rlbench.backends.megatron.config import MegatronConfig
     from rlbench.config import EvalConfig
+    from rlbench.orchestration.ray_config import ClusterConfig
 
     if device == "cpu":
         cfg = presets.cpu_test(model=model, workdir=workdir, level=1, seed=seed, n_eval=16)
@@ -367,6 +373,11 @@ def run_config(model: str, workdir: str, *, device: str = "cpu", steps: int = 4,
         cfg = presets.qwen3_0p6b_gpu(model=model, workdir=workdir)
         cfg = cfg.replace(rollout=dataclasses.replace(cfg.rollout, seed=seed))
     b = cfg.backend
+    if gpus > 1:
+        tp = tp or max(1, gpus // pp)
+        cfg = cfg.replace(cluster=ClusterConfig(backend="ray", actor_num_gpus_per_node=gpus, colocate=True),
+                          megatron=MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                  sequence_parallel=sequence_parallel))
     return cfg.replace(
         eval=EvalConfig(),
         batch=dataclasses.replace(cfg.batch, num_rollout=steps),
@@ -378,12 +389,13 @@ def run_config(model: str, workdir: str, *, device: str = "cpu", steps: int = 4,
 
 
 def build_trainers(cfg, backends: Sequence[str] = BACKENDS) -> dict[str, Any]:
-    """`{backend: Trainer(cfg with train_backend=backend)}`: the same model, task and seeds."""
-    from rlbench.trainer import Trainer
+    """`{backend: trainer of cfg with train_backend=backend}` (a `RayTrainer` when `cfg.cluster` is Ray): the same
+    model, task and seeds."""
+    from rlbench.orchestration import build_trainer
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return {name: Trainer(cfg.replace(train_backend=name)) for name in backends}
+        return {name: build_trainer(cfg.replace(train_backend=name)) for name in backends}
 
 
 def step_record(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -428,7 +440,8 @@ def checks(runs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
 
 def convergence(steps: int = 4, backends: Sequence[str] = BACKENDS, device: str = "cpu", *, model: str | None = None,
                 workdir: str | None = None, seed: int = 0, sft_steps: int | None = None, kl_loss_coef: float = 0.01,
-                lr: float | None = None, on_step: Callable[[str, dict], None] | None = None) -> dict[str, Any]:
+                lr: float | None = None, on_step: Callable[[str, dict], None] | None = None,
+                **layout: Any) -> dict[str, Any]:
     """The same GRPO run (`run_config`) on each backend in turn (each trainer freed before the next is built).
 
     Args:
@@ -436,6 +449,7 @@ def convergence(steps: int = 4, backends: Sequence[str] = BACKENDS, device: str 
         device: "cpu" (fp32, the `tiny` warm start) or "cuda" (bf16, the 0.6B shape).
         model: the SFT warm start (an HF directory); None: `warm_start(device, workdir/sft, sft_steps)`.
         on_step: called with `(backend, step metrics)` after every step.
+        layout: `gpus`, `tp`, `pp`, `sequence_parallel` of `run_config` (several trainer ranks on Ray).
 
     Returns:
         `{"what", "provenance", "config", "warm_start", "backends": {name: {"steps": [per-step STEP_KEYS],
@@ -447,7 +461,8 @@ def convergence(steps: int = 4, backends: Sequence[str] = BACKENDS, device: str 
     t0 = time.perf_counter()
     model = model or warm_start(device, os.path.join(workdir, "sft"), sft_steps)
     sft_s = time.perf_counter() - t0
-    cfg = run_config(model, workdir, device=device, steps=steps, seed=seed, kl_loss_coef=kl_loss_coef, lr=lr)
+    cfg = run_config(model, workdir, device=device, steps=steps, seed=seed, kl_loss_coef=kl_loss_coef, lr=lr,
+                     **layout)
     runs = {}
     for name in backends:
         # on CUDA: what the previous backend left allocated (its peak counts in this one's peak memory)
@@ -461,6 +476,8 @@ def convergence(steps: int = 4, backends: Sequence[str] = BACKENDS, device: str 
                 on_step(name, m)
         runs[name] = collect({name: trainer})["backends"][name]
         runs[name]["summary"] |= {"build_s": build_s, "allocated_before_build_gb": left}
+        if hasattr(trainer, "close"):
+            trainer.close()  # a RayTrainer's actors hold the GPUs
         del trainer
         gc.collect()
         if torch.cuda.is_available():
@@ -473,7 +490,8 @@ def convergence(steps: int = 4, backends: Sequence[str] = BACKENDS, device: str 
                    "rollout_batch_size": cfg.rollout.rollout_batch_size,
                    "n_samples_per_prompt": cfg.rollout.n_samples_per_prompt,
                    "global_batch_size": cfg.batch.global_batch_size, "param_dtype": cfg.backend.param_dtype,
-                   "lr": cfg.backend.optim.lr, "sft_s": sft_s},
+                   "lr": cfg.backend.optim.lr, "sft_s": sft_s, "cluster": cfg.cluster.backend,
+                   "trainer_gpus": layout.get("gpus", 1), "megatron": dataclasses.asdict(cfg.megatron)},
         "warm_start": {k: v for k, v in sft.items() if k != "history"},
         "backends": runs, "checks": checks(runs),
     }
@@ -587,6 +605,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--kl-loss-coef", type=float, default=0.01)
     p.add_argument("--lr", type=float, default=None, help="RL learning rate (default: the preset's)")
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    p.add_argument("--gpus", type=int, default=1, help="trainer GPUs; > 1: colocated Ray actors (FSDP DP = gpus)")
+    p.add_argument("--tp", type=int, default=None, help="megatron TP with --gpus > 1 (default gpus / pp)")
+    p.add_argument("--pp", type=int, default=1, help="megatron PP with --gpus > 1")
+    p.add_argument("--sequence-parallel", action="store_true", help="megatron sequence parallel (TP > 1)")
     p.add_argument("--workdir", default=None, help="run files and the cached warm start (default: a temp dir)")
     p.add_argument("--out", default=None, help="result JSON (benchmarks/results/fsdp_vs_megatron_<date>.json)")
     a = p.parse_args(argv)
@@ -596,7 +618,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[{name}] step {int(m['rollout/id']) + 1}: {vals}", flush=True)
 
     result = convergence(a.steps, a.backends, a.device, model=a.model, workdir=a.workdir, seed=a.seed,
-                         sft_steps=a.sft_steps, kl_loss_coef=a.kl_loss_coef, lr=a.lr, on_step=show)
+                         sft_steps=a.sft_steps, kl_loss_coef=a.kl_loss_coef, lr=a.lr, on_step=show, gpus=a.gpus,
+                         tp=a.tp, pp=a.pp, sequence_parallel=a.sequence_parallel)
     print("warm start", json.dumps(result["warm_start"]))
     for name, run in result["backends"].items():
         print(name, json.dumps(run["summary"]))
