@@ -5,7 +5,8 @@ CUDA-graph capture) and `--steps` measured ones, and records the trainer's own t
 `perf/log_probs_time`, `perf/train_time`, `perf/step_time`, `perf/rollout_tokens_per_sec`) and the mismatch
 it logs (`train/train_rollout_logprob_abs_diff`, `train/ppo_kl_first_mb`). Modes:
 
-- default: the engine's compiled fused decode, the trainer's SDPA/cuBLAS;
+- default: the run's defaults (on CUDA: the compiled engine with the shared-prompt layout, flex_attention and
+  compiled layers in the trainer; the memory plan decides offload);
 - true_on_policy: `true_on_policy_mode=True`, old log-probs recomputed (the diff is measured every step);
 - true_on_policy_rollout_logprobs: the mode with `use_rollout_logprobs=True`: the rollout's log-probs ARE the
   recompute's bits, so the recompute forward is skipped (same training, one forward less).
@@ -58,7 +59,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=510)
     p.add_argument("--response-len", type=int, default=256)
-    p.add_argument("--global-batch", type=int, default=32, help="samples per optimizer step")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="samples per optimizer step (default prompts x n: one optimizer step per rollout)")
     p.add_argument("--steps", type=int, default=2, help="measured steps after one warm-up step")
     p.add_argument("--max-tokens-per-gpu", type=int, default=16384, help="token budget of a packed micro-batch")
     p.add_argument("--ac", action="store_true", help="activation checkpointing (the 4B shape needs it at 8k+)")
@@ -78,13 +80,14 @@ def build_config(args, preset: str, mode: str, workdir: str):
     base = presets.qwen3_0p6b_gpu(model=preset, workdir=workdir)
     device = args.device
     backend = dataclasses.replace(base.backend, device=device, param_dtype="bf16" if device == "cuda" else "fp32",
-                                  attn_implementation="sdpa", gradient_checkpointing=args.ac)
+                                  gradient_checkpointing=args.ac)
     cfg = base.replace(
         task=None, eval=EvalConfig(), logging=LoggingConfig(console=False), backend=backend,
         data=dataclasses.replace(base.data, path=data_path, metadata_key=None, apply_chat_template=False),
         rollout=dataclasses.replace(base.rollout, rollout_batch_size=args.prompts, n_samples_per_prompt=args.n,
                                     max_response_len=args.response_len, rm_type="bench_text"),
-        batch=dataclasses.replace(base.batch, global_batch_size=args.global_batch, num_rollout=args.steps + 1,
+        batch=dataclasses.replace(base.batch, global_batch_size=args.global_batch or args.prompts * args.n,
+                                  num_rollout=args.steps + 1,
                                   max_tokens_per_gpu=args.max_tokens_per_gpu),
         engine=dataclasses.replace(base.engine, max_seq_len=args.prompt_len + args.response_len + 16,
                                    compile=device == "cuda"),
