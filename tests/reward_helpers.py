@@ -22,3 +22,10 @@ def boom(response: str, label) -> float:
 
 def die(response: str, label) -> float:
     os._exit(3)
+
+
+def hang(response: str, label) -> float:
+    import time
+
+    time.sleep(600)
+    return 0.0

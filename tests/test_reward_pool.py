@@ -129,3 +129,13 @@ def test_a_dead_worker_is_a_clear_error(tmp_path, tok):
     with pytest.raises(RuntimeError, match="exited with code 3"):  # and stays failed, loudly
         mgr.reward_pool.submit([("x", "1", "math", "p", 0)])
     mgr.reward_pool.close()
+
+
+def test_close_kills_a_worker_stuck_in_a_reward():
+    pool = RewardPool(1, timeout=None)  # no per-call limit: the reward can hang
+    future = pool.submit([("x", "1", "reward_helpers:hang", "p", 0)])
+    start = time.monotonic()
+    pool.close(timeout=0.5)
+    assert time.monotonic() - start < 30
+    with pytest.raises(RuntimeError, match="exited with code -9"):
+        future.result(timeout=30)

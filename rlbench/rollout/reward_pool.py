@@ -137,9 +137,15 @@ class _Worker:
                 "above says why. Set rollout.reward_workers=0 (--reward-workers 0) to score in this process"))
         self.on_dead(self)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> None:
+        """Let the worker finish its queued jobs and exit; kill it if it is still busy after `timeout` seconds
+        (a reward without a time limit can hang)."""
         self.jobs.put(None)  # after the queued jobs: the writer closes stdin, the worker exits
-        self.proc.wait()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 class RewardPool:
@@ -188,11 +194,13 @@ class RewardPool:
                 self._dead.append(f"reward worker {worker.rank} exited with code {worker.proc.returncode}; "
                                   "set rollout.reward_workers=0 (--reward-workers 0) to score in this process")
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the workers once their queued jobs are scored; one still busy after `timeout` seconds is killed
+        (its jobs fail with an error naming it)."""
         with self._lock:
             workers, self._workers = self._workers, []
         for worker in workers:
-            worker.close()
+            worker.close(timeout)
 
     def __del__(self) -> None:
         try:
