@@ -115,20 +115,21 @@ def rollout_slots(cfg: RunConfig) -> int:
     return min(cfg.engine.max_slots, cfg.rollout.prompts_per_round * cfg.rollout.n_samples_per_prompt)
 
 
-def build_backend(cfg: RunConfig):
+def build_backend(cfg: RunConfig, env=None):
     """The training backend of `cfg.train_backend` (FSDP or megatron-core), initialised (process group, model,
-    optimizer); log-probs at the sampling temperature."""
+    optimizer); log-probs at the sampling temperature. `env`: a process group set up by the caller (a Ray trainer
+    rank's `DistEnv`); None: the backend makes one (torchrun's environment or a world of one)."""
     backend_cfg = cfg.backend
     if cfg.checkpoint.save_dir and not backend_cfg.checkpoint_dir:
         backend_cfg = dataclasses.replace(backend_cfg, checkpoint_dir=cfg.checkpoint.save_dir)
     if cfg.train_backend == "megatron":
         from rlbench.backends.megatron.backend import MegatronBackend
 
-        backend = MegatronBackend(backend_cfg, cfg.megatron, temperature=cfg.rollout.temperature)
+        backend = MegatronBackend(backend_cfg, cfg.megatron, env=env, temperature=cfg.rollout.temperature)
     else:
         from rlbench.backends.fsdp.actor import FSDPBackend
 
-        backend = FSDPBackend(backend_cfg, temperature=cfg.rollout.temperature)
+        backend = FSDPBackend(backend_cfg, env=env, temperature=cfg.rollout.temperature)
     backend.init()
     return backend
 

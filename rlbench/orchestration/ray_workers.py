@@ -88,31 +88,21 @@ class TrainWorker:
         local_rank = self.device.index if self.device.type == "cuda" else 0
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(local_rank),
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        from rlbench.orchestration.local import build_backend
+
         b = self.cfg.backend
-        megatron = self.cfg.train_backend == "megatron"
-        env = init_distributed(b.device, cp_size=1 if megatron else b.cp_size, cpu_offload=b.cpu_offload,
+        env = init_distributed(b.device, cp_size=b.cp_size, cpu_offload=b.cpu_offload,
                                timeout_minutes=self.cluster.collective_timeout_s / 60)
-        if self.cfg.checkpoint.save_dir and not b.checkpoint_dir:
-            b = dataclasses.replace(b, checkpoint_dir=self.cfg.checkpoint.save_dir)
-        if megatron:
+        self.backend = build_backend(self.cfg, env)
+        if self.cfg.train_backend == "megatron":  # TP / PP peers hold the same samples: megatron's DP group
             from megatron.core import parallel_state as ps
 
-            from rlbench.backends.megatron.backend import MegatronBackend
-
-            self.backend = MegatronBackend(b, self.cfg.megatron, env=env, temperature=self.cfg.rollout.temperature)
-            self.backend.init()
-            # TP / PP peers hold the same samples: reduce over megatron's DP group
             dp_group, dp_rank = ps.get_data_parallel_group(), ps.get_data_parallel_rank()
-        else:
-            from rlbench.backends.fsdp.actor import FSDPBackend
-
-            self.backend = FSDPBackend(b, env=env, temperature=self.cfg.rollout.temperature)
-            self.backend.init()
-            # CP peers hold the same samples: reduce over DP only
+        else:  # CP peers hold the same samples: the mesh's DP dimension
             dp_group, dp_rank = env.mesh["dp"].get_group(), env.mesh["dp"].get_local_rank()
         reduce = DPAllReduce(dp_group, env.device if env.device.type == "cuda" else None)  # gloo reduces CPU tensors
-        self.step = RankStep(self.cfg.batch, self.cfg.loss, self.backend, cp_size=1 if megatron else b.cp_size,
-                             pad_token_id=pad_token_id, reduce=reduce)
+        self.step = RankStep(self.cfg.batch, self.cfg.loss, self.backend, cp_size=b.cp_size, pad_token_id=pad_token_id,
+                             reduce=reduce)
         return {"num_params": self._num_params(), "dp_rank": int(dp_rank)}
 
     def _num_params(self) -> int:

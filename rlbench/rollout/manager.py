@@ -152,12 +152,16 @@ class RolloutManager:
         self._reward_wait += time.perf_counter() - start
         return [[s for s, _ in pairs[i * n : (i + 1) * n]] for i in range(len(items))]
 
-    def _submit(self, sample: Sample, index: int) -> Future | None:
-        """Score `sample` in the pool now; None when its reward cannot run in a worker (`poolable`)."""
+    def _record(self, sample: Sample, index: int) -> tuple | None:
+        """`sample` as a `RewardPool` record (its reward name: the row's `rm_type`, else the config's); None when
+        that reward cannot run in a worker (`poolable`)."""
         spec = sample.metadata.get("rm_type") or self.cfg.rm_type
-        if not poolable(spec):
-            return None
-        return self.reward_pool.submit([(sample.response, sample.label, spec, sample.prompt, index)])
+        return (sample.response, sample.label, spec, sample.prompt, index) if poolable(spec) else None
+
+    def _submit(self, sample: Sample, index: int) -> Future | None:
+        """Score `sample` in the pool now; None when its reward cannot run in a worker."""
+        record = self._record(sample, index)
+        return None if record is None else self.reward_pool.submit([record])
 
     def _rewards(self, pairs: list[tuple[Sample, Future | None]]) -> list[float]:
         """One reward per sample, in order: the early ones' futures, the rest scored now (spread over the pool's
@@ -168,10 +172,8 @@ class RolloutManager:
             return score_batch(flat, rm_type=c.rm_type, timeout=c.reward_timeout)
         rewards: list[float | None] = [None] * len(flat)
         late = [i for i, (s, future) in enumerate(pairs) if future is None]
-        pooled = [i for i in late if poolable(flat[i].metadata.get("rm_type") or c.rm_type)]
-        records = [(flat[i].response, flat[i].label, flat[i].metadata.get("rm_type") or c.rm_type, flat[i].prompt, i)
-                   for i in pooled]
-        for i, r in zip(pooled, self.reward_pool.map(records)):
+        records = {i: r for i in late if (r := self._record(flat[i], i)) is not None}
+        for i, r in zip(records, self.reward_pool.map(list(records.values()))):
             rewards[i] = r
         inline = [i for i in late if rewards[i] is None]
         if inline:
