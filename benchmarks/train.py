@@ -50,6 +50,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--param-dtype", default="bf16")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="the true on-policy mode's batch-invariant layers (rlbench.numerics; eager)")
+    p.add_argument("--profile", action="store_true", help="print the top kernels of one more step (torch.profiler)")
     p.add_argument("--json", default=None, help="append the result as one JSON line to this file")
     return p.parse_args()
 
@@ -113,6 +116,17 @@ def timed_step(backend: FSDPBackend, packs: list, inputs: list, device: str) -> 
     return t_fwd - t, time.perf_counter() - t_fwd, metrics
 
 
+def profile_step(backend: FSDPBackend, packs: list, inputs: list, device: str) -> None:
+    """The kernels of one log-prob pass + train step, by total device time (where a step's time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        timed_step(backend, packs, inputs, device)
+    key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70), flush=True)
+
+
 def mask_build_s(packs: list, device: str) -> float:
     """Seconds to build the document BlockMask of the first pack (flex only; includes no compile)."""
     sync(device)
@@ -141,7 +155,7 @@ def main() -> None:
     cfg = FSDPConfig(
         model=args.preset, device=args.device, param_dtype=args.param_dtype, attn_implementation=args.attn,
         gradient_checkpointing=not args.no_ac, checkpoint_every=args.ac_every, compile=args.compile, cpu_offload=args.cpu_offload,
-        optim=OptimConfig(lr=1e-6),
+        batch_invariant=args.batch_invariant, optim=OptimConfig(lr=1e-6),
     )
     backend = FSDPBackend(cfg, loss_fn=loss_fn)
     t0 = time.perf_counter()
@@ -165,9 +179,11 @@ def main() -> None:
     after_sleep = torch.cuda.memory_allocated() if args.device == "cuda" else 0
     wake = backend.wake_up()
     again = backend.train(*make_step(args, vocab, env.rank, 999))
+    if args.profile and env.is_main:
+        profile_step(backend, *make_step(args, vocab, env.rank, 1000), args.device)
     result = compile_report(warm) | {
         "preset": args.preset, "attn": args.attn, "world_size": env.world_size, "ac": not args.no_ac, "ac_every": args.ac_every,
-        "compile": args.compile, "micro_batches": args.micro_batches, "tokens_per_gpu": sum(p.num_tokens for p in packs),
+        "compile": args.compile, "batch_invariant": args.batch_invariant, "micro_batches": args.micro_batches, "tokens_per_gpu": sum(p.num_tokens for p in packs),
         "seq_len": args.seq_len, "random_lengths": args.random_lengths, "n_params": n_params,
         "step_time_s": step_time, "logprob_time_s": sum(fwd_times) / len(fwd_times),
         "tokens_per_s_per_gpu": sum(p.num_tokens for p in packs) / step_time,

@@ -219,3 +219,28 @@ def test_attention_decode_cuda_graph_matches_eager():
         positions[:4] = torch.tensor([0, 63, 64, length - 1])
         graph.replay()
         assert torch.equal(out, step())
+
+
+@pytest.mark.parametrize("rows", [1, 3], ids=["packed", "padded"])
+def test_attention_backward_varlen_matches_per_sequence(rows):
+    """The backward of `ops.attention` on CUDA in bf16 (one flash varlen call over the documents) gives the
+    gradients of per-sequence SDPA in fp32: packed streams and right-padded rows."""
+    from rlbench.numerics import ops as bi
+
+    n_kv, group, hd, t = 4, 4, 128, 1536
+    lengths = [[700, 129, 64, 1, 642], [1200, 336], [1536]][:rows]  # each row: documents filling t tokens
+    position_ids = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in lengths]).cuda()
+    tiles = layout.document_tiles(position_ids, bi.tokens_per_tile(torch.device("cuda"), group))
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    q, k, v = (torch.randn(rows, t, c, hd, device="cuda", generator=gen) for c in (n_kv * group, n_kv, n_kv))
+    grad = torch.randn(rows, t, n_kv * group, hd, device="cuda", generator=gen)
+
+    def grads(fn, dtype):
+        leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+        torch.autograd.backward(fn(*leaves, tiles, hd**-0.5), grad.to(dtype))
+        return [x.grad.float() for x in leaves]
+
+    got = grads(bi.attention, torch.bfloat16)
+    want = grads(bi._reference, torch.float32)
+    for name, g, w in zip("qkv", got, want):
+        torch.testing.assert_close(g, w, rtol=3e-2, atol=3e-2, msg=lambda m, name=name: f"d{name}: {m}")

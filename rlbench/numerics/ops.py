@@ -1,6 +1,7 @@
 """The batch-invariant ops as the model calls them: device dispatch (Triton on CUDA, `torch_ops` elsewhere) and
 autograd. Only forward values must match between the engine and the trainer, so every backward is the
-ordinary one (cuBLAS GEMMs, the HF RMSNorm formula, SDPA per sequence), recomputed where needed.
+ordinary one (cuBLAS GEMMs, the HF RMSNorm formula, flash varlen attention on CUDA in bf16/fp16 and SDPA per
+sequence elsewhere), recomputed where needed.
 """
 
 from __future__ import annotations
@@ -113,6 +114,25 @@ def _reference(q, k, v, tiles: Tiles, scale: float) -> torch.Tensor:
     return out
 
 
+def _varlen_reference(q, k, v, tiles: Tiles, scale: float) -> torch.Tensor:
+    """`_reference` in one flash varlen call (CUDA, bf16/fp16): the documents tile the `B*T` flat tokens in order
+    (`layout.documents`), so their starts are the cumulative sequence lengths."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    docs = tiles.documents
+    b, t, h, hd = q.shape
+    starts = docs.row * t + docs.start
+    cu = torch.cat([starts, starts.new_tensor([b * t])]).to(q.device, torch.int32, non_blocking=True)
+    longest = int(docs.length.max())
+    out = varlen_attn(q.reshape(b * t, h, hd), k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:]),
+                      cu, cu, longest, longest, scale=scale, window_size=(-1, 0), enable_gqa=True)
+    return out.view(b, t, h, hd)
+
+
+def _flash_varlen(q: torch.Tensor) -> bool:
+    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, tiles: Tiles, scale: float):
@@ -128,7 +148,8 @@ class _Attention(torch.autograd.Function):
             raise RuntimeError("batch-invariant attention against a KV cache has no backward (decode is inference)")
         with torch.enable_grad():
             qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
-            out = _reference(qr, kr, vr, ctx.tiles, ctx.scale)
+            reference = _varlen_reference if _flash_varlen(q) else _reference
+            out = reference(qr, kr, vr, ctx.tiles, ctx.scale)
             gq, gk, gv = torch.autograd.grad(out, (qr, kr, vr), grad)
         return gq, gk, gv, None, None
 
