@@ -371,3 +371,36 @@ def test_sm90_attention_same_arithmetic_for_decode_and_training(compiled_ops):
     odd_strides = _sm90_fp_ops(t._attention_kernel, args, consts, ptrs, *stages)
     assert any("mma" in op for op in training)
     assert training == decode == odd_strides
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_attention_grouped_layout_equals_slot_layout(one_thread, impl):
+    """Decode against the engine's grouped layout (one copy of the prompt's keys, then the k samples' keys
+    interleaved) gives the bits of decode against a slot per sample holding the same keys in order."""
+    from rlbench.numerics import torch_ops
+
+    kernels = ops if impl == "triton" else torch_ops
+    k_grp, n_kv, group, hd, prompt, new = 3, 2, 2, 64, 37, 30
+    gen = torch.Generator().manual_seed(3)
+    pk, pv = (torch.randn(prompt, n_kv, hd, generator=gen) for _ in range(2))
+    rk, rv = (torch.randn(k_grp, new, n_kv, hd, generator=gen) for _ in range(2))
+    length = prompt + k_grp * new + 5
+    slot_k, slot_v, grp_k, grp_v = (torch.full(shape, float("nan")) for shape in
+                                    [(k_grp, length, n_kv, hd)] * 2 + [(1, k_grp * length, n_kv, hd)] * 2)
+    for cache, p, r in ((slot_k, pk, rk), (slot_v, pv, rv)):
+        cache[:, :prompt] = p
+        cache[:, prompt : prompt + new] = r
+    for cache, p, r in ((grp_k, pk, rk), (grp_v, pv, rv)):
+        cache[0, :prompt] = p
+        cache[0, prompt : prompt + k_grp * new] = r.transpose(0, 1).reshape(k_grp * new, n_kv, hd)
+    steps = [0, 1, 10, 26, 27, new - 1]  # positions prompt + t, across key-block boundaries
+    slots = torch.arange(k_grp).repeat(len(steps))  # [B]: every sample at every step
+    positions = prompt + torch.tensor(steps).repeat_interleave(k_grp)
+    q = torch.randn(slots.numel(), 1, n_kv * group, hd, generator=gen)
+    slot_tiles = layout.decode_tiles(positions, slots)
+    grouped = layout.decode_tiles(positions, slots, k_grp, torch.full_like(slots, prompt))
+    assert grouped.kb.tolist() == [0] * slots.numel() and grouped.klane.tolist() == slots.tolist()
+    want = kernels.attention(q, slot_k, slot_v, *slot_tiles.kernel_args, 0.125)
+    got = kernels.attention(q, grp_k, grp_v, *grouped.kernel_args, 0.125, **grouped.kernel_kwargs)
+    assert not want.isnan().any()
+    assert torch.equal(got, want)

@@ -104,10 +104,12 @@ def _assert_bitwise(gens, recomputed):
                                                  f"{(rollout - lp.float()).abs().max():.3e}"
 
 
+@pytest.mark.parametrize("shared_prefix", [True, False], ids=["grouped", "slots"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_engine_logprobs_equal_packed_padded_and_split_recompute(dtype):
-    """Continuous batching (admit/evict mid-generation), n=2 sharing a prefix; packed, padded, micro-batches."""
-    engine, trainer = _engine_and_trainer_model(dtype)
+def test_engine_logprobs_equal_packed_padded_and_split_recompute(dtype, shared_prefix):
+    """Continuous batching (admit/evict mid-generation), n=2 sharing a prefix (one copy of the prompt's K/V in the
+    grouped layout, or a copy per sample); packed, padded, micro-batches."""
+    engine, trainer = _engine_and_trainer_model(dtype, num_slots=4, shared_prefix=shared_prefix)
     prompts, gens = _generate(engine)
     seqs = _seqs(prompts, gens)
     assert len(gens) == 12 and sum(len(g.token_ids) for g in gens) == 240

@@ -132,6 +132,9 @@ class KVContext:
     `[g k, (g + 1) k)` are group row g's samples and `mask` is `[B / k, 1, k G, kv_len]`)."""
     write_index: torch.Tensor | None = None
     """Decode: `[B]` long cache index of the new token (None: `positions`, the slot layout)."""
+    prefix_len: torch.Tensor | None = None
+    """Decode in the grouped layout: `[B]` long prompt length of each row (the batch-invariant attention maps
+    positions to cache indices itself; the default one reads `mask`)."""
 
 
 def decode_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:

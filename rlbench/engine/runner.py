@@ -192,10 +192,12 @@ class ModelRunner:
         index, mask = group_decode_mask(positions, prefix_len, group, self.heads_per_kv, kv_len)
         return *self._embed(tokens, positions), index, mask
 
-    def _layer(self, w, hidden, cos, sin, k_cache, v_cache, slots, positions, index, mask, kv_len: int, group: int):
+    def _layer(self, w, hidden, cos, sin, k_cache, v_cache, slots, positions, prefix_len, index, mask, kv_len: int,
+               group: int):
         """One decoder layer of the decode step; `w` and the caches are this layer's (graph inputs)."""
         ctx = KVContext(k_cache, v_cache, slots, decode=True, positions=positions, kv_len=kv_len, mask=mask,
-                        decode_attention=self._attend[group > 1], group=group, write_index=index)
+                        decode_attention=self._attend[group > 1], group=group, write_index=index,
+                        prefix_len=prefix_len)
         return self._layer_forward(w, hidden, (cos, sin), ctx)
 
     def _head(self, hidden, temperature, top_k, top_p, seeds, steps, vocab_hash, mode: str):
@@ -208,9 +210,11 @@ class ModelRunner:
 
     def _layer_stack(self, hidden, cos, sin, positions, index, mask, kv_len: int, group: int):
         """Every decoder layer for slots `[0, B)`, one layer graph call each: hidden `[B, 1, D]` -> `[B, 1, D]`."""
-        slots = self.state.slot_ids[: hidden.shape[0]]
+        b = hidden.shape[0]
+        slots, prefix_len = self.state.slot_ids[:b], self.state.prefix_len[:b]
         for w, kc, vc in zip(self.layers, *self.cache.group_view(group)):
-            hidden = self._layer_fn(w, hidden, cos, sin, kc, vc, slots, positions, index, mask, kv_len, group)
+            hidden = self._layer_fn(w, hidden, cos, sin, kc, vc, slots, positions, prefix_len, index, mask, kv_len,
+                                    group)
         return hidden
 
     def _logits_and_sample(self, tokens, positions, temperature, top_k, top_p, seeds, steps, kv_len: int,

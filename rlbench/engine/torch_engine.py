@@ -7,8 +7,8 @@ rules, free finished slots, repeat.
 The n > 1 samples of a prompt share its prefilled K/V (`TorchEngineConfig.shared_prefix`): the cache is seen in
 its grouped layout (`KVCache.group_view(n)`), a prompt takes one group row of n slots, its samples decode as
 rows `[g n, (g + 1) n)` and read the prompt once per step; the group row is freed when its last sample ends.
-Otherwise (n = 1, batch-invariant numerics, or `shared_prefix=False`) every sample has its own slot, and the
-n samples of a prompt copy its prefilled K/V.
+Otherwise (n = 1 or `shared_prefix=False`) every sample has its own slot, and the n samples of a prompt copy
+its prefilled K/V.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ class TorchEngine:
         running: list[_Seq] = []
         done: list[_Seq] = []
         self._abort = False
-        self._group = sampling.n if self.cfg.shared_prefix and sampling.n > 1 and not self.cfg.batch_invariant else 1
+        self._group = sampling.n if self.cfg.shared_prefix and sampling.n > 1 else 1
         self._live: dict[int, int] = {}  # group row -> samples still running (grouped layout)
         self.cache.reset(self._group)
         while (waiting or running) and not self._abort:

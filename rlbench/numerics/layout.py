@@ -49,6 +49,26 @@ class Tiles:
     """`[NT]` int32: index in the key tensor's L dimension of the sequence's position 0."""
     documents: Documents | None = None
     """The sequences (prefill/training calls); None for decode against a cache."""
+    kprefix: torch.Tensor | None = None
+    """Decode in the engine's grouped layout (`KVCache.group_view`): `[NT]` int32 prompt length P of the tile's
+    sample; the key of position j < P is at `kstart + j`, from P on at `kstart + P + (j - P) kstride + klane`.
+    None: the key of position j is at `kstart + j`."""
+    klane: torch.Tensor | None = None
+    """`[NT]` int32: the sample's lane in its group row (grouped layout)."""
+    kstride: int = 1
+    """Samples per group row (grouped layout)."""
+
+    @property
+    def kernel_args(self) -> tuple:
+        """`(positions, tok0, ntok, kb, kstart)`, the attention kernels' positional tile arguments."""
+        return self.positions, self.tok0, self.ntok, self.kb, self.kstart
+
+    @property
+    def kernel_kwargs(self) -> dict:
+        """The grouped layout's keyword arguments of the attention kernels (empty otherwise)."""
+        if self.kprefix is None:
+            return {}
+        return {"tile_kprefix": self.kprefix, "tile_klane": self.klane, "kstride": self.kstride}
 
 
 def documents(position_ids: torch.Tensor) -> Documents:
@@ -107,7 +127,15 @@ def document_tiles(position_ids: torch.Tensor, tokens_per_tile: int) -> Tiles:
     return Tiles(position_ids.reshape(-1).to(torch.long), *tiles, documents=docs)
 
 
-def decode_tiles(positions: torch.Tensor, slots: torch.Tensor) -> Tiles:
+def decode_tiles(positions: torch.Tensor, slots: torch.Tensor, group: int = 1,
+                 prefix_len: torch.Tensor | None = None) -> Tiles:
     """Tiles for one new token per sequence (`q [B, 1, H, hd]`) against a cache `[S, L, n_kv, hd]`: tile i is
-    token i, keys in cache row `slots[i]` from index 0. Device ops only (no host sync: CUDA-graph safe)."""
-    return Tiles(positions.to(torch.long), *tiles_for_decode(slots))
+    token i, keys in cache row `slots[i]` from index 0. With `group` k > 1 the cache is the grouped layout's
+    `[S / k, k L, n_kv, hd]`: slot s is lane s % k of group row s // k, whose first `prefix_len[i]` keys are
+    the shared prompt's. Device ops only (no host sync: CUDA-graph safe)."""
+    if group == 1:
+        return Tiles(positions.to(torch.long), *tiles_for_decode(slots))
+    tok0, ntok, _, kstart = tiles_for_decode(slots)
+    slots = slots.reshape(-1)
+    return Tiles(positions.to(torch.long), tok0, ntok, (slots // group).to(torch.int32), kstart,
+                 kprefix=prefix_len.reshape(-1).to(torch.int32), klane=(slots % group).to(torch.int32), kstride=group)

@@ -6,7 +6,7 @@ the same module code with the same ops, so a token's forward values are the same
 - every RMSNorm (a module with `weight` and `variance_epsilon`, HF's Qwen/Llama norms) to `ops.rms_norm`;
 - every SiLU activation (`act_fn`) to `ops.silu`;
 - the attention to "rlbench_bi" (`batch_invariant_attention`): the engine's calls carry its `KVContext`
-  (`rl_kv=`: prefill or decode against the slot cache), all others (training, a plain forward) are
+  (`rl_kv=`: prefill, or decode against the slot cache or its grouped layout), all others (training, a plain forward) are
   described by their `position_ids`.
 Embeddings, RoPE and residual adds are elementwise or gathers: row-local as they are.
 """
@@ -51,9 +51,11 @@ def _prefill_tiles(b: int, t: int, device: torch.device, group: int) -> Tiles:
 
 def _write_cache(ctx, key: torch.Tensor, value: torch.Tensor) -> None:
     """Store this call's keys/values (`[B, n_kv, T, hd]`) in the engine's slots before attending."""
-    if ctx.decode:
-        ctx.k_cache[ctx.slots, :, ctx.positions] = key[:, :, 0].to(ctx.k_cache.dtype)
-        ctx.v_cache[ctx.slots, :, ctx.positions] = value[:, :, 0].to(ctx.v_cache.dtype)
+    if ctx.decode:  # the slot layout, or the grouped layout's group rows at the engine's write index
+        rows = ctx.slots if ctx.group == 1 else ctx.slots // ctx.group
+        index = ctx.positions if ctx.write_index is None else ctx.write_index
+        ctx.k_cache[rows, :, index] = key[:, :, 0].to(ctx.k_cache.dtype)
+        ctx.v_cache[rows, :, index] = value[:, :, 0].to(ctx.v_cache.dtype)
     else:
         t = key.shape[2]
         ctx.k_cache[ctx.slots, :, :t] = key.to(ctx.k_cache.dtype)
@@ -74,7 +76,7 @@ def batch_invariant_attention(module, query, key, value, attention_mask, dropout
     if ctx is not None:
         _write_cache(ctx, key, value)
     if ctx is not None and ctx.decode:
-        tiles = decode_tiles(ctx.positions, ctx.slots)
+        tiles = decode_tiles(ctx.positions, ctx.slots, ctx.group, ctx.prefix_len)
         keys, values = ctx.k_cache.transpose(1, 2), ctx.v_cache.transpose(1, 2)  # [S, L, n_kv, hd] views
         return ops.attention(q, keys, values, tiles, scale), None
     positions = kwargs.get("position_ids") if ctx is None else None

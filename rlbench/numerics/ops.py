@@ -138,8 +138,7 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, tiles: Tiles, scale: float):
         ctx.save_for_backward(q, k, v)
         ctx.tiles, ctx.scale = tiles, scale
-        t = tiles
-        return _impl(q).attention(q, k, v, t.positions, t.tok0, t.ntok, t.kb, t.kstart, scale)
+        return _impl(q).attention(q, k, v, *tiles.kernel_args, scale, **tiles.kernel_kwargs)
 
     @staticmethod
     def backward(ctx, grad):

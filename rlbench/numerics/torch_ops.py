@@ -68,9 +68,11 @@ def logsumexp_rows(z: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(torch.logsumexp(padded, dim=-1), dim=-1)
 
 
-def attention(q, k, v, positions, tile_tok0, tile_ntok, tile_kb, tile_kstart, scale: float) -> torch.Tensor:
+def attention(q, k, v, positions, tile_tok0, tile_ntok, tile_kb, tile_kstart, scale: float, tile_kprefix=None,
+              tile_klane=None, kstride: int = 1) -> torch.Tensor:
     """Fixed-block causal attention. q `[B, T, H, hd]`, k/v `[KB, L, n_kv, hd]` -> `[B, T, H, hd]` in q's dtype;
-    positions `[B*T]` and the per-tile int32 metadata as `rlbench.numerics.layout.Tiles` holds them.
+    positions `[B*T]` and the per-tile int32 metadata as `rlbench.numerics.layout.Tiles` holds them (with
+    `tile_kprefix` / `tile_klane` / `kstride`: the grouped cache layout, `triton_ops.attention`).
 
     Math in float32 whatever the input dtype (the bf16 path thus matches SDPA's fp32 accumulation).
     """
@@ -94,7 +96,11 @@ def attention(q, k, v, positions, tile_tok0, tile_ntok, tile_kb, tile_kstart, sc
     for j in range(int(last.max()) // BLOCK_N + 1 if nt else 0):
         kpos = j * BLOCK_N + torch.arange(BLOCK_N, device=q.device)  # [BN]
         readable = kpos[None] <= last[:, None]  # [NT, BN]
-        idx = torch.where(readable, tiles.kstart[:, None].long() + kpos[None], tiles.kstart[:, None].long())
+        where = kpos[None].expand(nt, -1)  # [NT, BN]: the key's index in its cache row
+        if tile_kprefix is not None:
+            prefix, lane = tile_kprefix[:, None].long(), tile_klane[:, None].long()
+            where = torch.where(where < prefix, where, prefix + (where - prefix) * kstride + lane)
+        idx = torch.where(readable, tiles.kstart[:, None].long() + where, tiles.kstart[:, None].long())
         keep = readable[:, :, None, None]
         kblk = torch.where(keep, k[kb, idx], 0).float().permute(0, 2, 3, 1)  # [NT, n_kv, hd, BN]
         vblk = torch.where(keep, v[kb, idx], 0).float().permute(0, 2, 1, 3)  # [NT, n_kv, BN, hd]

@@ -276,13 +276,16 @@ def logsumexp_rows(z: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _attend_block(q, k_base, v_base, start, pmax, p, m_i, l_i, acc, qk_scale, skl, svl, d,
-                  BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+def _attend_block(q, k_base, v_base, start, pmax, p, m_i, l_i, acc, qk_scale, skl, svl, d, kprefix, klane, kstride,
+                  BLOCK_N: tl.constexpr, GROUPED: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     """Keys [start, start + BLOCK_N) of the sequence, for all rows of the tile: one online-softmax step."""
     j = start + tl.arange(0, BLOCK_N)
     kmask = (j <= pmax)[:, None]
-    kt = tl.load(k_base + j.to(tl.int64)[:, None] * skl + d[None, :], mask=kmask, other=0.0)
-    vt = tl.load(v_base + j.to(tl.int64)[:, None] * svl + d[None, :], mask=kmask, other=0.0)
+    jj = j.to(tl.int64)  # the key's index in the cache row: its position, or in the grouped layout
+    if GROUPED:  # the prompt's keys at [0, P), then sample `klane`'s at P + (position - P) * kstride + klane
+        jj = tl.where(j < kprefix, jj, kprefix + (jj - kprefix) * kstride + klane)
+    kt = tl.load(k_base + jj[:, None] * skl + d[None, :], mask=kmask, other=0.0)
+    vt = tl.load(v_base + jj[:, None] * svl + d[None, :], mask=kmask, other=0.0)
     s = _dot(q, tl.trans(kt), None, PRECISION, INTERPRETED) * qk_scale
     s = tl.where(j[None, :] <= p[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, _max(s, 1))
@@ -294,16 +297,22 @@ def _attend_block(q, k_base, v_base, start, pmax, p, m_i, l_i, acc, qk_scale, sk
 
 
 @triton.jit
-def _attention_kernel(q, k, v, out, pos, tile_tok0, tile_ntok, tile_kb, tile_kstart, qk_scale, T,
-                      sqb, sqt, sqh, skb, skl, skh, svb, svl, svh,
+def _attention_kernel(q, k, v, out, pos, tile_tok0, tile_ntok, tile_kb, tile_kstart, tile_kprefix, tile_klane,
+                      kstride, qk_scale, T, sqb, sqt, sqh, skb, skl, skh, svb, svl, svh,
                       H: tl.constexpr, G: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+                      BLOCK_N: tl.constexpr, GROUPED: tl.constexpr, PRECISION: tl.constexpr,
+                      INTERPRETED: tl.constexpr):
     i = tl.num_programs(0) - 1 - tl.program_id(0)  # last tiles first: within a document they are the longest
     g = tl.program_id(1)
     tok0 = tl.load(tile_tok0 + i)
     ntok = tl.load(tile_ntok + i)
     kb = tl.load(tile_kb + i).to(tl.int64)
     kstart = tl.load(tile_kstart + i).to(tl.int64)
+    kprefix = 0
+    klane = 0
+    if GROUPED:
+        kprefix = tl.load(tile_kprefix + i).to(tl.int64)
+        klane = tl.load(tile_klane + i).to(tl.int64)
     r = tl.arange(0, BLOCK_M)
     valid = r // G < ntok
     tok = (tok0 + r // G).to(tl.int64)
@@ -322,12 +331,12 @@ def _attention_kernel(q, k, v, out, pos, tile_tok0, tile_ntok, tile_kb, tile_kst
         start = 0
         while start <= pmax:
             m_i, l_i, acc = _attend_block(qv, k_base, v_base, start, pmax, p, m_i, l_i, acc, qk_scale, skl, svl,
-                                          d, BLOCK_N, PRECISION, INTERPRETED)
+                                          d, kprefix, klane, kstride, BLOCK_N, GROUPED, PRECISION, INTERPRETED)
             start += BLOCK_N
     else:
         for start in range(0, pmax + 1, BLOCK_N):
             m_i, l_i, acc = _attend_block(qv, k_base, v_base, start, pmax, p, m_i, l_i, acc, qk_scale, skl, svl,
-                                          d, BLOCK_N, PRECISION, INTERPRETED)
+                                          d, kprefix, klane, kstride, BLOCK_N, GROUPED, PRECISION, INTERPRETED)
     o = acc / l_i[:, None]
     tl.store(out + (tok * (H * HD) + head * HD)[:, None] + d[None, :], o.to(out.dtype.element_ty),
              mask=valid[:, None])
@@ -343,12 +352,15 @@ def tokens_per_tile(group: int) -> int:
 TOKENS_PER_TILE = tokens_per_tile
 
 
-def attention(q, k, v, positions, tile_tok0, tile_ntok, tile_kb, tile_kstart, scale: float) -> torch.Tensor:
+def attention(q, k, v, positions, tile_tok0, tile_ntok, tile_kb, tile_kstart, scale: float, tile_kprefix=None,
+              tile_klane=None, kstride: int = 1) -> torch.Tensor:
     """Causal attention over tiles of query tokens; returns `[B, T, H, hd]` contiguous in q's dtype.
 
     q `[B, T, H, hd]`, k/v `[KB, L, n_kv, hd]` (any strides, last dim contiguous), positions `[B*T]` (of
     flat token n = b T + t). Tile i (int32 metadata) covers tokens `tile_tok0[i] + [0, tile_ntok[i])` of one
     sequence whose position-0 key is `k[tile_kb[i], tile_kstart[i]]`. Tokens in no tile come out as zeros.
+    With `tile_kprefix` / `tile_klane` (the engine's grouped layout, `layout.Tiles`) the key of position j is at
+    `kstart + j` below the tile's prefix P and at `kstart + P + (j - P) kstride + lane` from P on.
 
     Batch-invariant: every query row takes its keys in blocks of `ATTN_BLOCK_N` absolute positions from
     its sequence's position 0, in order, with one online softmax (fp32 m, l, acc). The loop runs to the
@@ -369,11 +381,13 @@ def attention(q, k, v, positions, tile_tok0, tile_ntok, tile_kb, tile_kstart, sc
     n_tiles = tile_tok0.numel()
     if n_tiles == 0:
         return out
+    grouped = tile_kprefix is not None
     tiles = [x.to(torch.int32).contiguous() for x in (tile_tok0, tile_ntok, tile_kb, tile_kstart)]
+    lanes = [x.to(torch.int32).contiguous() for x in (tile_kprefix, tile_klane)] if grouped else tiles[:2]
     _attention_kernel[(n_tiles, n_kv)](
-        q, k, v, out, positions.reshape(-1).contiguous(), *tiles, scale * LOG2E, t, *q.stride()[:3], *k.stride()[:3],
-        *v.stride()[:3], H=h, G=group, HD=hd,
-        BLOCK_M=ATTN_BLOCK_M, BLOCK_N=ATTN_BLOCK_N, PRECISION=_precision(q.dtype),
+        q, k, v, out, positions.reshape(-1).contiguous(), *tiles, *lanes, kstride, scale * LOG2E, t, *q.stride()[:3],
+        *k.stride()[:3], *v.stride()[:3], H=h, G=group, HD=hd,
+        BLOCK_M=ATTN_BLOCK_M, BLOCK_N=ATTN_BLOCK_N, GROUPED=grouped, PRECISION=_precision(q.dtype),
         INTERPRETED=q.device.type != "cuda", num_warps=ATTN_NUM_WARPS,
         num_stages=_stages(ATTN_NUM_STAGES, q.dtype))
     return out
