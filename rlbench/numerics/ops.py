@@ -124,8 +124,10 @@ def _varlen_reference(q, k, v, tiles: Tiles, scale: float) -> torch.Tensor:
     starts = docs.row * t + docs.start
     cu = torch.cat([starts, starts.new_tensor([b * t])]).to(q.device, torch.int32, non_blocking=True)
     longest = int(docs.length.max())
-    out = varlen_attn(q.reshape(b * t, h, hd), k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:]),
-                      cu, cu, longest, longest, scale=scale, window_size=(-1, 0), enable_gqa=True)
+    k, v = k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:])
+    if k.shape[1] != h:  # GQA: torch < 2.13's varlen_attn takes no enable_gqa (flash reads the copies once)
+        k, v = k.repeat_interleave(h // k.shape[1], dim=1), v.repeat_interleave(h // v.shape[1], dim=1)
+    out = varlen_attn(q.reshape(b * t, h, hd), k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, 0))
     return out.view(b, t, h, hd)
 
 
