@@ -6,6 +6,8 @@ sequence elsewhere), recomputed where needed.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 
@@ -127,12 +129,25 @@ def _varlen_reference(q, k, v, tiles: Tiles, scale: float) -> torch.Tensor:
     k, v = k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:])
     if k.shape[1] != h:  # GQA: torch < 2.13's varlen_attn takes no enable_gqa (flash reads the copies once)
         k, v = k.repeat_interleave(h // k.shape[1], dim=1), v.repeat_interleave(h // v.shape[1], dim=1)
-    out = varlen_attn(q.reshape(b * t, h, hd), k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, 0))
+    causal = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True}  # torch 2.11: is_causal
+    out = varlen_attn(q.reshape(b * t, h, hd), k, v, cu, cu, longest, longest, scale=scale, **causal)
     return out.view(b, t, h, hd)
 
 
+def _varlen_params() -> frozenset[str]:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return frozenset()
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+_VARLEN_PARAMS = _varlen_params()
+
+
 def _flash_varlen(q: torch.Tensor) -> bool:
-    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    """Whether the backward can run `_varlen_reference` (CUDA, half precision, a varlen_attn taking a scale)."""
+    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and "scale" in _VARLEN_PARAMS
 
 
 class _Attention(torch.autograd.Function):
