@@ -221,10 +221,21 @@ def test_attention_decode_cuda_graph_matches_eager():
         assert torch.equal(out, step())
 
 
+def _sdpa_per_sequence(q, k, v, cu_seqlens, scale):
+    """Causal SDPA per sequence of the flat tokens (autograd reference)."""
+    b, t, h, hd = q.shape
+    qf, kf, vf = q.reshape(b * t, h, hd), k.reshape(b * t, -1, hd), v.reshape(b * t, -1, hd)
+    bounds = cu_seqlens.tolist()
+    outs = [F.scaled_dot_product_attention(*(x[s:e].transpose(0, 1)[None] for x in (qf, kf, vf)), is_causal=True,
+                                           scale=scale, enable_gqa=True)[0].transpose(0, 1)
+            for s, e in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(outs).view(b, t, h, hd)
+
+
 @pytest.mark.parametrize("rows", [1, 3], ids=["packed", "padded"])
-def test_attention_backward_varlen_matches_per_sequence(rows):
-    """The backward of `ops.attention` on CUDA in bf16 (one flash varlen call over the documents) gives the
-    gradients of per-sequence SDPA in fp32: packed streams and right-padded rows."""
+def test_attention_backward_flash_matches_per_sequence(rows):
+    """The backward of `ops.attention` on CUDA in bf16 (flash attention over the packed sequences) gives the
+    gradients of per-sequence SDPA in fp32: packed streams and rows of several sequences."""
     from rlbench.numerics import ops as bi
 
     n_kv, group, hd, t = 4, 4, 128, 1536
@@ -237,10 +248,10 @@ def test_attention_backward_varlen_matches_per_sequence(rows):
 
     def grads(fn, dtype):
         leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)]
-        torch.autograd.backward(fn(*leaves, tiles, hd**-0.5), grad.to(dtype))
+        torch.autograd.backward(fn(*leaves), grad.to(dtype))
         return [x.grad.float() for x in leaves]
 
-    got = grads(bi.attention, torch.bfloat16)
-    want = grads(bi._reference, torch.float32)
+    got = grads(lambda *qkv: bi.attention(*qkv, tiles, hd**-0.5), torch.bfloat16)
+    want = grads(lambda *qkv: _sdpa_per_sequence(*qkv, tiles.cu_seqlens, hd**-0.5), torch.float32)
     for name, g, w in zip("qkv", got, want):
         torch.testing.assert_close(g, w, rtol=3e-2, atol=3e-2, msg=lambda m, name=name: f"d{name}: {m}")

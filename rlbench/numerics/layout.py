@@ -49,6 +49,9 @@ class Tiles:
     """`[NT]` int32: index in the key tensor's L dimension of the sequence's position 0."""
     documents: Documents | None = None
     """The sequences (prefill/training calls); None for decode against a cache."""
+    cu_seqlens: torch.Tensor | None = None
+    """With `documents`: `[D + 1]` long on the CPU, the flat token index where each sequence starts, then B*T (the
+    sequences tile the flat tokens in order); what the backward needs."""
     kprefix: torch.Tensor | None = None
     """Decode in the engine's grouped layout (`KVCache.group_view`): `[NT]` int32 prompt length P of the tile's
     sample; the key of position j < P is at `kstart + j`, from P on at `kstart + P + (j - P) kstride + klane`.
@@ -124,7 +127,9 @@ def document_tiles(position_ids: torch.Tensor, tokens_per_tile: int) -> Tiles:
     t = position_ids.shape[1]
     tiles = tiles_for_documents(docs.row * t + docs.start, docs.length, docs.row, docs.start, tokens_per_tile,
                                 position_ids.device)
-    return Tiles(position_ids.reshape(-1).to(torch.long), *tiles, documents=docs)
+    starts = docs.row * t + docs.start
+    cu_seqlens = torch.cat([starts, starts.new_tensor([position_ids.numel()])])
+    return Tiles(position_ids.reshape(-1).to(torch.long), *tiles, documents=docs, cu_seqlens=cu_seqlens)
 
 
 def decode_tiles(positions: torch.Tensor, slots: torch.Tensor, group: int = 1,

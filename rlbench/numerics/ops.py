@@ -1,12 +1,16 @@
 """The batch-invariant ops as the model calls them: device dispatch (Triton on CUDA, `torch_ops` elsewhere) and
 autograd. Only forward values must match between the engine and the trainer, so every backward is the
-ordinary one (cuBLAS GEMMs, the HF RMSNorm formula, flash varlen attention on CUDA in bf16/fp16 and SDPA per
-sequence elsewhere), recomputed where needed.
+ordinary one (cuBLAS GEMMs, the HF RMSNorm formula, flash attention over the packed sequences on CUDA in
+bf16/fp16, the attention gradient written out in float32 elsewhere), recomputed where needed.
+
+Each op is a `torch.library` custom op (namespace `rlbench_bi`): opaque to `torch.compile`, so a compiled layer
+runs these very kernels and inductor only fuses the elementwise code between them (RoPE, residual adds, the
+gate x up product), which `compile_options` makes round as eager does.
 """
 
 from __future__ import annotations
 
-import inspect
+from typing import Optional  # torch.library reads the annotations: Optional parses on every torch
 
 import torch
 import torch.nn.functional as F
@@ -36,28 +40,39 @@ def tokens_per_tile(device: torch.device, group: int) -> int:
 
 
 # ---------------------------------------------------------------- linear
-class _Linear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        out = x.new_empty(*x.shape[:-1], weight.shape[0])  # written through a 2-D view: the output is no view
-        _impl(x).matmul(x.reshape(-1, x.shape[-1]), weight, bias, out=out.view(-1, weight.shape[0]))
-        return out
+@torch.library.custom_op("rlbench_bi::linear", mutates_args=())
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:  # noqa: UP045
+    out = x.new_empty(*x.shape[:-1], weight.shape[0])  # written through a 2-D view: the output is no view
+    _impl(x).matmul(x.reshape(-1, x.shape[-1]), weight, bias, out=out.view(-1, weight.shape[0]))
+    return out
 
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        g = grad.reshape(-1, grad.shape[-1])
-        gx = (g @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
-        gw = g.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
-        gb = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, gw, gb
+
+@_linear.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def _linear_setup(ctx, inputs, output) -> None:
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _linear_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    g = grad.reshape(-1, grad.shape[-1])
+    gx = (g @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
+    gw = g.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+    gb = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return gx, gw, gb
+
+
+_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` whose forward rows do not depend on the other rows."""
-    return _Linear.apply(x, weight, bias)
+    return _linear(x, weight, bias)
 
 
 # ---------------------------------------------------------------- RMSNorm
@@ -67,32 +82,72 @@ def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-class _RMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps: float):
-        ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-        out = _triton().rms_norm(x.reshape(-1, x.shape[-1]), weight, eps)
-        return out.view(x.shape)
+@torch.library.custom_op("rlbench_bi::rms_norm", mutates_args=())
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _triton().rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
 
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        with torch.enable_grad():
-            xr, wr = x.detach().requires_grad_(), weight.detach().requires_grad_()
-            gx, gw = torch.autograd.grad(hf_rms_norm(xr, wr, ctx.eps), (xr, wr), grad)
-        return gx, gw, None
+
+@_rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _rms_norm_setup(ctx, inputs, output) -> None:
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps = eps
+
+
+def _rms_norm_backward(ctx, grad):
+    """The gradient of `hf_rms_norm` in float32 (plain ops: a compiled backward fuses them)."""
+    x, weight = ctx.saved_tensors
+    xf = x.float()
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
+    n = xf * r
+    gn = grad.float() * weight.float()
+    gx = (r * (gn - n * (gn * n).mean(-1, keepdim=True))).to(x.dtype)
+    gw = (grad.float() * n.to(x.dtype).float()).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+    return gx, gw, None
+
+
+_rms_norm.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm with HF's cast order; one program per row on CUDA (torch's reductions pick their split from the
     number of rows there), HF's own formula on the CPU (row-local already)."""
-    return _RMSNorm.apply(x, weight, eps) if x.is_cuda else hf_rms_norm(x, weight, eps)
+    return _rms_norm(x, weight, eps) if x.is_cuda else hf_rms_norm(x, weight, eps)
+
+
+# ---------------------------------------------------------------- SiLU
+@torch.library.custom_op("rlbench_bi::silu", mutates_args=())
+def _silu(x: torch.Tensor) -> torch.Tensor:
+    return F.silu(x) if x.is_cuda else torch_ops.silu(x)
+
+
+@_silu.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _silu_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[0])
+
+
+def _silu_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    xf = x.float()
+    sig = torch.sigmoid(xf)
+    return (grad.float() * sig * (1 + xf * (1 - sig))).to(x.dtype)
+
+
+_silu.register_autograd(_silu_backward, setup_context=_silu_setup)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
-    """SiLU: torch's elementwise kernel on CUDA (one formula per element), `torch_ops.silu` on the CPU."""
-    return F.silu(x) if x.is_cuda else torch_ops.silu(x)
+    """SiLU: torch's elementwise kernel on CUDA (one formula per element), `torch_ops.silu` on the CPU; opaque to
+    inductor, whose own SiLU is another formula."""
+    return _silu(x)
 
 
 def logsumexp_rows(z: torch.Tensor) -> torch.Tensor:
@@ -101,76 +156,98 @@ def logsumexp_rows(z: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- attention
-def _reference(q, k, v, tiles: Tiles, scale: float) -> torch.Tensor:
-    """Differentiable causal attention per sequence (SDPA), for the backward: q `[B, T, H, hd]`, k/v
-    `[B, T, n_kv, hd]` -> `[B, T, H, hd]`."""
-    docs = tiles.documents
-    group = q.shape[2] // k.shape[2]
-    out = torch.zeros_like(q)
-    for row, start, length in zip(docs.row.tolist(), docs.start.tolist(), docs.length.tolist()):
-        span = slice(start, start + length)
-        qd = q[row, span].transpose(0, 1)[None]  # [1, H, n, hd]
-        kd = k[row, span].transpose(0, 1).repeat_interleave(group, dim=0)[None]
-        vd = v[row, span].transpose(0, 1).repeat_interleave(group, dim=0)[None]
-        out[row, span] = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)[0].transpose(0, 1)
-    return out
+def _spans(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
+    bounds = cu_seqlens.tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _varlen_reference(q, k, v, tiles: Tiles, scale: float) -> torch.Tensor:
-    """`_reference` in one flash varlen call (CUDA, bf16/fp16): the documents tile the `B*T` flat tokens in order
-    (`layout.documents`), so their starts are the cumulative sequence lengths."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    docs = tiles.documents
+def _flash_backward(grad, q, k, v, cu_seqlens: torch.Tensor, scale: float):
+    """Causal attention's gradients per sequence, flash varlen (CUDA, bf16/fp16): the forward again for its
+    log-sum-exp, then the backward; K/V heads repeated per query head and their gradients summed back."""
     b, t, h, hd = q.shape
-    starts = docs.row * t + docs.start
-    cu = torch.cat([starts, starts.new_tensor([b * t])]).to(q.device, torch.int32, non_blocking=True)
-    longest = int(docs.length.max())
-    k, v = k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:])
-    if k.shape[1] != h:  # GQA: torch < 2.13's varlen_attn takes no enable_gqa (flash reads the copies once)
-        k, v = k.repeat_interleave(h // k.shape[1], dim=1), v.repeat_interleave(h // v.shape[1], dim=1)
-    causal = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True}  # torch 2.11: is_causal
-    out = varlen_attn(q.reshape(b * t, h, hd), k, v, cu, cu, longest, longest, scale=scale, **causal)
-    return out.view(b, t, h, hd)
+    n, n_kv = b * t, k.shape[2]
+    cu = cu_seqlens.to(q.device, torch.int32, non_blocking=True)
+    longest = int(torch.diff(cu_seqlens).max())
+    qf, gf = q.reshape(n, h, hd).contiguous(), grad.reshape(n, h, hd).contiguous()
+    kf, vf = (x.reshape(n, n_kv, hd).repeat_interleave(h // n_kv, dim=1) for x in (k, v))
+    out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
+        qf, kf, vf, cu, cu, longest, longest, 0.0, True, False, scale=scale)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        gf, qf, kf, vf, out, lse, cu, cu, longest, longest, 0.0, True, seed, offset, scale=scale)
+    dk, dv = (x.view(n, n_kv, h // n_kv, hd).sum(2) for x in (dk, dv))
+    return dq.view(q.shape), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype)
 
 
-def _varlen_params() -> frozenset[str]:
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return frozenset()
-    return frozenset(inspect.signature(varlen_attn).parameters)
+def _math_backward(grad, q, k, v, cu_seqlens: torch.Tensor, scale: float):
+    """Causal attention's gradients per sequence, written out in float32 (any device and dtype):
+    P = softmax(q k^T s), dv = P^T g, dS = P (g v^T - rowsum(g o)), dq = dS k s, dk = dS^T q s."""
+    b, t, h, hd = q.shape
+    n, n_kv = b * t, k.shape[2]
+    qf, gf = q.reshape(n, h, hd).float(), grad.reshape(n, h, hd).float()
+    kf, vf = (x.reshape(n, n_kv, hd).float().repeat_interleave(h // n_kv, dim=1) for x in (k, v))
+    dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
+    for start, end in _spans(cu_seqlens):
+        qs, ks, vs, gs = (x[start:end].transpose(0, 1) for x in (qf, kf, vf, gf))  # [H, L, hd]
+        length = end - start
+        future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
+        p = torch.softmax((qs @ ks.transpose(1, 2) * scale).masked_fill(future, float("-inf")), dim=-1)  # [H, L, L]
+        ds = p * (gs @ vs.transpose(1, 2) - (gs * (p @ vs)).sum(-1, keepdim=True))
+        dq[start:end] = (ds @ ks * scale).transpose(0, 1)
+        dk[start:end] = (ds.transpose(1, 2) @ qs * scale).transpose(0, 1)
+        dv[start:end] = (p.transpose(1, 2) @ gs).transpose(0, 1)
+    dk, dv = (x.view(n, n_kv, h // n_kv, hd).sum(2) for x in (dk, dv))
+    return dq.view(q.shape).to(q.dtype), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype)
 
 
-_VARLEN_PARAMS = _varlen_params()
+def _flash_ok(q: torch.Tensor) -> bool:
+    """Whether the backward can run flash attention (CUDA, half precision, head_dim <= 256)."""
+    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
 
 
-def _flash_varlen(q: torch.Tensor) -> bool:
-    """Whether the backward can run `_varlen_reference` (CUDA, half precision, a varlen_attn taking a scale)."""
-    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and "scale" in _VARLEN_PARAMS
+@torch.library.custom_op("rlbench_bi::attention", mutates_args=())
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, tok0: torch.Tensor,
+               ntok: torch.Tensor, kb: torch.Tensor, kstart: torch.Tensor, kprefix: Optional[torch.Tensor],  # noqa: UP045
+               klane: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], kstride: int,  # noqa: UP045
+               scale: float) -> torch.Tensor:
+    grouped = {} if kprefix is None else {"tile_kprefix": kprefix, "tile_klane": klane, "kstride": kstride}
+    return _impl(q).attention(q, k, v, positions, tok0, ntok, kb, kstart, scale, **grouped)
 
 
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, tiles: Tiles, scale: float):
-        ctx.save_for_backward(q, k, v)
-        ctx.tiles, ctx.scale = tiles, scale
-        return _impl(q).attention(q, k, v, *tiles.kernel_args, scale, **tiles.kernel_kwargs)
+@_attention.register_fake
+def _(q, k, v, positions, tok0, ntok, kb, kstart, kprefix, klane, cu_seqlens, kstride, scale):
+    return q.new_empty(q.shape)
 
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v = ctx.saved_tensors
-        if ctx.tiles.documents is None:
-            raise RuntimeError("batch-invariant attention against a KV cache has no backward (decode is inference)")
-        with torch.enable_grad():
-            qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
-            reference = _varlen_reference if _flash_varlen(q) else _reference
-            out = reference(qr, kr, vr, ctx.tiles, ctx.scale)
-            gq, gk, gv = torch.autograd.grad(out, (qr, kr, vr), grad)
-        return gq, gk, gv, None, None
+
+@torch.library.custom_op("rlbench_bi::attention_backward", mutates_args=())
+def _attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        cu_seqlens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (_flash_backward if _flash_ok(q) else _math_backward)(grad, q, k, v, cu_seqlens, scale)
+
+
+@_attention_backward.register_fake
+def _(grad, q, k, v, cu_seqlens, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _attention_setup(ctx, inputs, output) -> None:
+    q, k, v, cu_seqlens, scale = inputs[0], inputs[1], inputs[2], inputs[10], inputs[12]
+    ctx.save_for_backward(q, k, v)
+    ctx.cu_seqlens, ctx.scale = cu_seqlens, scale
+
+
+def _attention_grad(ctx, grad):
+    q, k, v = ctx.saved_tensors
+    if ctx.cu_seqlens is None:
+        raise RuntimeError("batch-invariant attention against a KV cache has no backward (decode is inference)")
+    gq, gk, gv = _attention_backward(grad, q, k, v, ctx.cu_seqlens, ctx.scale)
+    return gq, gk, gv, *([None] * 10)
+
+
+_attention.register_autograd(_attention_grad, setup_context=_attention_setup)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: Tiles, scale: float) -> torch.Tensor:
     """Fixed-block causal attention (`rlbench.numerics.layout`): q `[B, T, H, hd]`, k/v `[KB, L, n_kv, hd]`
     -> `[B, T, H, hd]`. Differentiable when the keys are the queries' own tokens (`tiles.documents`)."""
-    return _Attention.apply(q, k, v, tiles, scale)
+    return _attention(q, k, v, tiles.positions, tiles.tok0, tiles.ntok, tiles.kb, tiles.kstart, tiles.kprefix,
+                      tiles.klane, tiles.cu_seqlens, tiles.kstride, float(scale))
