@@ -182,10 +182,12 @@ def _char_reward(response: str, label) -> float:
     return (sum(map(ord, response)) % 7) / 6
 
 
-@pytest.mark.parametrize("bypass", [False, True], ids=["recompute", "rollout-logprobs"])
-def test_trainer_steps_log_exactly_zero_mismatch(tmp_path, monkeypatch, bypass):
+@pytest.mark.parametrize("bypass, compiled", [(False, False), (True, False), (False, True)],
+                         ids=["recompute", "rollout-logprobs", "compiled-trainer"])
+def test_trainer_steps_log_exactly_zero_mismatch(tmp_path, monkeypatch, bypass, compiled):
     """`Trainer.step()` in the mode: the diff is 0.0 at every step (the engine follows every weight sync), and
-    the very first micro-batch's PPO KL is 0.0 even when old = the rollout's log-probs (no recompute)."""
+    the very first micro-batch's PPO KL is 0.0 even when old = the rollout's log-probs (no recompute). With the
+    trainer's layers compiled by inductor (`numerics.compile_options`) against the eager engine too."""
     from dataclasses import replace
 
     from rlbench import presets
@@ -199,7 +201,7 @@ def test_trainer_steps_log_exactly_zero_mismatch(tmp_path, monkeypatch, bypass):
         true_on_policy_mode=True, eval=EvalConfig(), data=replace(cfg.data, metadata_key=None),
         rollout=replace(cfg.rollout, rm_type="chars", rollout_batch_size=4, max_response_len=10),
         batch=replace(cfg.batch, global_batch_size=16, num_rollout=3),
-        loss=replace(cfg.loss, use_rollout_logprobs=bypass))
+        loss=replace(cfg.loss, use_rollout_logprobs=bypass), backend=replace(cfg.backend, compile=compiled))
     trainer = Trainer(cfg)
     weights = [p.detach().clone() for p in trainer.engine.model.parameters()][:3]
     for _ in range(3):
@@ -209,3 +211,35 @@ def test_trainer_steps_log_exactly_zero_mismatch(tmp_path, monkeypatch, bypass):
             assert m["train/train_rollout_logprob_abs_diff"] == 0.0 and m["train/mismatch_k3_kl"] == 0.0
     assert m["train/grad_norm"] > 0
     assert any(not torch.equal(w, p) for w, p in zip(weights, trainer.engine.model.parameters()))
+
+
+@pytest.mark.parametrize("rows", [1, 2], ids=["packed", "rows"])
+def test_attention_gradients_match_float64_sdpa(rows):
+    """The mode's attention backward (written out per sequence) against autograd through SDPA in float64: GQA,
+    several sequences per row, a one-token sequence."""
+    from rlbench.numerics import layout, ops
+
+    n_kv, group, hd = 2, 2, 16
+    lengths = [[9, 1, 14], [17, 7]][:rows]
+    position_ids = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in lengths])
+    t = position_ids.shape[1]
+    tiles = layout.document_tiles(position_ids, ops.tokens_per_tile(torch.device("cpu"), group))
+    gen = torch.Generator().manual_seed(rows)
+    q, k, v = (torch.randn(rows, t, c, hd, generator=gen, dtype=torch.float64) for c in (n_kv * group, n_kv, n_kv))
+    grad = torch.randn(rows, t, n_kv * group, hd, generator=gen, dtype=torch.float64)
+
+    def reference(q, k, v):
+        bounds = tiles.cu_seqlens.tolist()
+        flat = [x.reshape(rows * t, -1, hd) for x in (q, k, v)]
+        outs = [torch.nn.functional.scaled_dot_product_attention(
+            *(x[s:e].transpose(0, 1)[None] for x in flat), is_causal=True, scale=0.3, enable_gqa=True)[0].transpose(0, 1)
+            for s, e in zip(bounds[:-1], bounds[1:])]
+        return torch.cat(outs).view(rows, t, -1, hd)
+
+    got, want = [], []
+    for fn, out in ((lambda *x: ops.attention(*x, tiles, 0.3), got), (reference, want)):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        torch.autograd.backward(fn(*leaves), grad)
+        out += [x.grad for x in leaves]
+    for name, g, w in zip("qkv", got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"d{name}: {m}")

@@ -96,8 +96,8 @@ class TorchEngineConfig:
     batch_invariant: bool = False
     """Batch-invariant numerics (`rlbench.numerics`): a token's log-prob does not depend on the batch it was
     decoded in, and equals the trainer's recompute bit for bit when the trainer runs them too
-    (`RunConfig.true_on_policy_mode` sets both). Runs the HF layers eagerly (no compile, no megakernel, no
-    fused weights); CUDA graphs stay on."""
+    (`RunConfig.true_on_policy_mode` sets both). Runs the HF layers (no megakernel, no fused weights), compiled
+    with eager's rounding (`rlbench.numerics.compile_options`) where `compile` is on; CUDA graphs stay on."""
 
     def __post_init__(self) -> None:
         if self.max_seq_len < 2:
@@ -125,8 +125,8 @@ class TorchEngineConfig:
 
     def on_device(self, is_cuda: bool) -> TorchEngineConfig:
         """This config as it runs on a CUDA (True) or CPU (False) device: compile and CUDA graphs only on CUDA;
-        batch-invariant: the HF layers eagerly (no compile, fused weights or megakernel)."""
+        batch-invariant: the HF layers (no fused weights or megakernel)."""
         cfg = dataclasses.replace(self, compile=self.compile and is_cuda, cuda_graphs=self.cuda_graphs and is_cuda)
         if self.batch_invariant:
-            cfg = dataclasses.replace(cfg, compile=False, fused_weights=False, megakernel=MegakernelConfig(enabled=False))
+            cfg = dataclasses.replace(cfg, fused_weights=False, megakernel=MegakernelConfig(enabled=False))
         return cfg

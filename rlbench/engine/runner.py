@@ -69,7 +69,7 @@ def _base_model(model: torch.nn.Module) -> torch.nn.Module:
     return base
 
 
-def _compile(fn, gemv_batch1: bool, backend):
+def _compile(fn, gemv_batch1: bool, backend, options: dict | None = None):
     """`torch.compile(dynamic=True)` of `fn`, traced without duck sizing and with float specialisation.
 
     Duck sizing gives equal sizes one symbol, so a batch of 8 (= KV heads), 128 (= head_dim) or 256
@@ -80,8 +80,8 @@ def _compile(fn, gemv_batch1: bool, backend):
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     # gpt-fast's recipe: with coordinate-descent tuning inductor lowers a matmul whose M is statically 1
     # to a fused GEMV reduction (cuBLAS is launch/tile bound at these sizes).
-    options = {"coordinate_descent_tuning": True} if gemv_batch1 and backend == "inductor" else None
-    compiled = torch.compile(fn, dynamic=True, backend=backend, options=options)
+    options = dict(options or {}) | ({"coordinate_descent_tuning": True} if gemv_batch1 else {})
+    compiled = torch.compile(fn, dynamic=True, backend=backend, options=options if backend == "inductor" else None)
 
     def call(*args):
         # Floats (norm eps, attention scale) are constants, not graph inputs.
@@ -156,6 +156,13 @@ class ModelRunner:
         wrap = (lambda fn: _compile(fn, tune, self.compile_backend)) if compiled else (lambda fn: fn)
         self._prologue_fn, self._layer_fn, self._head_fn = wrap(self._prologue), wrap(self._layer), wrap(self._head)
         self._embed_fn = wrap(self._embed)
+        if compiled and self.opts.batch_invariant:
+            # Batch-invariant numerics: only the decoder layer is compiled, with eager's rounding; the prologue (RoPE
+            # tables: cos/sin) and the head (temperature division, log-softmax) run eagerly, as the trainer's do.
+            from rlbench import numerics
+
+            self._prologue_fn, self._head_fn, self._embed_fn = self._prologue, self._head, self._embed
+            self._layer_fn = _compile(self._layer, False, self.compile_backend, numerics.compile_options())
 
     # ---- prefill (eager; matmul-bound) ----
     @torch.inference_mode()

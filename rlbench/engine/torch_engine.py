@@ -93,7 +93,7 @@ class TorchEngine:
         if self.cfg.batch_invariant:  # the trainer's numerics (`rlbench.numerics`): checked on this machine first
             from rlbench.numerics import make_batch_invariant, self_test
 
-            self_test(self.device, self.dtype)
+            self_test(self.device, self.dtype, compiled=self.cfg.on_device(self.device.type == "cuda").compile)
             make_batch_invariant(self.model)
         self.cache = KVCache(self._cache_shape(), self.dtype, self.device)
         self.runner = ModelRunner(model, self.cache, self.cfg.on_device(self.device.type == "cuda"))

@@ -3,13 +3,14 @@
     from rlbench.numerics import make_batch_invariant, self_test
     make_batch_invariant(model)      # every Linear, RMSNorm, SiLU and the attention, in place
     self_test(device, dtype)         # raises, naming the op, if bitwise invariance fails on this machine
+    torch.compile(layer, options=compile_options())   # compiled elementwise code with eager's rounding
 
 `ops` holds the ops (Triton on CUDA, `torch_ops` on the CPU), `layout` the query/key tiling they share.
 docs/true_on_policy.md describes the mode and what it costs.
 """
 
-from rlbench.numerics.check import self_test
-from rlbench.numerics.model import ATTN_NAME, make_batch_invariant
+from rlbench.numerics.check import compile_options, self_test
+from rlbench.numerics.model import ATTN_NAME, forward_tiles, make_batch_invariant
 from rlbench.numerics.ops import logsumexp_rows
 
-__all__ = ["ATTN_NAME", "logsumexp_rows", "make_batch_invariant", "self_test"]
+__all__ = ["ATTN_NAME", "compile_options", "forward_tiles", "logsumexp_rows", "make_batch_invariant", "self_test"]

@@ -9,7 +9,24 @@ import torch
 from rlbench.numerics import ops
 from rlbench.numerics.layout import decode_tiles, document_tiles
 
-_passed: set[tuple[str, torch.dtype]] = set()
+_passed: set[tuple[str, torch.dtype, bool]] = set()
+
+EAGER_ROUNDING = {
+    "emulate_precision_casts": True,  # round every intermediate to its eager dtype (bf16 x bf16 -> bf16, ...)
+    "eager_numerics.division_rounding": True,  # x / y correctly rounded (Triton's `/` is approximate)
+    "eager_numerics.disable_ftz": True,  # subnormals kept, as eager CUDA kernels keep them
+    "eager_numerics.use_pytorch_libdevice": True,  # the toolkit's transcendental functions, as eager's
+}
+"""Inductor settings under which compiled elementwise code gives eager's bits (those of this torch version)."""
+
+
+def compile_options() -> dict:
+    """`torch.compile(options=...)` for layers in the batch-invariant mode: `EAGER_ROUNDING`, the settings this
+    torch version has. The batch-invariant ops themselves are custom ops, opaque to inductor (`ops`)."""
+    from torch._inductor import config
+
+    known = config.get_config_copy()
+    return {k: v for k, v in EAGER_ROUNDING.items() if k in known}
 
 
 def _fail(op: str, device: torch.device, dtype: torch.dtype, what: str) -> None:
@@ -20,10 +37,13 @@ def _fail(op: str, device: torch.device, dtype: torch.dtype, what: str) -> None:
     )
 
 
-def self_test(device: torch.device | str, dtype: torch.dtype, head_dim: int = 64, group: int = 2) -> None:
-    """Raise `RuntimeError` naming the first op whose rows change with the batch; once per (device, dtype)."""
+def self_test(device: torch.device | str, dtype: torch.dtype, head_dim: int = 64, group: int = 2,
+              compiled: bool = False) -> None:
+    """Raise `RuntimeError` naming the first op whose rows change with the batch; once per (device, dtype).
+    `compiled`: also that inductor, with `compile_options`, gives the elementwise code of a decoder layer (RoPE,
+    residual adds, the gate x up product around the opaque ops) eager's bits."""
     device = torch.device(device)
-    if (device.type, dtype) in _passed:
+    if (device.type, dtype, compiled) in _passed:
         return
     gen = torch.Generator(device="cpu").manual_seed(0)
 
@@ -43,7 +63,29 @@ def self_test(device: torch.device | str, dtype: torch.dtype, head_dim: int = 64
     if not torch.equal(ops.logsumexp_rows(z[2:3]), ops.logsumexp_rows(z)[2:3]):
         _fail("logsumexp_rows", device, dtype, "row 2 differs between a 1-row and a 9-row call")
     _check_attention(device, dtype, head_dim, group, rand)
-    _passed.add((device.type, dtype))
+    if compiled:
+        _check_compiled(device, dtype, rand)
+    _passed.add((device.type, dtype, compiled))
+
+
+def _layer_elementwise(x, w, cos, sin, up):
+    """A decoder layer's elementwise code between the batch-invariant ops, in HF's order."""
+    h = ops.linear(x, w)
+    half = h.shape[-1] // 2
+    rotated = torch.cat((-h[..., half:], h[..., :half]), dim=-1)
+    h = (h * cos) + (rotated * sin)  # RoPE
+    h = x + ops.rms_norm(h, up, 1e-6)  # residual
+    return ops.silu(h) * (h * up) / 3  # gate x up, and a division
+
+
+def _check_compiled(device, dtype, rand) -> None:
+    x, w, cos, sin, up = rand(33, 96), rand(96, 96), rand(33, 96), rand(33, 96), rand(96)
+    eager = _layer_elementwise(x, w, cos, sin, up)
+    fn = torch.compile(_layer_elementwise, dynamic=False, options=compile_options())
+    if not torch.equal(fn(x, w, cos, sin, up), eager):
+        _fail("compiled elementwise code (torch.compile)", device, dtype,
+              "inductor's fused RoPE / residual / product rounds unlike eager; turn compile off (engine.compile=False, "
+              "backend.compile=False)")
 
 
 def _check_attention(device, dtype, head_dim: int, group: int, rand) -> None:

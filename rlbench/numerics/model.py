@@ -49,6 +49,26 @@ def _prefill_tiles(b: int, t: int, device: torch.device, group: int) -> Tiles:
         return document_tiles(positions, ops.tokens_per_tile(device, group))
 
 
+def forward_tiles(position_ids: torch.Tensor, config) -> Tiles:
+    """The attention tiles of a forward without a KV cache (training, log-probs) from its `[B, T]` position ids,
+    built before the layers run: pass them as `model(..., rl_tiles=tiles)`, so that a compiled layer needs no
+    host sync. Tile and sequence counts are padded to powers of two with empty entries (a compiled layer
+    specialises on their sizes: a few graphs per pack length, not one per pack)."""
+    group = config.num_attention_heads // config.num_key_value_heads
+    tiles = document_tiles(position_ids, ops.tokens_per_tile(position_ids.device, group))
+    n = tiles.tok0.numel()
+    pad = (1 << max(0, n - 1).bit_length()) - n
+    if pad:
+        zeros = tiles.tok0.new_zeros(pad)
+        tiles.tok0, tiles.ntok, tiles.kb, tiles.kstart = (torch.cat([t, zeros]) for t in
+                                                          (tiles.tok0, tiles.ntok, tiles.kb, tiles.kstart))
+    cu = tiles.cu_seqlens
+    extra = (1 << max(0, cu.numel() - 1).bit_length()) - cu.numel()
+    if extra:  # empty sequences at the end
+        tiles.cu_seqlens = torch.cat([cu, cu[-1:].expand(extra)])
+    return tiles
+
+
 def _write_cache(ctx, key: torch.Tensor, value: torch.Tensor) -> None:
     """Store this call's keys/values (`[B, n_kv, T, hd]`) in the engine's slots before attending."""
     if ctx.decode:  # the slot layout, or the grouped layout's group rows at the engine's write index
@@ -80,7 +100,9 @@ def batch_invariant_attention(module, query, key, value, attention_mask, dropout
         keys, values = ctx.k_cache.transpose(1, 2), ctx.v_cache.transpose(1, 2)  # [S, L, n_kv, hd] views
         return ops.attention(q, keys, values, tiles, scale), None
     positions = kwargs.get("position_ids") if ctx is None else None
-    if positions is None:  # engine prefill (right-padded rows from position 0) or a forward without positions
+    if ctx is None and kwargs.get("rl_tiles") is not None:  # built before the layers (`forward_tiles`)
+        tiles = kwargs["rl_tiles"]
+    elif positions is None:  # engine prefill (right-padded rows from position 0) or a forward without positions
         tiles = _prefill_tiles(b, t, q.device, group)
     else:
         tiles = _tiles_for(positions.expand(b, t) if positions.shape[0] == 1 else positions, group)

@@ -84,6 +84,8 @@ def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 
 @torch.library.custom_op("rlbench_bi::rms_norm", mutates_args=())
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if not x.is_cuda:
+        return hf_rms_norm(x, weight, eps).contiguous()
     return _triton().rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
 
 
@@ -115,8 +117,8 @@ _rms_norm.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm with HF's cast order; one program per row on CUDA (torch's reductions pick their split from the
-    number of rows there), HF's own formula on the CPU (row-local already)."""
-    return _rms_norm(x, weight, eps) if x.is_cuda else hf_rms_norm(x, weight, eps)
+    number of rows there), HF's own formula on the CPU (row-local already). Opaque to inductor either way."""
+    return _rms_norm(x, weight, eps)
 
 
 # ---------------------------------------------------------------- SiLU

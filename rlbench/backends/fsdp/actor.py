@@ -90,7 +90,7 @@ class FSDPBackend:
         if cfg.batch_invariant:  # the engine's numerics (true on-policy mode), checked on this machine first
             from rlbench import numerics
 
-            numerics.self_test(self.env.device, cfg.torch_param_dtype)
+            numerics.self_test(self.env.device, cfg.torch_param_dtype, compiled=cfg.compiled)
             for net in (self.model, self.ref):
                 if net is not None:
                     numerics.make_batch_invariant(net)
@@ -122,7 +122,9 @@ class FSDPBackend:
         use_mask = self.cfg.attention == "flex_attention" and positions.is_cuda and not self.cfg.batch_invariant
         mask = document_block_mask(positions) if use_mask else None
         index = pack.response_index.to(dev, non_blocking=True)  # [R] the positions predicting response tokens
-        logits = kept_logits(model, index, input_ids=tokens[None], position_ids=positions[None], attention_mask=mask)
+        extra = {"rl_tiles": _forward_tiles(positions[None], self.hf_config)} if self.cfg.batch_invariant else {}
+        logits = kept_logits(model, index, input_ids=tokens[None], position_ids=positions[None], attention_mask=mask,
+                             **extra)
         return token_logprobs(
             logits, tokens[index + 1], self.temperature, chunk_size=self.cfg.logprob_chunk_size,
             with_entropy=with_entropy, lse_fn=_engine_lse() if self.cfg.batch_invariant else None,
@@ -440,6 +442,13 @@ def _check_kv_head_chunk(cfg: FSDPConfig, hf_config) -> None:
     if cfg.cp_size > 1 and chunk is not None and n_kv % chunk:
         raise ValueError(f"cp_kv_head_chunk={chunk} does not divide the model's {n_kv} KV heads; use a divisor of "
                          f"{n_kv} or None (all heads per all-gather)")
+
+
+def _forward_tiles(position_ids, hf_config):
+    """The batch-invariant attention's tiles of one pack, built before the (compiled) layers."""
+    from rlbench import numerics
+
+    return numerics.forward_tiles(position_ids, hf_config)
 
 
 def _engine_lse():

@@ -97,7 +97,7 @@ class FSDPConfig:
     """with gradient_checkpointing: recompute every k-th decoder layer only (1 = all; 2 = half, less recompute)"""
     compile: bool | None = None
     """torch.compile each decoder layer (after checkpointing, before fully_shard); None: on CUDA unless
-    batch_invariant or cp_size > 1 (`compiled`)"""
+    cp_size > 1 (`compiled`); batch_invariant layers compile with eager's rounding (`numerics.compile_options`)"""
     reshard_after_forward: bool = True
     """free gathered params after forward (ZeRO-3); False keeps them until backward (ZeRO-2-like)"""
     cpu_offload: bool = False
@@ -125,8 +125,7 @@ class FSDPConfig:
     checkpoint_format: str = "sharded"
     """"sharded" (torch.distributed.checkpoint) or "full" (rank-0 torch.save of full state dicts)"""
     batch_invariant: bool = False
-    """batch-invariant forward numerics (`rlbench.numerics`), the engine's (true on-policy mode); runs the
-    layers eagerly (no `compile`)"""
+    """batch-invariant forward numerics (`rlbench.numerics`), the engine's (true on-policy mode)"""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """optimizer and LR schedule"""
     model_overrides: dict = field(default_factory=dict)
@@ -160,8 +159,6 @@ class FSDPConfig:
                              "own attention (rlbench_cp: SDPA on CPU, flex on CUDA); use 'sdpa' or 'flex_attention'")
         if self.checkpoint_every < 1:
             raise ValueError(f"checkpoint_every={self.checkpoint_every} must be >= 1 (1 = every layer)")
-        if self.batch_invariant and self.compile:
-            raise ValueError("batch_invariant=True runs the decoder layers eagerly; set compile=False (--no-compile)")
         if self.logprob_chunk_size < 1:
             raise ValueError(f"logprob_chunk_size={self.logprob_chunk_size} must be >= 1")
 
@@ -193,10 +190,10 @@ class FSDPConfig:
     @property
     def compiled(self) -> bool:
         """Whether the decoder layers are compiled (`compile`, or on by default on CUDA where it is tested: not
-        with the batch-invariant layers, not under CP)."""
+        under CP)."""
         if self.compile is not None:
             return self.compile
-        return self.device == "cuda" and not self.batch_invariant and self.cp_size == 1
+        return self.device == "cuda" and self.cp_size == 1
 
     @property
     def torch_param_dtype(self) -> torch.dtype:

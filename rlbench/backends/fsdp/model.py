@@ -35,6 +35,16 @@ _RECOMPILE_LIMIT = 64  # compiled variants kept per decoder-layer code object (g
 _COMPILE_OPTIONS: dict = {"dynamic": False}
 
 
+def _compile_options(cfg: FSDPConfig) -> dict:
+    """`_COMPILE_OPTIONS`, with eager's rounding for the batch-invariant layers (the engine's bits)."""
+    if not cfg.batch_invariant or _COMPILE_OPTIONS.get("backend", "inductor") != "inductor":
+        return _COMPILE_OPTIONS
+    from rlbench import numerics
+
+    extra = _COMPILE_OPTIONS.get("options") or {}
+    return _COMPILE_OPTIONS | {"options": {**extra, **numerics.compile_options()}}
+
+
 def model_config(name: str, overrides: dict | None = None) -> PretrainedConfig:
     """The HF config of a local model directory or of a preset name."""
     if os.path.isdir(name):
@@ -109,7 +119,7 @@ def build_sharded_model(
         if cfg.gradient_checkpointing and i % cfg.checkpoint_every == 0:
             _checkpoint_forward(layer)
         if cfg.compiled:
-            layer.compile(**_COMPILE_OPTIONS)
+            layer.compile(**_compile_options(cfg))
         fully_shard(layer, **kwargs)
     # The root (embeddings, final norm, lm_head) is needed again right at the start of backward: keep it gathered.
     fully_shard(model, **(kwargs | {"reshard_after_forward": False}))
