@@ -279,19 +279,18 @@ def test_log_probs_use_the_sampling_temperature(tmp_path):
 
 def test_attention_and_compile_defaults_follow_the_device():
     """No performance flag: flex_attention + compiled layers on CUDA, sdpa eager on CPU; explicit values win;
-    the batch-invariant layers and CP run uncompiled; a replaced device re-resolves (nothing is frozen)."""
+    the batch-invariant layers compile too (with eager's rounding), CP runs uncompiled; a replaced device
+    re-resolves (nothing is frozen)."""
     import dataclasses as dc
 
     cuda = FSDPConfig(device="cuda")
     assert (cuda.attention, cuda.compiled) == ("flex_attention", True)
     cpu = dc.replace(cuda, device="cpu")
     assert (cpu.attention, cpu.compiled) == ("sdpa", False)
-    assert FSDPConfig(device="cuda", batch_invariant=True).compiled is False
+    assert FSDPConfig(device="cuda", batch_invariant=True).compiled is True
     assert FSDPConfig(device="cuda", cp_size=2).compiled is False
     explicit = FSDPConfig(device="cuda", attn_implementation="sdpa", compile=False)
     assert (explicit.attention, explicit.compiled) == ("sdpa", False)
-    with pytest.raises(ValueError, match="compile=False"):
-        FSDPConfig(device="cuda", batch_invariant=True, compile=True)
     with pytest.raises(ValueError, match="needs device='cuda'"):
         FSDPConfig(device="cpu", attn_implementation="flex_attention")
 

@@ -162,7 +162,7 @@ class ModelRunner:
             from rlbench import numerics
 
             self._prologue_fn, self._head_fn, self._embed_fn = self._prologue, self._head, self._embed
-            self._layer_fn = _compile(self._layer, False, self.compile_backend, numerics.compile_options())
+            self._layer_fn = _compile(self._invariant_layer, False, self.compile_backend, numerics.compile_options())
 
     # ---- prefill (eager; matmul-bound) ----
     @torch.inference_mode()
@@ -206,6 +206,12 @@ class ModelRunner:
                         decode_attention=self._attend[group > 1], group=group, write_index=index,
                         prefix_len=prefix_len)
         return self._layer_forward(w, hidden, (cos, sin), ctx)
+
+    def _invariant_layer(self, *args):
+        """`_layer` from another code object, for the batch-invariant engine: dynamo keeps its compiled graphs per
+        code object, and these are built with other inductor options than the default engine's (in one process,
+        a default engine compiled after a batch-invariant one failed in inductor and decoded eagerly)."""
+        return self._layer(*args)
 
     def _head(self, hidden, temperature, top_k, top_p, seeds, steps, vocab_hash, mode: str):
         """Final norm, lm_head and sampling: hidden `[B, 1, D]` -> (tokens `[B]`, log_probs `[B]`)."""
