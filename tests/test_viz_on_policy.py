@@ -18,6 +18,7 @@ from rlbench.viz.on_policy import (
     cost_table,
     diff_decades,
     diff_histogram,
+    e2e_cost_rows,
     eval_by_step,
     format_value,
     gradient_bias_rows,
@@ -26,6 +27,7 @@ from rlbench.viz.on_policy import (
     metric_curves,
     mismatch_runs,
     mismatch_summary,
+    newest_e2e_with_mode,
     newest_result,
     step_series,
     table_html,
@@ -199,6 +201,30 @@ def test_cost_table_ratios_against_the_default_row_of_each_preset():
     assert rows[3]["step_time_s_x"] is None  # preset q has no default row
     assert "step_time_s_x" not in GPU_JSON["rows"][0]  # the input is not changed
     assert cost_table(GPU_JSON["rows"][:2])[1]["step_time_s_x"] == 2.0  # the rows alone work too
+
+
+def _e2e(date: str, systems: dict) -> dict:
+    rows = {name: {"measured_steps": 3, "steady_step_s": step, "rollout_tokens_per_s": 1000 / step,
+                   "phases_s": {"rollout": step / 2, "log_probs": 0.0, "train": step / 4},
+                   "max_logprob_abs_diff": diff, "max_abs_ppo_kl_first_mb": 0.0}
+            for name, (step, diff) in systems.items()}
+    return {"date": date, "workload": {"model": "qwen3-0.6b-shape"}, "rows": rows}
+
+
+def test_e2e_cost_rows_and_the_newest_run_with_the_mode(tmp_path):
+    result = _e2e("2026-12-07", {"rlbench": (1.0, 5e-3), "rlbench-top": (1.6, 0.0), "trl": (8.0, None)})
+    rows = cost_table(e2e_cost_rows(result))
+    assert [(r["preset"], r["mode"]) for r in rows] == [("qwen3-0.6b-shape", "default"),
+                                                         ("qwen3-0.6b-shape", "true_on_policy")]
+    assert rows[1]["step_time_s_x"] == pytest.approx(1.6) and rows[1]["rollout_tokens_per_s_x"] == pytest.approx(1 / 1.6)
+    assert rows[1]["train_rollout_logprob_abs_diff"] == 0.0 and rows[0]["train_rollout_logprob_abs_diff"] == 5e-3
+    assert rows[1]["train_time_s"] == 0.4 and rows[1]["logprob_time_s"] == 0.0
+    assert newest_e2e_with_mode(tmp_path) is None
+    for name, date, systems in (("e2e_b.json", "2026-12-06", {"rlbench": (1, 0), "rlbench-top": (2, 0)}),
+                                ("e2e_a.json", "2026-12-07", {"rlbench": (1, 0), "rlbench-top": (2, 0)}),
+                                ("e2e_c.json", "2026-12-08", {"rlbench": (1, 0), "trl": (8, 0)})):
+        (tmp_path / name).write_text(json.dumps(_e2e(date, systems)))
+    assert newest_e2e_with_mode(tmp_path).name == "e2e_a.json"  # the newest date with the mode
 
 
 def test_history_row_skips_the_warmup_and_table_html():

@@ -6,14 +6,16 @@
     view = RunsView(keys=DIFF_KEYS)              # one metric at a time, a ToggleButtons picks it
     StepController(group, on_step=view.update_all)
     cost_table(json.load(f))                     # benchmarks/results/true_on_policy_*.json -> rows with ratios
+    cost_table(e2e_cost_rows(json.load(f)))      # the same from `rlbench bench e2e --true-on-policy`
 
 The data functions (`logprob_diffs`, `diff_decades`, `step_series`, `mismatch_runs`, `mismatch_summary`,
-`history_row`, `cost_table`, `table_html`) are pure and tested without a browser; the figures return a `go.Figure`.
+`history_row`, `e2e_cost_rows`, `cost_table`, `table_html`) are pure and tested without a browser; the figures return a `go.Figure`.
 """
 
 from __future__ import annotations
 
 import html
+import json
 import math
 import re
 import threading
@@ -389,6 +391,40 @@ def history_row(history: Sequence[Mapping[str, Any]], *, preset: str, mode: str,
         values = [v for v in (first_value(m, (key,)) for m in steps) if v is not None]
         row[col] = sum(values) / len(values) if values else None
     return row
+
+
+E2E_MODES = {"rlbench": "default", "rlbench-top": "true_on_policy"}
+"""`rlbench bench e2e --true-on-policy` systems -> cost-table modes (old log-probs from the training forward in both)."""
+
+
+def newest_e2e_with_mode(directory: str | Path) -> Path | None:
+    """The newest `e2e_*.json` in `directory` (by its "date", then its name) that ran the true on-policy mode."""
+    found = []
+    for path in Path(directory).glob("e2e_*.json"):
+        result = json.loads(path.read_text())
+        if "rlbench-top" in result.get("rows", {}):
+            found.append((str(result.get("date", "")), path.name, path))
+    return max(found)[2] if found else None
+
+
+def e2e_cost_rows(result: Mapping[str, Any]) -> list[dict]:
+    """Cost-table rows (the `benchmarks/true_on_policy.py` columns) from an `rlbench bench e2e --true-on-policy`
+    result: its steady-state medians per system, the defaults and the mode side by side in one run."""
+    preset = result.get("workload", {}).get("model")
+    rows = []
+    for system, mode in E2E_MODES.items():
+        r = result.get("rows", {}).get(system)
+        if r is None:
+            continue
+        phases = r.get("phases_s", {})
+        rows.append({
+            "preset": preset, "mode": mode, "steps": r.get("measured_steps"),
+            "rollout_tokens_per_s": r.get("rollout_tokens_per_s"), "rollout_time_s": phases.get("rollout"),
+            "logprob_time_s": phases.get("log_probs"), "train_time_s": phases.get("train"),
+            "step_time_s": r.get("steady_step_s"), "train_rollout_logprob_abs_diff": r.get("max_logprob_abs_diff"),
+            "ppo_kl_first_mb": r.get("max_abs_ppo_kl_first_mb"),
+        })
+    return rows
 
 
 def cost_table(result: Mapping[str, Any] | Sequence[Mapping[str, Any]], *, baseline: str = "default",
