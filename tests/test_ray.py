@@ -167,14 +167,19 @@ def _ray_trainer(workdir, **cluster):
     return RayTrainer(tiny_cfg(workdir), cluster=ClusterConfig(backend="ray", actor_num_gpus_per_node=2, timeout_s=120, **cluster))
 
 
-def assert_same_curve(ray_history, local_history):
+def assert_same_curve(ray_history, local_history, mismatch_abs_tol: float = 1e-6):
+    """Every rollout/train metric within rel 1e-4 (abs 1e-6). The train/rollout mismatch metrics are differences
+    of near-equal log-probs (rounding noise, ~1e-6 in fp32): `mismatch_abs_tol` bounds them where the trainer's
+    reductions run in another order than the reference's (megatron TP)."""
     assert len(ray_history) == len(local_history) == STEPS
     for step, (got, ref) in enumerate(zip(ray_history, local_history)):
         keys = [k for k in ref if k.startswith(("rollout/", "train/")) and not k.startswith(SKIP)]
         assert "train/grad_norm" in keys and "train/pg_loss" in keys and "rollout/log_probs" in keys
         assert ref["train/grad_norm"] > 0 and ref["rollout/advantages"] != 0  # a real training signal
         for k in keys:
-            assert math.isclose(got[k], ref[k], rel_tol=1e-4, abs_tol=1e-6), f"step {step} {k}: ray {got[k]} local {ref[k]}"
+            noise = k.startswith(("train/mismatch_", "train/train_rollout_logprob"))
+            assert math.isclose(got[k], ref[k], rel_tol=1e-4, abs_tol=mismatch_abs_tol if noise else 1e-6), \
+                f"step {step} {k}: ray {got[k]} local {ref[k]}"
         assert got["weights/verified"] == 1.0 and got["weights/version"] == ref["weights/version"] == (step + 1) * ref["train/optimizer_steps"]
 
 
@@ -369,7 +374,7 @@ def test_megatron_on_ray_matches_single_process(ray_cluster, megatron_local_hist
         on_engines = trainer.cluster.call_engines("checksums", sorted(exported))
     finally:
         trainer.close()
-    assert_same_curve(history, megatron_local_history)
+    assert_same_curve(history, megatron_local_history, mismatch_abs_tol=1e-5)  # TP splits the GEMM reductions
     assert len(on_engines) == (2 if colocate else 1)
     for got in on_engines:
         assert got == {n: checksum(t) for n, t in exported.items() if n in got}

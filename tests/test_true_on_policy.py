@@ -121,9 +121,15 @@ def test_engine_logprobs_equal_packed_padded_and_split_recompute(dtype, shared_p
     _assert_bitwise(gens, alone)
 
 
-def test_stop_tokens_top_p_and_many_slots_still_bitwise():
-    """Samples that stop at different lengths (stop token), top-p sampling, and a batch of 8 slots."""
-    engine, trainer = _engine_and_trainer_model(torch.float32, num_slots=8)
+@pytest.mark.parametrize("fused", ["fused", "hf-layers", "columns-differ"])
+def test_stop_tokens_top_p_and_many_slots_still_bitwise(monkeypatch, fused):
+    """Samples that stop at different lengths (stop token), top-p sampling, and a batch of 8 slots; the engine's
+    fused QKV / gate-up forward over the batch-invariant ops, the HF layers (`fused_weights=False`), and the HF
+    layers chosen because stacked weights would not give the separate GEMMs' columns on this machine."""
+    if fused == "columns-differ":
+        monkeypatch.setattr(numerics, "columns_invariant", lambda device, dtype: False)
+    engine, trainer = _engine_and_trainer_model(torch.float32, num_slots=8, fused_weights=fused != "hf-layers")
+    assert engine.runner.fused == (fused == "fused")
     prompts, gens = _generate(engine, n=3, max_new=24, top_p=0.9, stop_token_ids=[7, 11])
     assert len({len(g.token_ids) for g in gens}) > 1  # some stopped early
     _assert_bitwise(gens, packed_logprobs(trainer, _seqs(prompts, gens)))

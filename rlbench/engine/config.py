@@ -96,8 +96,10 @@ class TorchEngineConfig:
     batch_invariant: bool = False
     """Batch-invariant numerics (`rlbench.numerics`): a token's log-prob does not depend on the batch it was
     decoded in, and equals the trainer's recompute bit for bit when the trainer runs them too
-    (`RunConfig.true_on_policy_mode` sets both). Runs the HF layers (no megakernel, no fused weights), compiled
-    with eager's rounding (`rlbench.numerics.compile_options`) where `compile` is on; CUDA graphs stay on."""
+    (`RunConfig.true_on_policy_mode` sets both). No megakernel; fused QKV / gate-up weights only where the
+    batch-invariant GEMM gives stacked weights the separate GEMMs' columns (`numerics.columns_invariant`, else
+    the HF layers); the layer compiled with eager's rounding (`rlbench.numerics.compile_options`) where
+    `compile` is on; CUDA graphs stay on."""
 
     def __post_init__(self) -> None:
         if self.max_seq_len < 2:
@@ -125,8 +127,8 @@ class TorchEngineConfig:
 
     def on_device(self, is_cuda: bool) -> TorchEngineConfig:
         """This config as it runs on a CUDA (True) or CPU (False) device: compile and CUDA graphs only on CUDA;
-        batch-invariant: the HF layers (no fused weights or megakernel)."""
+        batch-invariant: no megakernel."""
         cfg = dataclasses.replace(self, compile=self.compile and is_cuda, cuda_graphs=self.cuda_graphs and is_cuda)
         if self.batch_invariant:
-            cfg = dataclasses.replace(cfg, fused_weights=False, megakernel=MegakernelConfig(enabled=False))
+            cfg = dataclasses.replace(cfg, megakernel=MegakernelConfig(enabled=False))
         return cfg

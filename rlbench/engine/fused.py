@@ -8,12 +8,13 @@ so `update_weights` (copying an HF-named tensor into its parameter) writes the f
 
 Both forwards take the layer's weights and `KVContext` as arguments (no `layer_idx` lookup), so one
 compiled graph serves every layer. The attention function is `attention.kv_attention` with the
-context's decode implementation, and the matmuls are plain `F.linear`: the seams the true on-policy mode
-swaps (with `fused_weights=False` the engine runs the trainer's exact module code).
+context's decode implementation, and the matmuls are plain `F.linear`: the seams (`LayerOps`) the true on-policy
+mode swaps for its batch-invariant ops (with `fused_weights=False` the engine runs the trainer's module code).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -116,23 +117,42 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x.to(dtype)
 
 
-def fused_layer_forward(w: FusedLayer, hidden: torch.Tensor, pos_emb, ctx: KVContext) -> torch.Tensor:
-    """One decoder layer: hidden `[B, T, D]` -> `[B, T, D]`, writing this layer's K/V into `ctx`'s cache."""
+@dataclass(frozen=True)
+class LayerOps:
+    """The ops `fused_layer_forward` calls: torch's, or the batch-invariant ones (`rlbench.numerics.layer_ops`)."""
+
+    linear: Callable = F.linear
+    """`(x, weight, bias) -> y`."""
+    rms_norm: Callable = rms_norm
+    """`(x, weight, eps) -> y`, HF's cast order."""
+    silu: Callable = F.silu
+    attention: Callable = kv_attention
+    """`(q [B, H, T, hd], k, v [B, n_kv, T, hd], ctx, scale) -> [B, H, T, hd]`, writing k/v into `ctx`'s cache."""
+
+
+TORCH_OPS = LayerOps()
+
+
+def fused_layer_forward(w: FusedLayer, hidden: torch.Tensor, pos_emb, ctx: KVContext,
+                        ops: LayerOps = TORCH_OPS) -> torch.Tensor:
+    """One decoder layer: hidden `[B, T, D]` -> `[B, T, D]`, writing this layer's K/V into `ctx`'s cache. Every
+    elementwise step is the HF layer's, in its order (so with `ops` the trainer's, the bits are the HF layer's
+    wherever a fused GEMM's columns equal the separate GEMMs')."""
     b, t, _ = hidden.shape
     hd = ctx.k_cache.shape[-1]  # sizes from static shapes, not Python ints (which a compile makes symbolic)
     q_size = w.o.shape[1]
-    x = rms_norm(hidden, w.input_norm, w.eps)
-    qkv = F.linear(x, w.qkv, w.qkv_bias)  # [B, T, (H + 2 n_kv) hd]
+    x = ops.rms_norm(hidden, w.input_norm, w.eps)
+    qkv = ops.linear(x, w.qkv, w.qkv_bias)  # [B, T, (H + 2 n_kv) hd]
     q, k, v = qkv.split([q_size, (w.qkv.shape[0] - q_size) // 2, (w.qkv.shape[0] - q_size) // 2], dim=-1)
     q, k, v = q.view(b, t, -1, hd), k.view(b, t, -1, hd), v.view(b, t, -1, hd)
     if w.q_norm is not None:
-        q, k = rms_norm(q, w.q_norm, w.eps), rms_norm(k, w.k_norm, w.eps)
+        q, k = ops.rms_norm(q, w.q_norm, w.eps), ops.rms_norm(k, w.k_norm, w.eps)
     q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *pos_emb)  # HF's own RoPE (all three families)
-    attn = kv_attention(q, k, v.transpose(1, 2), ctx, w.scale)  # [B, H, T, hd]
-    hidden = hidden + F.linear(attn.transpose(1, 2).reshape(b, t, -1), w.o, w.o_bias)
-    x = rms_norm(hidden, w.post_norm, w.eps)
-    gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)  # [B, T, I] each
-    return hidden + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+    attn = ops.attention(q, k, v.transpose(1, 2), ctx, w.scale)  # [B, H, T, hd]
+    hidden = hidden + ops.linear(attn.transpose(1, 2).reshape(b, t, -1), w.o, w.o_bias)
+    x = ops.rms_norm(hidden, w.post_norm, w.eps)
+    gate, up = ops.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)  # [B, T, I] each
+    return hidden + ops.linear(ops.silu(gate) * up, w.down, w.down_bias)
 
 
 def hf_layer_forward(layer: torch.nn.Module, hidden: torch.Tensor, pos_emb, ctx: KVContext) -> torch.Tensor:

@@ -22,6 +22,7 @@ step (forward + sampling + state update) runs with no host sync and replays as o
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 
 import torch
@@ -31,7 +32,7 @@ import torch.fx.experimental._config as fx_config
 from rlbench.engine import megakernel
 from rlbench.engine.attention import KVContext, decode_attention, decode_mask, group_decode_mask
 from rlbench.engine.config import TorchEngineConfig
-from rlbench.engine.fused import fuse_layers, fused_layer_forward, hf_layer_forward
+from rlbench.engine.fused import LayerOps, fuse_layers, fused_layer_forward, hf_layer_forward
 from rlbench.engine.kv_cache import KVCache
 from rlbench.engine.sampling import greedy_tokens, logsumexp_rows, sample_tokens, token_hash
 
@@ -124,7 +125,7 @@ class ModelRunner:
     @property
     def fused(self) -> bool:
         """Whether the engine's fused-weight layer forward runs (else the HF layers')."""
-        return self._layer_forward is fused_layer_forward
+        return self._layer_forward is not hf_layer_forward
 
     @property
     def min_batch(self) -> int:
@@ -133,9 +134,24 @@ class ModelRunner:
         return 1 if not self.compiled or self.opts.gemv_batch1 or self.megakernel is not None else 2
 
     def bind_weights(self) -> None:
-        """(Re-)read the layers' weights, fusing them when configured (after init and `wake_up`)."""
-        fused = fuse_layers(self.model) if self.opts.fused_weights else None
-        self._layer_forward = hf_layer_forward if fused is None else fused_layer_forward
+        """(Re-)read the layers' weights, fusing them when configured (after init and `wake_up`). Batch-invariant:
+        with the batch-invariant ops (`rlbench.numerics`), where fused GEMMs give the separate ones' columns."""
+        ops = None
+        if self.opts.batch_invariant:
+            from rlbench import numerics
+
+            dtype = next(self.model.parameters()).dtype
+            if numerics.columns_invariant(self.device, dtype):
+                ops = LayerOps(linear=numerics.ops.linear, rms_norm=numerics.ops.rms_norm, silu=numerics.ops.silu,
+                               attention=numerics.kv_attention)
+        may_fuse = self.opts.fused_weights and (ops is not None or not self.opts.batch_invariant)
+        fused = fuse_layers(self.model) if may_fuse else None
+        if fused is None:
+            self._layer_forward = hf_layer_forward
+        elif ops is None:
+            self._layer_forward = fused_layer_forward
+        else:
+            self._layer_forward = functools.partial(fused_layer_forward, ops=ops)
         self.layers = list(self.base.layers) if fused is None else fused
 
     def release_weights(self) -> None:

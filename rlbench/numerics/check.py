@@ -68,6 +68,26 @@ def self_test(device: torch.device | str, dtype: torch.dtype, head_dim: int = 64
     _passed.add((device.type, dtype, compiled))
 
 
+_columns: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def columns_invariant(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether `ops.linear` over stacked weights gives each block of columns the bits of that block's own GEMM on
+    this machine (then the engine may fuse QKV and gate/up in the mode: the Triton GEMM's tiles reduce every
+    column alike; BLAS promises nothing). Checked once per (device, dtype)."""
+    device = torch.device(device)
+    key = (device.type, dtype)
+    if key not in _columns:
+        gen = torch.Generator(device="cpu").manual_seed(1)
+        ws = [torch.randn(n, 96, generator=gen).to(device, dtype) for n in (80, 48, 48)]
+        ok = True
+        for m in (1, 37, 64):
+            x = torch.randn(m, 96, generator=gen).to(device, dtype)
+            ok &= torch.equal(ops.linear(x, torch.cat(ws)), torch.cat([ops.linear(x, w) for w in ws], dim=-1))
+        _columns[key] = bool(ok)
+    return _columns[key]
+
+
 def _layer_elementwise(x, w, cos, sin, up):
     """A decoder layer's elementwise code between the batch-invariant ops, in HF's order."""
     h = ops.linear(x, w)

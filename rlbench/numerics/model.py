@@ -109,6 +109,13 @@ def batch_invariant_attention(module, query, key, value, attention_mask, dropout
     return ops.attention(q, key.transpose(1, 2), value.transpose(1, 2), tiles, scale), None
 
 
+def kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx, scale: float) -> torch.Tensor:
+    """`batch_invariant_attention` with the engine's `kv_attention` signature (its fused layer forward): q
+    `[B, H, T, hd]`, k/v `[B, n_kv, T, hd]`, the engine's `KVContext` -> `[B, H, T, hd]`."""
+    out, _ = batch_invariant_attention(None, q, k, v, None, scaling=scale, rl_kv=ctx)
+    return out.transpose(1, 2)
+
+
 def _no_mask(*args, **kwargs):
     return None  # sequences are read off position_ids (or the engine's context), never off a mask
 

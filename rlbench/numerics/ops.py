@@ -84,8 +84,8 @@ def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 
 @torch.library.custom_op("rlbench_bi::rms_norm", mutates_args=())
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if not x.is_cuda:
-        return hf_rms_norm(x, weight, eps).contiguous()
+    if not x.is_cuda:  # contiguous: a strided row (a slice of fused QKV) may take another vectorised CPU loop
+        return hf_rms_norm(x.contiguous(), weight, eps)
     return _triton().rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
 
 
@@ -124,7 +124,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 # ---------------------------------------------------------------- SiLU
 @torch.library.custom_op("rlbench_bi::silu", mutates_args=())
 def _silu(x: torch.Tensor) -> torch.Tensor:
-    return F.silu(x) if x.is_cuda else torch_ops.silu(x)
+    return F.silu(x) if x.is_cuda else torch_ops.silu(x.contiguous())  # CPU: a strided exp may take another loop
 
 
 @_silu.register_fake
