@@ -249,3 +249,27 @@ def test_attention_gradients_match_float64_sdpa(rows):
         out += [x.grad for x in leaves]
     for name, g, w in zip("qkv", got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+def test_batch_invariant_custom_ops_pass_opcheck():
+    """The `rlbench_bi` custom ops: schema, fake (meta) layouts equal to the real outputs', autograd registration
+    (`torch.library.opcheck`), on strided inputs like the ones a fused QKV slice or a transposed query gives."""
+    from rlbench.numerics import layout, ops
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 48, generator=gen)[..., :32].requires_grad_()  # strided rows
+    w, b = torch.randn(24, 32, generator=gen).requires_grad_(), torch.randn(24, generator=gen).requires_grad_()
+    torch.library.opcheck(torch.ops.rlbench_bi.linear, (x, w, b))
+    torch.library.opcheck(torch.ops.rlbench_bi.linear, (x, w, None))
+    torch.library.opcheck(torch.ops.rlbench_bi.rms_norm, (x, torch.randn(32, generator=gen).requires_grad_(), 1e-6))
+    torch.library.opcheck(torch.ops.rlbench_bi.silu, (x,))
+    positions = torch.cat([torch.arange(4), torch.arange(6)])[None]
+    tiles = layout.document_tiles(positions, ops.tokens_per_tile(torch.device("cpu"), 2))
+    q = torch.randn(1, 4, 10, 16, generator=gen).transpose(1, 2).requires_grad_()  # [1, T, H, hd], permuted
+    k, v = (torch.randn(1, 10, 2, 16, generator=gen).requires_grad_() for _ in range(2))
+    args = (q, k, v, tiles.positions, tiles.tok0, tiles.ntok, tiles.kb, tiles.kstart, None, None, tiles.cu_seqlens, 1,
+            0.25)
+    torch.library.opcheck(torch.ops.rlbench_bi.attention, args)
+    grad = torch.randn(1, 10, 4, 16, generator=gen)
+    torch.library.opcheck(torch.ops.rlbench_bi.attention_backward, (grad, q.detach(), k.detach(), v.detach(),
+                                                                     tiles.cu_seqlens, 0.25))

@@ -124,12 +124,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 # ---------------------------------------------------------------- SiLU
 @torch.library.custom_op("rlbench_bi::silu", mutates_args=())
 def _silu(x: torch.Tensor) -> torch.Tensor:
-    return F.silu(x) if x.is_cuda else torch_ops.silu(x.contiguous())  # CPU: a strided exp may take another loop
+    # contiguous out (the fake's layout); CPU: contiguous in too, a strided exp may take another loop
+    return F.silu(x).contiguous() if x.is_cuda else torch_ops.silu(x.contiguous())
 
 
 @_silu.register_fake
 def _(x):
-    return torch.empty_like(x)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _silu_setup(ctx, inputs, output) -> None:
@@ -177,7 +178,7 @@ def _flash_backward(grad, q, k, v, cu_seqlens: torch.Tensor, scale: float):
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
         gf, qf, kf, vf, out, lse, cu, cu, longest, longest, 0.0, True, seed, offset, scale=scale)
     dk, dv = (x.view(n, n_kv, h // n_kv, hd).sum(2) for x in (dk, dv))
-    return dq.view(q.shape), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype)
+    return tuple(g.reshape(t.shape).to(t.dtype).contiguous() for g, t in ((dq, q), (dk, k), (dv, v)))
 
 
 def _math_backward(grad, q, k, v, cu_seqlens: torch.Tensor, scale: float):
@@ -198,7 +199,7 @@ def _math_backward(grad, q, k, v, cu_seqlens: torch.Tensor, scale: float):
         dk[start:end] = (ds.transpose(1, 2) @ qs * scale).transpose(0, 1)
         dv[start:end] = (p.transpose(1, 2) @ gs).transpose(0, 1)
     dk, dv = (x.view(n, n_kv, h // n_kv, hd).sum(2) for x in (dk, dv))
-    return dq.view(q.shape).to(q.dtype), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype)
+    return tuple(g.reshape(t.shape).to(t.dtype).contiguous() for g, t in ((dq, q), (dk, k), (dv, v)))
 
 
 def _flash_ok(q: torch.Tensor) -> bool:
@@ -228,7 +229,7 @@ def _attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
 @_attention_backward.register_fake
 def _(grad, q, k, v, cu_seqlens, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the real ones
 
 
 def _attention_setup(ctx, inputs, output) -> None:
