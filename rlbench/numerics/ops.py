@@ -164,12 +164,25 @@ def _spans(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
+_cu_cache: list = [None, None]  # [host cu_seqlens, its int32 copy on the device]: one copy per forward, not per layer
+
+
+def _cu_on_device(cu_seqlens: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`cu_seqlens` (host) as int32 on `device`, copied once for all layers of a pass (a copy from pageable memory
+    waits for the stream, so a copy per layer would stall the backward 28 times a micro-batch)."""
+    held, copy = _cu_cache
+    if held is not cu_seqlens or copy.device != device:
+        copy = cu_seqlens.to(device, torch.int32)
+        _cu_cache[:] = [cu_seqlens, copy]
+    return copy
+
+
 def _flash_backward(grad, q, k, v, cu_seqlens: torch.Tensor, scale: float):
     """Causal attention's gradients per sequence, flash varlen (CUDA, bf16/fp16): the forward again for its
     log-sum-exp, then the backward; K/V heads repeated per query head and their gradients summed back."""
     b, t, h, hd = q.shape
     n, n_kv = b * t, k.shape[2]
-    cu = cu_seqlens.to(q.device, torch.int32, non_blocking=True)
+    cu = _cu_on_device(cu_seqlens, q.device)
     longest = int(torch.diff(cu_seqlens).max())
     qf, gf = q.reshape(n, h, hd).contiguous(), grad.reshape(n, h, hd).contiguous()
     kf, vf = (x.reshape(n, n_kv, hd).repeat_interleave(h // n_kv, dim=1) for x in (k, v))
