@@ -186,8 +186,32 @@ def rlbench_config(w: Workload, model_dir: str, workdir: str, rollouts: int, var
     )
 
 
-def run_rlbench(w: Workload, model_dir: str, rollouts: int, variant: str = "defaults") -> dict:
-    """Build the Trainer from the HF dir and run `rollouts` steps; per-step times, peaks and token counts."""
+def profile_train_phase(trainer) -> str:
+    """One more rollout, then its train phase under `torch.profiler`: the top ops and kernels by device time (by
+    CPU time without a GPU). The footer's CPU and device totals against the phase's wall time tell a host-bound
+    phase from a device-bound one."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    batch = trainer.rollout()
+    trainer.score(batch)
+    trainer.pack(batch)
+    trainer.compute_log_probs(batch, first_from_forward=True)
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        t0 = time.perf_counter()
+        trainer.train_step(batch)
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=80)
+    return f"train phase wall {wall:.3f} s (under the profiler)\n{table}"
+
+
+def run_rlbench(w: Workload, model_dir: str, rollouts: int, variant: str = "defaults", profile: bool = False) -> dict:
+    """Build the Trainer from the HF dir and run `rollouts` steps; per-step times, peaks and token counts
+    (`profile`: then `profile_train_phase`)."""
     from rlbench.rewards import REWARDS
     from rlbench.trainer import Trainer
 
@@ -198,6 +222,7 @@ def run_rlbench(w: Workload, model_dir: str, rollouts: int, variant: str = "defa
         trainer = Trainer(cfg)
         build_s = time.perf_counter() - t0
         history = [trainer.step() for _ in range(rollouts)]
+        train_profile = profile_train_phase(trainer) if profile else None
     steps = []
     for m in history:
         phases = {name: m.get(key, 0.0) for name, key in PHASE_KEYS.items()}
@@ -212,7 +237,7 @@ def run_rlbench(w: Workload, model_dir: str, rollouts: int, variant: str = "defa
                       "response_len": m["rollout/response_len/mean"],
                       "logprob_abs_diff": m.get("train/train_rollout_logprob_abs_diff"),
                       "ppo_kl_first_mb": m.get("train/ppo_kl_first_mb")})
-    return {"build_s": build_s, "num_params": trainer.num_params, "steps": steps}
+    return {"build_s": build_s, "num_params": trainer.num_params, "steps": steps, "train_profile": train_profile}
 
 
 # ---------------------------------------------------------------------------------------------- TRL
@@ -329,7 +354,7 @@ def summarize(run: dict, peak_flops: float | None) -> dict:
             "max_logprob_abs_diff": _max(s.get("logprob_abs_diff") for s in run["steps"]),
             "max_abs_ppo_kl_first_mb": _max(abs(v) if v is not None else None
                                             for v in (s.get("ppo_kl_first_mb") for s in run["steps"])),
-            "num_params": run["num_params"], "steps": run["steps"]}
+            "num_params": run["num_params"], "steps": run["steps"], "train_profile": run.get("train_profile")}
 
 
 def table(rows: dict[str, dict]) -> str:
@@ -403,6 +428,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="JSON file (default benchmarks/results/e2e_<date>.json)")
     p.add_argument("--true-on-policy", action="store_true",
                    help="also rlbench with the defaults and true_on_policy_mode (the mode's cost beside the defaults)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the measured steps, one more rollout and its train phase under torch.profiler per "
+                        "rlbench system: the top kernels, printed and in the JSON")
     p.add_argument("--child", choices=[*VARIANTS, "trl"], help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -425,7 +453,7 @@ def child(args: argparse.Namespace) -> None:
     if args.child == "trl":
         run = run_trl(w, args.model_dir, rollouts)
     else:
-        run = run_rlbench(w, args.model_dir, rollouts, VARIANTS[args.child])
+        run = run_rlbench(w, args.model_dir, rollouts, VARIANTS[args.child], profile=args.profile)
     with open(args.result, "w") as f:
         json.dump(run, f)
 
@@ -483,6 +511,9 @@ def main(argv: list[str] | None = None) -> int:
     _write(report, out_path)
     print(f"\n{args.preset} on {machine}: {w.prompts} prompts x {w.n} samples, {w.prompt_len} + {w.response_len} "
           f"tokens, {w.dtype}; steady = median of {args.steps} steps after the first\n")
+    for system, row in report["rows"].items():
+        if row.get("train_profile"):
+            print(f"\n[e2e] {system}: {row['train_profile']}")
     print(table(report["rows"]))
     print(f"\n[e2e] wrote {out_path}", flush=True)
     return 0

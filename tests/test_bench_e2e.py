@@ -28,7 +28,7 @@ def test_smoke_run_writes_phases_and_no_mfu_on_cpu(tmp_path, capsys):
     out = tmp_path / "e2e.json"
     argv = ["bench", "e2e", "--preset", "cpu-tiny", "--vocab-size", "128", "--prompts", "2", "--n", "2",
             "--prompt-len", "8", "--response-len", "4", "--steps", "1", "--threads", "1", "--no-trl",
-            "--out", str(out)]
+            "--profile", "--out", str(out)]
     assert cli.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["command"].startswith("rlbench bench e2e --preset cpu-tiny") and report["torch"]
@@ -46,7 +46,10 @@ def test_smoke_run_writes_phases_and_no_mfu_on_cpu(tmp_path, capsys):
     assert row["tokens_per_step"] == 2 * 2 * (8 + 4)
     assert row["rollout_tokens_per_s"] == pytest.approx(2 * 2 * 4 / row["phases_s"]["rollout"])
     assert set(row["mfu"].values()) == {None} and row["peak_memory_gb"] is None
+    assert row["train_profile"].startswith("train phase wall") and "aten::" in row["train_profile"]  # --profile
+    assert len(row["steps"]) == 2  # the profiled step is not a measured one
     text = capsys.readouterr().out
+    assert "[e2e] rlbench: train phase wall" in text
     assert "| steady step (median) s |" in text and "| MFU train | n/a |" in text and "| log_probs s |" in text
 
 
