@@ -219,11 +219,14 @@ def test_trainer_steps_log_exactly_zero_mismatch(tmp_path, monkeypatch, bypass, 
     assert any(not torch.equal(w, p) for w, p in zip(weights, trainer.engine.model.parameters()))
 
 
+@pytest.mark.parametrize("step_rows", [512, 5], ids=["one-block", "blocks-of-5"])
 @pytest.mark.parametrize("rows", [1, 2], ids=["packed", "rows"])
-def test_attention_gradients_match_float64_sdpa(rows):
-    """The mode's attention backward (written out per sequence) against autograd through SDPA in float64: GQA,
-    several sequences per row, a one-token sequence."""
+def test_attention_gradients_match_float64_sdpa(monkeypatch, rows, step_rows):
+    """The mode's attention backward (written out per sequence, in blocks of query rows) against autograd through
+    SDPA in float64: GQA, several sequences per row, a one-token sequence."""
     from rlbench.numerics import layout, ops
+
+    monkeypatch.setattr(ops, "MATH_BACKWARD_ROWS", step_rows)
 
     n_kv, group, hd = 2, 2, 16
     lengths = [[9, 1, 14], [17, 7]][:rows]

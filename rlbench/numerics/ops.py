@@ -194,23 +194,30 @@ def _flash_backward(grad, q, k, v, cu_seqlens: torch.Tensor, scale: float):
     return tuple(g.reshape(t.shape).to(t.dtype).contiguous() for g, t in ((dq, q), (dk, k), (dv, v)))
 
 
+MATH_BACKWARD_ROWS = 512
+"""Query rows per step of `_math_backward`: its largest temporary is `[H, 512, L]` float32, not `[H, L, L]`."""
+
+
 def _math_backward(grad, q, k, v, cu_seqlens: torch.Tensor, scale: float):
-    """Causal attention's gradients per sequence, written out in float32 (any device and dtype):
-    P = softmax(q k^T s), dv = P^T g, dS = P (g v^T - rowsum(g o)), dq = dS k s, dk = dS^T q s."""
+    """Causal attention's gradients per sequence, written out in float32 (any device and dtype), a block of query
+    rows at a time (each row's softmax is its own): P = softmax(q k^T s), dv = P^T g,
+    dS = P (g v^T - rowsum(g o)), dq = dS k s, dk = dS^T q s."""
     b, t, h, hd = q.shape
     n, n_kv = b * t, k.shape[2]
     qf, gf = q.reshape(n, h, hd).float(), grad.reshape(n, h, hd).float()
     kf, vf = (x.reshape(n, n_kv, hd).float().repeat_interleave(h // n_kv, dim=1) for x in (k, v))
     dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
     for start, end in _spans(cu_seqlens):
-        qs, ks, vs, gs = (x[start:end].transpose(0, 1) for x in (qf, kf, vf, gf))  # [H, L, hd]
-        length = end - start
-        future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
-        p = torch.softmax((qs @ ks.transpose(1, 2) * scale).masked_fill(future, float("-inf")), dim=-1)  # [H, L, L]
-        ds = p * (gs @ vs.transpose(1, 2) - (gs * (p @ vs)).sum(-1, keepdim=True))
-        dq[start:end] = (ds @ ks * scale).transpose(0, 1)
-        dk[start:end] = (ds.transpose(1, 2) @ qs * scale).transpose(0, 1)
-        dv[start:end] = (p.transpose(1, 2) @ gs).transpose(0, 1)
+        for r0 in range(start, end, MATH_BACKWARD_ROWS):
+            r1 = min(r0 + MATH_BACKWARD_ROWS, end)  # query rows [r0, r1) see keys [start, r1)
+            qs, gs = (x[r0:r1].transpose(0, 1) for x in (qf, gf))  # [H, C, hd]
+            ks, vs = (x[start:r1].transpose(0, 1) for x in (kf, vf))  # [H, K, hd]
+            future = torch.arange(start, r1, device=q.device)[None, :] > torch.arange(r0, r1, device=q.device)[:, None]
+            p = torch.softmax((qs @ ks.transpose(1, 2) * scale).masked_fill(future, float("-inf")), dim=-1)  # [H, C, K]
+            ds = p * (gs @ vs.transpose(1, 2) - (gs * (p @ vs)).sum(-1, keepdim=True))
+            dq[r0:r1] = (ds @ ks * scale).transpose(0, 1)
+            dk[start:r1] += (ds.transpose(1, 2) @ qs * scale).transpose(0, 1)
+            dv[start:r1] += (p.transpose(1, 2) @ gs).transpose(0, 1)
     dk, dv = (x.view(n, n_kv, h // n_kv, hd).sum(2) for x in (dk, dv))
     return tuple(g.reshape(t.shape).to(t.dtype).contiguous() for g, t in ((dq, q), (dk, k), (dv, v)))
 
