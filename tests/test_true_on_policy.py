@@ -276,3 +276,22 @@ def test_batch_invariant_custom_ops_pass_opcheck():
     grad = torch.randn(1, 10, 4, 16, generator=gen)
     torch.library.opcheck(torch.ops.rlbench_bi.attention_backward, (grad, q.detach(), k.detach(), v.detach(),
                                                                      tiles.cu_seqlens, 0.25))
+
+
+def test_compiled_engine_equals_the_trainer_bitwise():
+    """The engine's decode step compiled by inductor (as on CUDA, here on the CPU): the fused batch-invariant layer
+    with the grouped layout, `numerics.compile_options`; one layer graph, no fallback to eager, the trainer's bits."""
+    import dataclasses
+
+    from torch._dynamo.utils import counters
+
+    from rlbench.engine.runner import ModelRunner
+
+    engine, trainer = _engine_and_trainer_model(torch.bfloat16, num_slots=4)
+    engine.runner = ModelRunner(engine.model, engine.cache, dataclasses.replace(engine.cfg.on_device(False), compile=True))
+    assert engine.runner.fused and engine.runner.compiled
+    graphs = counters["stats"]["unique_graphs"]
+    prompts, gens = _generate(engine)
+    assert engine.runner.compiled  # a failed compile falls back to eager (and says so): it did not
+    assert counters["stats"]["unique_graphs"] - graphs <= 1  # one layer graph for every layer, batch and kv_len
+    _assert_bitwise(gens, packed_logprobs(trainer, _seqs(prompts, gens)))
