@@ -400,7 +400,10 @@ def test_attention_grouped_layout_equals_slot_layout(one_thread, impl):
     slot_tiles = layout.decode_tiles(positions, slots)
     grouped = layout.decode_tiles(positions, slots, k_grp, torch.full_like(slots, prompt))
     assert grouped.kb.tolist() == [0] * slots.numel() and grouped.klane.tolist() == slots.tolist()
-    want = kernels.attention(q, slot_k, slot_v, *slot_tiles.kernel_args, 0.125)
-    got = kernels.attention(q, grp_k, grp_v, *grouped.kernel_args, 0.125, **grouped.kernel_kwargs)
+    t = slot_tiles
+    want = kernels.attention(q, slot_k, slot_v, t.positions, t.tok0, t.ntok, t.kb, t.kstart, 0.125)
+    g = grouped
+    got = kernels.attention(q, grp_k, grp_v, g.positions, g.tok0, g.ntok, g.kb, g.kstart, 0.125, tile_kprefix=g.kprefix,
+                            tile_klane=g.klane, kstride=g.kstride)
     assert not want.isnan().any()
     assert torch.equal(got, want)

@@ -119,7 +119,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class LayerOps:
-    """The ops `fused_layer_forward` calls: torch's, or the batch-invariant ones (`rlbench.numerics.layer_ops`)."""
+    """The ops `fused_layer_forward` calls: torch's, or the batch-invariant ones (`ModelRunner.bind_weights` builds
+    them from `rlbench.numerics`)."""
 
     linear: Callable = F.linear
     """`(x, weight, bias) -> y`."""

@@ -169,9 +169,6 @@ class ModelRunner:
         # Coordinate-descent tuning (for the batch-1 GEMV graph) benchmarks every kernel of every graph in a cold
         # compile; where the megakernel decodes batch 1 no layer graph runs at batch 1, so it is skipped.
         tune = self.opts.gemv_batch1 and self.megakernel is None
-        wrap = (lambda fn: _compile(fn, tune, self.compile_backend)) if compiled else (lambda fn: fn)
-        self._prologue_fn, self._layer_fn, self._head_fn = wrap(self._prologue), wrap(self._layer), wrap(self._head)
-        self._embed_fn = wrap(self._embed)
         if compiled and self.opts.batch_invariant:
             # Batch-invariant numerics: only the decoder layer is compiled, with eager's rounding; the prologue (RoPE
             # tables: cos/sin) and the head (temperature division, log-softmax) run eagerly, as the trainer's do.
@@ -179,6 +176,10 @@ class ModelRunner:
 
             self._prologue_fn, self._head_fn, self._embed_fn = self._prologue, self._head, self._embed
             self._layer_fn = _compile(self._invariant_layer, False, self.compile_backend, numerics.compile_options())
+            return
+        wrap = (lambda fn: _compile(fn, tune, self.compile_backend)) if compiled else (lambda fn: fn)
+        self._prologue_fn, self._layer_fn, self._head_fn = wrap(self._prologue), wrap(self._layer), wrap(self._head)
+        self._embed_fn = wrap(self._embed)
 
     # ---- prefill (eager; matmul-bound) ----
     @torch.inference_mode()

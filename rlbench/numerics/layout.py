@@ -61,18 +61,6 @@ class Tiles:
     kstride: int = 1
     """Samples per group row (grouped layout)."""
 
-    @property
-    def kernel_args(self) -> tuple:
-        """`(positions, tok0, ntok, kb, kstart)`, the attention kernels' positional tile arguments."""
-        return self.positions, self.tok0, self.ntok, self.kb, self.kstart
-
-    @property
-    def kernel_kwargs(self) -> dict:
-        """The grouped layout's keyword arguments of the attention kernels (empty otherwise)."""
-        if self.kprefix is None:
-            return {}
-        return {"tile_kprefix": self.kprefix, "tile_klane": self.klane, "kstride": self.kstride}
-
 
 def documents(position_ids: torch.Tensor) -> Documents:
     """The sequences of `[B, T]` position ids: a new sequence wherever the position does not step by 1.
@@ -125,9 +113,8 @@ def document_tiles(position_ids: torch.Tensor, tokens_per_tile: int) -> Tiles:
     """Tiles for queries whose keys are their own batch's tokens (`k`/`v` shaped `[B, T, n_kv, hd]`)."""
     docs = documents(position_ids)
     t = position_ids.shape[1]
-    tiles = tiles_for_documents(docs.row * t + docs.start, docs.length, docs.row, docs.start, tokens_per_tile,
-                                position_ids.device)
-    starts = docs.row * t + docs.start
+    starts = docs.row * t + docs.start  # [D] flat index of each sequence's first token
+    tiles = tiles_for_documents(starts, docs.length, docs.row, docs.start, tokens_per_tile, position_ids.device)
     cu_seqlens = torch.cat([starts, starts.new_tensor([position_ids.numel()])])
     return Tiles(position_ids.reshape(-1).to(torch.long), *tiles, documents=docs, cu_seqlens=cu_seqlens)
 

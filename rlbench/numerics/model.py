@@ -56,17 +56,21 @@ def forward_tiles(position_ids: torch.Tensor, config) -> Tiles:
     specialises on their sizes: a few graphs per pack length, not one per pack)."""
     group = config.num_attention_heads // config.num_key_value_heads
     tiles = document_tiles(position_ids, ops.tokens_per_tile(position_ids.device, group))
-    n = tiles.tok0.numel()
-    pad = (1 << max(0, n - 1).bit_length()) - n
-    if pad:
+    pad = _to_power_of_two(tiles.tok0.numel())
+    if pad:  # empty tiles (no tokens)
         zeros = tiles.tok0.new_zeros(pad)
         tiles.tok0, tiles.ntok, tiles.kb, tiles.kstart = (torch.cat([t, zeros]) for t in
                                                           (tiles.tok0, tiles.ntok, tiles.kb, tiles.kstart))
     cu = tiles.cu_seqlens
-    extra = (1 << max(0, cu.numel() - 1).bit_length()) - cu.numel()
+    extra = _to_power_of_two(cu.numel())
     if extra:  # empty sequences at the end
         tiles.cu_seqlens = torch.cat([cu, cu[-1:].expand(extra)])
     return tiles
+
+
+def _to_power_of_two(n: int) -> int:
+    """How many entries take `n` up to the next power of two."""
+    return (1 << max(0, n - 1).bit_length()) - n
 
 
 def _write_cache(ctx, key: torch.Tensor, value: torch.Tensor) -> None:
