@@ -186,32 +186,37 @@ def rlbench_config(w: Workload, model_dir: str, workdir: str, rollouts: int, var
     )
 
 
-def profile_train_phase(trainer) -> str:
-    """One more rollout, then its train phase under `torch.profiler`: the top ops and kernels by device time (by
-    CPU time without a GPU). The footer's CPU and device totals against the phase's wall time tell a host-bound
-    phase from a device-bound one."""
+def profile_phases(trainer) -> str:
+    """One more rollout and its train phase, each under `torch.profiler`: the top ops and kernels by device time
+    (by CPU time without a GPU). The footer's CPU and device totals against the phase's wall time tell a
+    host-bound phase from a device-bound one."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
-    batch = trainer.rollout()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+
+    def profiled(name, fn):
+        with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+            t0 = time.perf_counter()
+            out = fn()
+            if cuda:
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        table = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=80)
+        return out, f"{name} phase wall {wall:.3f} s (under the profiler)\n{table}"
+
+    batch, rollout_table = profiled("rollout", trainer.rollout)
     trainer.score(batch)
     trainer.pack(batch)
     trainer.compute_log_probs(batch, first_from_forward=True)
-    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
-        t0 = time.perf_counter()
-        trainer.train_step(batch)
-        if cuda:
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    table = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=80)
-    return f"train phase wall {wall:.3f} s (under the profiler)\n{table}"
+    _, train_table = profiled("train", lambda: trainer.train_step(batch))
+    return f"{train_table}\n{rollout_table}"
 
 
 def run_rlbench(w: Workload, model_dir: str, rollouts: int, variant: str = "defaults", profile: bool = False) -> dict:
     """Build the Trainer from the HF dir and run `rollouts` steps; per-step times, peaks and token counts
-    (`profile`: then `profile_train_phase`)."""
+    (`profile`: then `profile_phases`)."""
     from rlbench.rewards import REWARDS
     from rlbench.trainer import Trainer
 
@@ -222,7 +227,7 @@ def run_rlbench(w: Workload, model_dir: str, rollouts: int, variant: str = "defa
         trainer = Trainer(cfg)
         build_s = time.perf_counter() - t0
         history = [trainer.step() for _ in range(rollouts)]
-        train_profile = profile_train_phase(trainer) if profile else None
+        train_profile = profile_phases(trainer) if profile else None
     steps = []
     for m in history:
         phases = {name: m.get(key, 0.0) for name, key in PHASE_KEYS.items()}
