@@ -141,6 +141,9 @@ def write_model_dir(w: Workload, path: str) -> str:
     model = build_model(w.model, device=w.device, dtype=dtype, vocab_size=w.vocab_size, bos_token_id=None,
                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     save_pretrained(model, tok, path)
+    del model  # the systems run in child processes: this one keeps no device memory while they do
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return path
 
 
@@ -203,7 +206,11 @@ def profile_phases(trainer) -> str:
             if cuda:
                 torch.cuda.synchronize()
             wall = time.perf_counter() - t0
-        table = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=80)
+        averages = prof.key_averages()
+        table = averages.table(sort_by=key, row_limit=30, max_name_column_width=80)
+        if cuda:  # the host side too: a phase whose wall time exceeds its device time is bound here
+            table += "\nby host time:\n" + averages.table(sort_by="self_cpu_time_total", row_limit=20,
+                                                           max_name_column_width=80)
         return out, f"{name} phase wall {wall:.3f} s (under the profiler)\n{table}"
 
     batch, rollout_table = profiled("rollout", trainer.rollout)
@@ -227,6 +234,7 @@ def run_rlbench(w: Workload, model_dir: str, rollouts: int, variant: str = "defa
         trainer = Trainer(cfg)
         build_s = time.perf_counter() - t0
         history = [trainer.step() for _ in range(rollouts)]
+        caches = compile_cache_counts()
         train_profile = profile_phases(trainer) if profile else None
     steps = []
     for m in history:
@@ -242,7 +250,18 @@ def run_rlbench(w: Workload, model_dir: str, rollouts: int, variant: str = "defa
                       "response_len": m["rollout/response_len/mean"],
                       "logprob_abs_diff": m.get("train/train_rollout_logprob_abs_diff"),
                       "ppo_kl_first_mb": m.get("train/ppo_kl_first_mb")})
-    return {"build_s": build_s, "num_params": trainer.num_params, "steps": steps, "train_profile": train_profile}
+    plan = trainer.memory_plan.summary() if trainer.memory_plan is not None else None
+    return {"build_s": build_s, "num_params": trainer.num_params, "steps": steps, "train_profile": train_profile,
+            "memory_plan": plan, "compile_caches": caches}
+
+
+def compile_cache_counts() -> dict:
+    """This process's inductor FX-graph and AOT-autograd cache hits / misses / bypasses (a warm-cache first step
+    that still compiles for long shows here which cache missed)."""
+    from torch._dynamo.utils import counters
+
+    return {f"{group}/{k}": int(v) for group in ("inductor", "aot_autograd") for k, v in counters[group].items()
+            if "cache" in k}
 
 
 # ---------------------------------------------------------------------------------------------- TRL
@@ -359,7 +378,8 @@ def summarize(run: dict, peak_flops: float | None) -> dict:
             "max_logprob_abs_diff": _max(s.get("logprob_abs_diff") for s in run["steps"]),
             "max_abs_ppo_kl_first_mb": _max(abs(v) if v is not None else None
                                             for v in (s.get("ppo_kl_first_mb") for s in run["steps"])),
-            "num_params": run["num_params"], "steps": run["steps"], "train_profile": run.get("train_profile")}
+            "num_params": run["num_params"], "steps": run["steps"], "train_profile": run.get("train_profile"),
+            "memory_plan": run.get("memory_plan"), "compile_caches": run.get("compile_caches")}
 
 
 def table(rows: dict[str, dict]) -> str:
@@ -517,6 +537,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{args.preset} on {machine}: {w.prompts} prompts x {w.n} samples, {w.prompt_len} + {w.response_len} "
           f"tokens, {w.dtype}; steady = median of {args.steps} steps after the first\n")
     for system, row in report["rows"].items():
+        if row.get("memory_plan"):
+            print(f"[e2e] {system} memory plan: {row['memory_plan']}")
+        if row.get("compile_caches"):
+            print(f"[e2e] {system} compile caches: {row['compile_caches']}")
         if row.get("train_profile"):
             print(f"\n[e2e] {system}: {row['train_profile']}")
     print(table(report["rows"]))

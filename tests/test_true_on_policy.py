@@ -177,6 +177,19 @@ def test_self_test_names_the_op_that_is_not_invariant(monkeypatch):
         numerics.self_test("cpu", torch.float32)
 
 
+def test_compiled_self_test_names_a_head_that_rounds_unlike_eager(monkeypatch):
+    """The compiled engine head's log-probs must be the trainer's bits: a logsumexp that inductor traces and
+    compiles (instead of the opaque batch-invariant op) rounds otherwise, and the compiled self-test names it."""
+    from rlbench.numerics import check, ops
+
+    monkeypatch.setattr(ops, "logsumexp_rows", lambda z: torch_ops.logsumexp_rows(z.contiguous()))
+    monkeypatch.setattr(check, "_passed", set())
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match="compiled sampling head"):
+        numerics.self_test("cpu", torch.bfloat16, compiled=True)
+    torch._dynamo.reset()
+
+
 def test_attention_layout_rejects_sequences_not_starting_at_zero():
     model = numerics.make_batch_invariant(_scaled_tiny(torch.float32))
     with pytest.raises(ValueError, match="start at position 0"):
@@ -266,6 +279,7 @@ def test_batch_invariant_custom_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.rlbench_bi.linear, (x, w, None))
     torch.library.opcheck(torch.ops.rlbench_bi.rms_norm, (x, torch.randn(32, generator=gen).requires_grad_(), 1e-6))
     torch.library.opcheck(torch.ops.rlbench_bi.silu, (x,))
+    torch.library.opcheck(torch.ops.rlbench_bi.logsumexp_rows, (torch.randn(3, 700, generator=gen),))
     positions = torch.cat([torch.arange(4), torch.arange(6)])[None]
     tiles = layout.document_tiles(positions, ops.tokens_per_tile(torch.device("cpu"), 2))
     q = torch.randn(1, 4, 10, 16, generator=gen).transpose(1, 2).requires_grad_()  # [1, T, H, hd], permuted
@@ -280,7 +294,8 @@ def test_batch_invariant_custom_ops_pass_opcheck():
 
 def test_compiled_engine_equals_the_trainer_bitwise():
     """The engine's decode step compiled by inductor (as on CUDA, here on the CPU): the fused batch-invariant layer
-    with the grouped layout, `numerics.compile_options`; one layer graph, no fallback to eager, the trainer's bits."""
+    with the grouped layout and the sampling head, `numerics.compile_options`; one layer graph and one head graph, no
+    fallback to eager, the trainer's bits."""
     import dataclasses
 
     from torch._dynamo.utils import counters
@@ -293,5 +308,5 @@ def test_compiled_engine_equals_the_trainer_bitwise():
     graphs = counters["stats"]["unique_graphs"]
     prompts, gens = _generate(engine)
     assert engine.runner.compiled  # a failed compile falls back to eager (and says so): it did not
-    assert counters["stats"]["unique_graphs"] - graphs <= 1  # one layer graph for every layer, batch and kv_len
+    assert counters["stats"]["unique_graphs"] - graphs == 2  # layer and head: one each for every layer, batch, kv_len
     _assert_bitwise(gens, packed_logprobs(trainer, _seqs(prompts, gens)))

@@ -170,12 +170,15 @@ class ModelRunner:
         # compile; where the megakernel decodes batch 1 no layer graph runs at batch 1, so it is skipped.
         tune = self.opts.gemv_batch1 and self.megakernel is None
         if compiled and self.opts.batch_invariant:
-            # Batch-invariant numerics: only the decoder layer is compiled, with eager's rounding; the prologue (RoPE
-            # tables: cos/sin) and the head (temperature division, log-softmax) run eagerly, as the trainer's do.
+            # Batch-invariant numerics: the decoder layer and the head (sampling, the temperature division around
+            # the opaque logsumexp) are compiled with eager's rounding; the prologue (RoPE tables: cos/sin) runs
+            # eagerly, as the trainer's does.
             from rlbench import numerics
 
-            self._prologue_fn, self._head_fn, self._embed_fn = self._prologue, self._head, self._embed
-            self._layer_fn = _compile(self._invariant_layer, False, self.compile_backend, numerics.compile_options())
+            options = numerics.compile_options()
+            self._prologue_fn, self._embed_fn = self._prologue, self._embed
+            self._layer_fn = _compile(self._invariant_layer, False, self.compile_backend, options)
+            self._head_fn = _compile(self._invariant_head, False, self.compile_backend, options)
             return
         wrap = (lambda fn: _compile(fn, tune, self.compile_backend)) if compiled else (lambda fn: fn)
         self._prologue_fn, self._layer_fn, self._head_fn = wrap(self._prologue), wrap(self._layer), wrap(self._head)
@@ -229,6 +232,10 @@ class ModelRunner:
         code object, and these are built with other inductor options than the default engine's (in one process,
         a default engine compiled after a batch-invariant one failed in inductor and decoded eagerly)."""
         return self._layer(*args)
+
+    def _invariant_head(self, *args):
+        """`_head` from another code object, for the batch-invariant engine (see `_invariant_layer`)."""
+        return self._head(*args)
 
     def _head(self, hidden, temperature, top_k, top_p, seeds, steps, vocab_hash, mode: str):
         """Final norm, lm_head and sampling: hidden `[B, 1, D]` -> (tokens `[B]`, log_probs `[B]`)."""

@@ -98,6 +98,13 @@ def _layer_elementwise(x, w, cos, sin, up):
     return ops.silu(h) * (h * up) / 3  # gate x up, and a division
 
 
+def _head_log_probs(logits, temperature, tokens):
+    """The engine head's log-probs: logits over a per-row temperature, the sampled token's entry minus the
+    batch-invariant logsumexp (the trainer computes the same with a scalar temperature, eagerly)."""
+    scaled = logits.float() / temperature[:, None]
+    return scaled.gather(1, tokens[:, None])[:, 0] - ops.logsumexp_rows(scaled)
+
+
 def _check_compiled(device, dtype, rand) -> None:
     x, w, cos, sin, up = rand(33, 96), rand(96, 96), rand(33, 96), rand(33, 96), rand(96)
     eager = _layer_elementwise(x, w, cos, sin, up)
@@ -106,6 +113,15 @@ def _check_compiled(device, dtype, rand) -> None:
         _fail("compiled elementwise code (torch.compile)", device, dtype,
               "inductor's fused RoPE / residual / product rounds unlike eager; turn compile off (engine.compile=False, "
               "backend.compile=False)")
+    rows = 64  # enough rows that a logsumexp compiled by inductor (not the opaque op) shows in a few of them
+    logits, temperature = rand(rows, 4099) * 4, torch.full((rows,), 0.7, device=device)
+    tokens = torch.arange(rows, device=device) * 61
+    trainer = torch.stack([_head_log_probs(logits[i:i + 1], temperature[:1], tokens[i:i + 1])[0] for i in range(rows)])
+    head = torch.compile(_head_log_probs, dynamic=False, options=compile_options())
+    if not torch.equal(head(logits, temperature, tokens), trainer):
+        _fail("compiled sampling head (torch.compile)", device, dtype,
+              "inductor's temperature division / log-prob rounds unlike eager; turn the engine's compile off "
+              "(engine.compile=False)")
 
 
 def _check_attention(device, dtype, head_dim: int, group: int, rand) -> None:

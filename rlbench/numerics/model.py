@@ -49,13 +49,15 @@ def _prefill_tiles(b: int, t: int, device: torch.device, group: int) -> Tiles:
         return document_tiles(positions, ops.tokens_per_tile(device, group))
 
 
-def forward_tiles(position_ids: torch.Tensor, config) -> Tiles:
+def forward_tiles(position_ids: torch.Tensor, config, device: torch.device | str | None = None) -> Tiles:
     """The attention tiles of a forward without a KV cache (training, log-probs) from its `[B, T]` position ids,
     built before the layers run: pass them as `model(..., rl_tiles=tiles)`, so that a compiled layer needs no
     host sync. Tile and sequence counts are padded to powers of two with empty entries (a compiled layer
-    specialises on their sizes: a few graphs per pack length, not one per pack)."""
+    specialises on their sizes: a few graphs per pack length, not one per pack). The tiles are built on the host
+    (a pack's position ids are there already: no device sync) and copied to `device` (default: the ids')."""
+    device = position_ids.device if device is None else torch.device(device)
     group = config.num_attention_heads // config.num_key_value_heads
-    tiles = document_tiles(position_ids, ops.tokens_per_tile(position_ids.device, group))
+    tiles = document_tiles(position_ids.cpu(), ops.tokens_per_tile(device, group))
     pad = _to_power_of_two(tiles.tok0.numel())
     if pad:  # empty tiles (no tokens)
         zeros = tiles.tok0.new_zeros(pad)
@@ -65,6 +67,9 @@ def forward_tiles(position_ids: torch.Tensor, config) -> Tiles:
     extra = _to_power_of_two(cu.numel())
     if extra:  # empty sequences at the end
         tiles.cu_seqlens = torch.cat([cu, cu[-1:].expand(extra)])
+    if device.type != "cpu":  # the kernels' per-token and per-tile fields; documents and cu_seqlens stay on the host
+        tiles.positions, tiles.tok0, tiles.ntok, tiles.kb, tiles.kstart = (
+            t.to(device, non_blocking=True) for t in (tiles.positions, tiles.tok0, tiles.ntok, tiles.kb, tiles.kstart))
     return tiles
 
 

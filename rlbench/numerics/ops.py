@@ -153,9 +153,20 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return _silu(x)
 
 
-def logsumexp_rows(z: torch.Tensor) -> torch.Tensor:
-    """`logsumexp(z, -1)` of `[M, V]` float32, each row reduced in one fixed order."""
+@torch.library.custom_op("rlbench_bi::logsumexp_rows", mutates_args=())
+def _logsumexp_rows(z: torch.Tensor) -> torch.Tensor:
     return _impl(z).logsumexp_rows(z.contiguous())
+
+
+@_logsumexp_rows.register_fake
+def _(z):
+    return z.new_empty(z.shape[0])
+
+
+def logsumexp_rows(z: torch.Tensor) -> torch.Tensor:
+    """`logsumexp(z, -1)` of `[M, V]` float32, each row reduced in one fixed order; opaque to inductor (a compiled
+    sampling head keeps it, where inductor's own logsumexp would round otherwise). Forward only."""
+    return _logsumexp_rows(z)
 
 
 # ---------------------------------------------------------------- attention

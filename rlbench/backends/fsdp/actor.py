@@ -122,7 +122,9 @@ class FSDPBackend:
         use_mask = self.cfg.attention == "flex_attention" and positions.is_cuda and not self.cfg.batch_invariant
         mask = document_block_mask(positions) if use_mask else None
         index = pack.response_index.to(dev, non_blocking=True)  # [R] the positions predicting response tokens
-        extra = {"rl_tiles": _forward_tiles(positions[None], self.hf_config)} if self.cfg.batch_invariant else {}
+        extra = {}
+        if self.cfg.batch_invariant:  # tiles from the pack's host position ids: no device sync before the layers
+            extra["rl_tiles"] = _forward_tiles(pack.position_ids[None], self.hf_config, dev)
         logits = kept_logits(model, index, input_ids=tokens[None], position_ids=positions[None], attention_mask=mask,
                              **extra)
         return token_logprobs(
@@ -444,11 +446,11 @@ def _check_kv_head_chunk(cfg: FSDPConfig, hf_config) -> None:
                          f"{n_kv} or None (all heads per all-gather)")
 
 
-def _forward_tiles(position_ids, hf_config):
+def _forward_tiles(position_ids, hf_config, device):
     """The batch-invariant attention's tiles of one pack, built before the (compiled) layers."""
     from rlbench import numerics
 
-    return numerics.forward_tiles(position_ids, hf_config)
+    return numerics.forward_tiles(position_ids, hf_config, device)
 
 
 def _engine_lse():
