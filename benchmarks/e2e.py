@@ -41,7 +41,7 @@ from dataclasses import dataclass
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASES = ("rollout", "log_probs", "train", "sync", "other")
 PHASE_KEYS = {"rollout": "perf/rollout_time", "log_probs": "perf/log_probs_time", "train": "perf/train_time",
-              "sync": "perf/update_weights_time"}
+              "sync": "perf/update_weights_time", "offload": "perf/offload_time"}
 PEAK_KEYS = {"rollout": "perf/rollout_peak_memory_gb", "log_probs": "perf/log_probs_peak_memory_gb",
              "train": "perf/train_peak_memory_gb", "sync": "perf/update_weights_peak_memory_gb"}
 PROMPT_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 +-*/="

@@ -47,6 +47,7 @@ CONSOLE_KEYS: tuple[tuple[str, str], ...] = (
     ("perf/log_probs_time", "t_logp"),
     ("perf/train_time", "t_train"),
     ("perf/update_weights_time", "t_sync"),
+    ("perf/offload_time", "t_offload"),
     ("perf/step_time", "t_step"),
 )
 

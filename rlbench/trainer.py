@@ -94,6 +94,7 @@ class Trainer:
         self.policy_version = 0  # optimizer steps applied so far: the version of the trainer's weights
         self.version = 0  # policy version held by the engine (set only after a complete sync)
         self._phase = "train"
+        self._offload_s = 0.0  # this step's seconds in `_enter`'s sleep / wake_up (perf/offload_time)
         self._engine_stale = False  # a sync was interrupted: the engine may hold a mix; resynced before use
         self._inflight: _InFlight | None = None  # a step() interrupted after its first optimizer step
         self._eval_rollout_id: int | None = None  # step()'s eval runs for the rollout it is finishing
@@ -115,6 +116,7 @@ class Trainer:
         if fl is None:
             _reset_peak_memory()
             fl = _InFlight(self._snapshot(), time.perf_counter(), {"rollout/id": float(self.rollout_id)})
+            self._offload_s = 0.0
         try:
             return self._run(fl)
         except BaseException:
@@ -407,12 +409,14 @@ class Trainer:
         """Colocated offload: only the active side (engine KV cache or trainer state) holds device memory."""
         if phase == self._phase:
             return
+        t0 = time.perf_counter()
         if self.offload and phase == "train":
             self.engine.sleep()
             self.backend.wake_up()
         elif self.offload:
             self.backend.sleep()
             self.engine.wake_up()
+        self._offload_s += time.perf_counter() - t0
         self._phase = phase
 
     def _phase_peak(self, phase: str) -> dict[str, float]:
@@ -427,6 +431,8 @@ class Trainer:
     def _perf(self, batch: RolloutBatch, m: dict, step_time: float) -> dict[str, float]:
         tokens = sum(s.total_length for s in batch.samples)
         out = {"perf/step_time": step_time, "perf/tokens_per_sec": tokens / step_time}
+        if self.offload:  # colocated turns: trainer state and engine memory moved between host and device
+            out["perf/offload_time"] = self._offload_s
         compiled, self._compiled_s = self._compiled_s, compile_seconds()
         out["perf/compile_time"] = self._compiled_s - compiled  # this process's compiles since the last step
         if self.device.type == "cuda":  # the step's peak: the phases' peaks and what came after the last one

@@ -72,3 +72,16 @@ def test_no_plan_for_an_engine_without_a_torch_cache():
 
     backend = SimpleNamespace(model=torch.nn.Linear(4, 4), optimizer=None, hf_config=QWEN3_0P6B)
     assert memory_plan(backend, SimpleNamespace(), presets.cpu_test(model="tiny"), torch.device("cpu")) is None
+
+
+def test_offload_time_is_its_own_metric(tmp_path):
+    """With offload on, the sleep / wake_up turns of a step are timed as `perf/offload_time`, apart from the
+    phases (they were hidden in the step time); without offload there is no such metric."""
+    torch.set_num_threads(1)
+    from rlbench.trainer import Trainer
+
+    cfg = presets.cpu_test(model="tiny", workdir=str(tmp_path))
+    m = Trainer(cfg.replace(offload=True)).step()
+    phases = sum(m.get(f"perf/{k}_time", 0.0) for k in ("rollout", "log_probs", "train", "update_weights"))
+    assert 0.0 < m["perf/offload_time"] <= m["perf/step_time"] - phases
+    assert "perf/offload_time" not in Trainer(cfg.replace(offload=False)).step()
