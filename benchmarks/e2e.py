@@ -512,8 +512,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
+    from rlbench.compile_cache import use_compile_cache
     from rlbench.trainer import PEAK_FLOPS
 
+    # Before anything here touches CUDA: the systems' processes inherit this environment, and a variable torch
+    # set to its default in this process (inductor does, on its first use) would move their caches elsewhere.
+    use_compile_cache()
     w = workload(args)
     systems = (["rlbench"] + ["rlbench-fast"] * args.fast + ["rlbench-top"] * args.true_on_policy
                + ["trl"] * check_trl(args.trl))

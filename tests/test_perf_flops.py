@@ -55,7 +55,7 @@ def _steps(n_steps: int) -> list[list[Sample]]:
 def _perf_on_h200(monkeypatch, samples, metrics) -> dict:
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
-    trainer = SimpleNamespace(device=torch.device("cuda"), num_params=N_PARAMS, _compiled_s=0.0)
+    trainer = SimpleNamespace(device=torch.device("cuda"), num_params=N_PARAMS, _compiled_s=0.0, offload=False)
     return Trainer._perf(trainer, SimpleNamespace(samples=samples), metrics, step_time=10.0)
 
 
