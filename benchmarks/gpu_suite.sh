@@ -14,7 +14,8 @@
 #   gputests the rollout, FSDP and e2e GPU tests
 #   loop4b   `rlbench bench e2e` 4B shape, defaults and TRL (the memory plan's peak per phase, the ratio to TRL)
 #   top      the true on-policy GPU tests (engine vs trainer bit for bit, kernels), then the mode beside the defaults
-#            with each one's train phase profiled (`--profile`)
+#            with each one's rollout and train phase profiled (`--profile`)
+#   top4b    the mode beside the defaults at the 4B shape through the real loop (bits and cost)
 # TRL for `loop`/`loop4b` comes from wheels carried in .whl/ (git-ignored; the GPU machine runs Python 3.12):
 #   pip download -d .whl --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #     --platform manylinux_2_17_x86_64 --platform any trl==1.16.0 datasets==4.8.5 'dill<0.4.1' 'multiprocess<0.70.19' xxhash
@@ -61,6 +62,8 @@ for part in "$@"; do case $part in
   top) run top 0 "$(lim 420)" "python3 -m pytest -q -m gpu tests/test_true_on_policy_gpu.py tests/test_numerics_gpu.py -k 'not matmul';
          python3 -m rlbench.cli bench e2e --preset qwen3-0.6b-shape --steps 3 --no-trl --true-on-policy --profile \
            --model-dir /tmp/e2e-0.6b --out $OUT/e2e_top.json" ;;
+  top4b) run top4b 0 "$(lim 560)" "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m rlbench.cli bench e2e \
+            --preset qwen3-4b-shape --steps 2 --no-trl --true-on-policy --out $OUT/e2e_top_4b.json" ;;
   gputests) run gputests 0 "$(lim 240)" "python3 -m pytest -q -m gpu tests/test_rollout_gpu.py tests/test_fsdp_gpu.py tests/test_e2e_gpu.py" ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac; done

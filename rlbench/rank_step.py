@@ -255,11 +255,13 @@ class RankStep:
                              "training (bypass or batch-normalised MIS): run compute_log_probs(packs) first")
 
         def loss_fn(logp, entropy, inputs):
-            # per-micro-batch values (bare keys; the backend adds `train/`) kept for the first-mb check
+            # Kept on the device and read after the optimizer step: a host read here would make the host wait for
+            # every micro-batch's forward before it could queue the backward.
             if inputs.old_from_forward:
-                forward_old.append(logp.detach().cpu())
+                forward_old.append(logp.detach())
             value, metrics = self.loss(logp, entropy, inputs)
-            micro.append({k: float(v) for k, v in metrics.items()})
+            if not micro:  # the first micro-batch's metrics (bare keys), for the first-mb KL
+                micro.append({k: v.detach() if torch.is_tensor(v) else v for k, v in metrics.items()})
             return value, metrics
 
         per_step = progress.per_step
@@ -276,9 +278,9 @@ class RankStep:
             with defer_sigint():  # an interrupt lands between micro-batches (raise_if_interrupted) or after the record
                 done = self.backend.train(step_packs, inputs, loss_fn=loss_fn)
                 if s == 0:
-                    progress.first_kl = micro[0].get("ppo_kl_abs", 0.0) if micro else 0.0
+                    progress.first_kl = float(micro[0].get("ppo_kl_abs", 0.0)) if micro else 0.0
                 if from_forward:
-                    old[s], progress.old_from_forward = list(forward_old), True
+                    old[s], progress.old_from_forward = [t.cpu() for t in forward_old], True
                 per_step.append(done)
         metrics = {k: float(np.mean([m[k] for m in per_step])) for k in per_step[0]}
         metrics["train/step"] = per_step[-1]["train/step"]

@@ -72,7 +72,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
         T, cdt = logits.shape[0], _compute_dtype(logits.dtype)
         logp, lse, ent = _empty_outputs(T, cdt, logits.device, with_entropy)
         # With `lse_fn` (batch-invariant numerics): z = logits / T by a device tensor, as the engine's sampler.
-        temp = torch.tensor(temperature, dtype=cdt, device=logits.device) if lse_fn is not None else None
+        # Filled on the device: `torch.tensor(T, device=...)` copies from the host and waits for the stream.
+        temp = torch.full((), temperature, dtype=cdt, device=logits.device) if lse_fn is not None else None
         for s in range(0, T, chunk_size):
             e = min(s + chunk_size, T)
             z = logits[s:e].to(cdt) * inv_temp if temp is None else logits[s:e].to(cdt) / temp  # [C, V]

@@ -68,8 +68,10 @@ def forward_tiles(position_ids: torch.Tensor, config, device: torch.device | str
     if extra:  # empty sequences at the end
         tiles.cu_seqlens = torch.cat([cu, cu[-1:].expand(extra)])
     if device.type != "cpu":  # the kernels' per-token and per-tile fields; documents and cu_seqlens stay on the host
+        pin = device.type == "cuda"  # an asynchronous copy from pageable memory may wait for the stream
         tiles.positions, tiles.tok0, tiles.ntok, tiles.kb, tiles.kstart = (
-            t.to(device, non_blocking=True) for t in (tiles.positions, tiles.tok0, tiles.ntok, tiles.kb, tiles.kstart))
+            (t.pin_memory() if pin else t).to(device, non_blocking=True)
+            for t in (tiles.positions, tiles.tok0, tiles.ntok, tiles.kb, tiles.kstart))
     return tiles
 
 

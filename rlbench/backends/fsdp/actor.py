@@ -31,8 +31,11 @@ from rlbench.interrupts import defer_sigint, raise_if_interrupted
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
-    """Move a tensor, or the tensor fields of a dataclass / dict, to `device` (other values unchanged)."""
+    """Move a tensor, or the tensor fields of a dataclass / dict, to `device` (other values unchanged). Host
+    tensors go to a GPU through pinned memory: an asynchronous copy from pageable memory may wait for the stream."""
     if isinstance(obj, torch.Tensor):
+        if obj.device.type == "cpu" and torch.device(device).type == "cuda" and not obj.is_pinned():
+            obj = obj.pin_memory()
         return obj.to(device, non_blocking=True)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return dataclasses.replace(obj, **{f.name: to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj) if f.init})
@@ -115,13 +118,13 @@ class FSDPBackend:
         dev = self.env.device
         if self.env.cp_size > 1:
             return self._forward_pack_cp(model, pack, with_entropy)
-        tokens = pack.tokens.to(dev, non_blocking=True)  # [T]
-        positions = pack.position_ids.to(dev, non_blocking=True)  # [T]
+        tokens = to_device(pack.tokens, dev)  # [T]
+        positions = to_device(pack.position_ids, dev)  # [T]
         # flex on CUDA: our document BlockMask. On CPU (inductor's CPU flex template fails to compile a
         # captured-tensor mask_mod) transformers builds the BlockMask from position_ids itself.
         use_mask = self.cfg.attention == "flex_attention" and positions.is_cuda and not self.cfg.batch_invariant
         mask = document_block_mask(positions) if use_mask else None
-        index = pack.response_index.to(dev, non_blocking=True)  # [R] the positions predicting response tokens
+        index = to_device(pack.response_index, dev)  # [R] the positions predicting response tokens
         extra = {}
         if self.cfg.batch_invariant:  # tiles from the pack's host position ids: no device sync before the layers
             extra["rl_tiles"] = _forward_tiles(pack.position_ids[None], self.hf_config, dev)
