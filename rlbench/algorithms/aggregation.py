@@ -80,9 +80,19 @@ class GlobalNorm:
 
 
 def seq_ids_from_lengths(lengths: Sequence[int] | torch.Tensor, device=None) -> torch.Tensor:
-    """`[R]` long: the index (0..n-1) of the sequence each response token belongs to."""
-    lengths = torch.as_tensor(lengths, dtype=torch.long, device=device)
-    return torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
+    """`[R]` long: the index (0..n-1) of the sequence each response token belongs to.
+
+    Lengths held by the host are expanded there and copied once: built on a GPU, the lengths' copy and
+    `repeat_interleave`'s output size would each wait for the stream (once per micro-batch in the loss)."""
+    if isinstance(lengths, torch.Tensor) and lengths.device.type != "cpu":
+        lengths = lengths.to(device=device or lengths.device, dtype=torch.long)
+        return torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
+    lengths = torch.as_tensor(lengths, dtype=torch.long)
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    device = torch.device(device) if device is not None else ids.device
+    if device.type == "cuda":
+        ids = ids.pin_memory()
+    return ids.to(device, non_blocking=True)
 
 
 def segment_sum(values: torch.Tensor, seq_ids: torch.Tensor, n_seqs: int) -> torch.Tensor:
