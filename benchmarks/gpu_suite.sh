@@ -13,7 +13,7 @@
 #   warm     the same without TRL on the caches `loop` left: the warm-cache first step
 #   gputests the rollout, FSDP and e2e GPU tests
 #   loop4b   `rlbench bench e2e` 4B shape, defaults and TRL (the memory plan's peak per phase, the ratio to TRL)
-#   top      the true on-policy GPU tests (engine vs trainer bit for bit, kernels), then the mode beside the defaults
+#   top      the true on-policy GPU tests (engine vs trainer bit for bit, kernels), the no-host-sync train test, then the mode beside the defaults
 #            with each one's rollout and train phase profiled (`--profile`)
 #   top4b    the mode beside the defaults at the 4B shape through the real loop (bits and cost)
 # TRL for `loop`/`loop4b` comes from wheels carried in .whl/ (git-ignored; the GPU machine runs Python 3.12):
@@ -59,7 +59,8 @@ for part in "$@"; do case $part in
           --model-dir /tmp/e2e-0.6b --out $OUT/e2e_warm.json" ;;
   loop4b) run loop4b 0 "$(lim 560)" "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m rlbench.cli bench e2e \
             --preset qwen3-4b-shape --steps 2 --trl --out $OUT/e2e_4b.json" ;;
-  top) run top 0 "$(lim 420)" "python3 -m pytest -q -m gpu tests/test_true_on_policy_gpu.py tests/test_numerics_gpu.py -k 'not matmul';
+  top) run top 0 "$(lim 480)" "python3 -m pytest -q -m gpu tests/test_true_on_policy_gpu.py tests/test_numerics_gpu.py -k 'not matmul';
+         python3 -m pytest -q -m gpu tests/test_e2e_gpu.py -k never_wait;
          python3 -m rlbench.cli bench e2e --preset qwen3-0.6b-shape --steps 3 --no-trl --true-on-policy --profile \
            --model-dir /tmp/e2e-0.6b --out $OUT/e2e_top.json" ;;
   top4b) run top4b 0 "$(lim 560)" "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m rlbench.cli bench e2e \

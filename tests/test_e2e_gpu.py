@@ -43,3 +43,30 @@ def test_qwen3_0p6b_colocated_loop(tmp_path):
     assert all(h["train/ppo_kl_first_mb"] < 1e-3 for h in history)
     per = cfg.optimizer_steps_per_rollout  # the policy version counts optimizer steps applied
     assert [h["rollout/weight_version"] for h in history] == [0, per, 2 * per]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", [False, True], ids=["defaults", "true-on-policy"])
+def test_train_micro_batches_never_wait_for_the_device(tmp_path, monkeypatch, mode):
+    """Between a step's first forward and its last backward the host never waits for the GPU (no `.item()`, no
+    blocking copy, no output size read back): the train phase is host-bound, and each wait would stall the launch
+    of the next kernels. CUDA's sync debug mode raises at any synchronising call inside the accumulation."""
+    from rlbench.backends.fsdp.actor import FSDPBackend
+    from rlbench.presets import qwen3_0p6b_gpu
+    from rlbench.trainer import Trainer
+
+    cfg = qwen3_0p6b_gpu(model="small", workdir=str(tmp_path), num_rollout=3).replace(true_on_policy_mode=mode)
+    trainer = Trainer(cfg)
+    trainer.step()  # compiles, captures the decode graphs, pins the host buffers
+    accumulate = FSDPBackend._accumulate
+
+    def strict(self, *args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return accumulate(self, *args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(FSDPBackend, "_accumulate", strict)
+    m = trainer.step()
+    assert m["train/ppo_kl_first_mb"] == 0.0
