@@ -16,6 +16,10 @@
 #   top      the true on-policy GPU tests (engine vs trainer bit for bit, kernels), the no-host-sync train test, then the mode beside the defaults
 #            with each one's rollout and train phase profiled (`--profile`)
 #   top4b    the mode beside the defaults at the 4B shape through the real loop (bits and cost)
+# Two-GPU parts (a 2-GPU kind):
+#   cp2      issue 31: the 4B cp-oom sweep with AC, emulated on GPU0 (the one-GPU prediction), then real on both GPUs
+#            (torchrun: cp1 = dp2, cp2 = dp1 x cp2)
+#   fvm      issue 32: FSDP dp2 vs megatron TP2 (then PP2) on 2 colocated Ray actors, 20 GRPO steps from one warm start
 # TRL for `loop`/`loop4b` comes from wheels carried in .whl/ (git-ignored; the GPU machine runs Python 3.12):
 #   pip download -d .whl --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #     --platform manylinux_2_17_x86_64 --platform any trl==1.16.0 datasets==4.8.5 'dill<0.4.1' 'multiprocess<0.70.19' xxhash
@@ -65,6 +69,12 @@ for part in "$@"; do case $part in
            --model-dir /tmp/e2e-0.6b --out $OUT/e2e_top.json" ;;
   top4b) run top4b 0 "$(lim 560)" "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m rlbench.cli bench e2e \
             --preset qwen3-4b-shape --steps 2 --no-trl --true-on-policy --out $OUT/e2e_top_4b.json" ;;
+  cp2) run cp_emulated 0 "$(lim 200)" "python3 -m rlbench.experiments.cp_oom --preset qwen3-4b-shape --cp 1 2 --ac on \
+         --start-len 8192 --max-len 262144 --resolution 4096 --time-budget 180 --out $OUT/cp_oom_emulated"
+       run cp_2gpu 0,1 "$(lim 380)" "torchrun --nproc_per_node 2 -m rlbench.experiments.cp_oom --preset qwen3-4b-shape \
+         --cp 1 2 --ac on --start-len 8192 --max-len 262144 --resolution 4096 --time-budget 340 --out $OUT/cp_oom_2gpu" ;;
+  fvm) run fvm 0,1 "$(lim 560)" "python3 -m rlbench.cli experiment fsdp-vs-megatron --device cuda --gpus 2 --steps 20 \
+         --out $OUT/fsdp_vs_megatron_2gpu_tp2.json" ;;
   gputests) run gputests 0 "$(lim 240)" "python3 -m pytest -q -m gpu tests/test_rollout_gpu.py tests/test_fsdp_gpu.py tests/test_e2e_gpu.py" ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac; done

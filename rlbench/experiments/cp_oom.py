@@ -14,7 +14,16 @@ bracketed to `resolution` tokens, guessing and bisecting in turn. `time_budget_s
 gets an even share of what is left; a trial the step-time fit says would overrun is not started) and `max_len`
 the lengths.
 
-cp = 1 is the real run. cp > 1 is an EMULATION of one CP rank (`rlbench.distributed.cp_attention.EmulatedCP`):
+Under `torchrun --nproc_per_node N` every cell is real: N processes (GPUs), FSDP sharded over all of them,
+cpK = dp N/K x cp K through the backend's own CP path, every DP rank training its own sequence of the probed
+length. The ranks agree on each trial (it works only if it works on every rank; the peak and the step time are
+the largest rank's) and on the clock, so they probe the same lengths in the same order. Their work is symmetric
+(equal tokens per rank), so they run out of memory at the same step; the process group's timeout
+(`DIST_TIMEOUT_MIN`) ends a sweep where one rank alone did and its peer waits in a collective.
+
+    torchrun --nproc_per_node 2 -m rlbench.experiments.cp_oom --preset qwen3-4b-shape --cp 1 2 --ac on
+
+On one process, cp = 1 is the real run and cp > 1 is an EMULATION of one CP rank (`rlbench.distributed.cp_attention.EmulatedCP`):
 the rank's zig-zag slice of the sequence runs through the CP attention path with the all-gather replaced by
 local copies standing in for the peers' K/V, so the rank's activations, gathered K/V and logits have their real
 sizes. Unlike a real CP rank it (a) holds the whole one-GPU FSDP state (a real rank shards it over dp x cp and
@@ -28,6 +37,7 @@ On CPU there is no allocator peak to read: the peak columns stay empty and nothi
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import sys
@@ -42,6 +52,7 @@ from rlbench.algorithms.logprobs import token_logprobs
 from rlbench.backends.fsdp.actor import FSDPBackend, kept_logits
 from rlbench.backends.fsdp.config import FSDPConfig, OptimConfig
 from rlbench.distributed.cp_attention import CP_ATTN_NAME, CPContext, EmulatedCP, cp_attention_info
+from rlbench.distributed.mesh import init_distributed
 from rlbench.experiments.cp_oom_report import markdown, write_results
 from rlbench.experiments.cp_oom_search import Cell, Trial, fit_limit, search_longest
 from rlbench.packing.cp import cp_layout, cp_local_response, cp_slice, pad_for_cp
@@ -52,6 +63,7 @@ GIB = 2**30
 BLOCK = 128  # flex block size: every rank's token count is padded to a multiple of it
 LEAK_SLACK = 256 * 2**20  # bytes still allocated after an OOM's cleanup above which the backend is rebuilt
 WARMUP_LENGTHS = (512, 1024)  # CUDA: untimed trials first, so flex's static and dynamic compiles are not timed
+DIST_TIMEOUT_MIN = 3  # torchrun: a collective that waits this long (a peer died or ran out of memory alone) fails
 
 PlantedOOM = Callable[[int, bool, int], bool]  # (cp, ac, response length) -> True: raise an OOM in that trial
 
@@ -63,7 +75,8 @@ class CPOOMConfig:
     preset: str = "qwen3-4b-shape"
     """model preset (`rlbench.models.presets`), random init"""
     cps: tuple[int, ...] = (1, 2, 4)
-    """context-parallel sizes; cp > 1 is the one-rank emulation"""
+    """context-parallel sizes; on one process cp > 1 is the one-rank emulation, under torchrun each divides the
+    world (dp = world / cp)"""
     acs: tuple[bool, ...] = (True, False)
     """activation checkpointing settings, one table each"""
     device: str = "cuda"
@@ -167,20 +180,21 @@ def emulated_forward_pack(backend: FSDPBackend, group: EmulatedCP, kv_head_chunk
 class CellRunner:
     """A backend built for one (cp, AC) cell; `probe(L)` trains one step at response length L."""
 
-    def __init__(self, cfg: CPOOMConfig, cp: int, ac: bool, planted_oom: PlantedOOM | None = None):
-        self.cfg, self.cp, self.ac, self.planted_oom = cfg, cp, ac, planted_oom
+    def __init__(self, cfg: CPOOMConfig, cp: int, ac: bool, planted_oom: PlantedOOM | None = None, world: int = 1):
+        self.cfg, self.cp, self.ac, self.planted_oom, self.world = cfg, cp, ac, planted_oom, world
         self.cuda = cfg.device == "cuda"
         self.backend = self._build()
-        self.state_bytes = torch.cuda.memory_allocated() if self.cuda else None
+        self.state_bytes = self._agree([torch.cuda.memory_allocated()], dist.ReduceOp.MAX)[0] if self.cuda else None
 
     def _build(self) -> FSDPBackend:
         cfg = self.cfg
         fsdp = FSDPConfig(model=cfg.preset, device=cfg.device, param_dtype="bf16" if self.cuda else "fp32",
                           attn_implementation=cfg.attn_implementation, gradient_checkpointing=self.ac, seed=cfg.seed,
+                          cp_size=self.cp if self.world > 1 else 1,
                           compile=False, optim=OptimConfig(lr=1e-6))  # compiled layers would recompile per length
         backend = FSDPBackend(fsdp, loss_fn=token_mean_loss)
         backend.init()
-        if self.cp > 1:  # importing cp_attention (above) registered the rlbench_cp attention
+        if self.cp > 1 and self.world == 1:  # importing cp_attention (above) registered the rlbench_cp attention
             backend.model.config._attn_implementation = CP_ATTN_NAME
             group = EmulatedCP(self.cp, cfg.emulated_rank)
             backend.forward_pack = emulated_forward_pack(backend, group, cfg.kv_head_chunk, cfg.cp_recompute)
@@ -188,8 +202,8 @@ class CellRunner:
 
     def probe(self, response_len: int) -> Trial:
         pack = make_pack(self.cfg, self.cp, response_len, self.backend.hf_config.vocab_size)
-        R = int(pack.response_index.numel())
-        inputs = {"w": torch.full((R,), 1.0 / R)}
+        R, dp = int(pack.response_index.numel()), max(1, self.world // self.cp)
+        inputs = {"w": torch.full((R,), 1.0 / (R * dp))}  # the token mean over the dp ranks' sequences
         planted = self.planted_oom is not None and self.planted_oom(self.cp, self.ac, response_len)
 
         def loss_fn(logp, entropy, inp):
@@ -209,13 +223,24 @@ class CellRunner:
                 step_s = time.perf_counter() - t0
         except torch.OutOfMemoryError:
             metrics = None
-        peak = torch.cuda.max_memory_allocated() / GIB if self.cuda else None
-        if metrics is None:
+        peak = torch.cuda.max_memory_allocated() / GIB if self.cuda else -1.0
+        # every rank's verdict: works only where it worked on all; the largest rank's peak and step time
+        failed, peak, step = self._agree([float(metrics is None), peak, step_s or 0.0], dist.ReduceOp.MAX)
+        works = not failed
+        if not works:
             self._recover()
-        works = metrics is not None
-        return Trial(self.cp, self.ac, response_len, pack.num_tokens, pack.num_tokens // self.cp, works, peak,
-                     step_s if works else None, metrics["train/loss"] if works else None,
-                     metrics["train/grad_norm"] if works else None)
+        return Trial(self.cp, self.ac, response_len, pack.num_tokens, pack.num_tokens // self.cp, works,
+                     peak if peak >= 0 else None, step if works else None,
+                     metrics["train/loss"] if works else None, metrics["train/grad_norm"] if works else None,
+                     world=self.world)
+
+    def _agree(self, values: list[float], op) -> list[float]:
+        """`values` reduced with `op` over the run's ranks (as they are on one process)."""
+        if self.world == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.backend.env.device if self.backend else None)
+        dist.all_reduce(t, op=op)
+        return t.tolist()
 
     def _sync(self) -> None:
         if self.cuda:
@@ -233,7 +258,8 @@ class CellRunner:
         if not self.cuda:
             return
         torch.cuda.empty_cache()
-        if torch.cuda.memory_allocated() > self.state_bytes + LEAK_SLACK:
+        leaked = self._agree([float(torch.cuda.memory_allocated() > self.state_bytes + LEAK_SLACK)], dist.ReduceOp.MAX)
+        if leaked[0]:  # on every rank together: the build's collectives need all of them
             self.close()
             self.backend = self._build()
 
@@ -251,43 +277,71 @@ def run_cp_oom(cfg: CPOOMConfig, planted_oom: PlantedOOM | None = None) -> list[
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)  # never eager flex
     created = not dist.is_initialized()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    clock, main_rank = time.monotonic, True
+    if world > 1:  # torchrun: real ranks, one process group for every cell's backend
+        if any(world % cp for cp in cfg.cps):
+            raise ValueError(f"cps={cfg.cps}: under torchrun every cp must divide the world size {world}")
+        env = init_distributed(cfg.device, timeout_minutes=DIST_TIMEOUT_MIN)
+        clock, main_rank = functools.partial(_rank0_clock, env.device), env.rank == 0
     capacity = _capacity_gib(cfg)
+    if world > 1 and capacity is not None:  # the search's memory fit: the same capacity on every rank
+        capacity = _rank0_value(env.device, capacity, dist.ReduceOp.MIN)
     cells: list[Cell] = []
-    end = time.monotonic() + cfg.time_budget_s
+    end = clock() + cfg.time_budget_s
     todo = [(cp, ac) for ac in cfg.acs for cp in cfg.cps]
     try:
         for i, (cp, ac) in enumerate(todo):
-            t0 = time.monotonic()
+            t0 = clock()
             if t0 >= end:  # budget spent: the cell stays unsearched (not even built)
-                cells.append(Cell(cp, ac, 0, None, False, None, None, 0.0))
+                cells.append(Cell(cp, ac, 0, None, False, None, None, 0.0, world=world))
                 continue
-            runner = CellRunner(cfg, cp, ac, planted_oom)
+            runner = CellRunner(cfg, cp, ac, planted_oom, world)
             if cfg.device == "cuda":
                 for n in WARMUP_LENGTHS:
                     runner.probe(n)
-            now = time.monotonic()
+            now = clock()
             deadline = now + max(0.0, end - now) / (len(todo) - i)  # an even share of what is left, build excluded
 
             def probe(n: int, runner=runner) -> Trial:
                 trial = runner.probe(n)
-                print(_trial_line(trial), flush=True)
+                if main_rank:
+                    print(_trial_line(trial), flush=True)
                 return trial
 
             lo, hi, complete, trials = search_longest(
                 probe, start=cfg.start_len, max_len=cfg.max_len, resolution=cfg.resolution, capacity_gib=capacity,
-                deadline=deadline)
+                deadline=deadline, clock=clock)
             state = runner.state_bytes / GIB if runner.state_bytes is not None else None
             runner.close()
             cells.append(Cell(cp, ac, lo, hi, complete, fit_limit(trials, capacity, cfg.resolution), state,
-                              time.monotonic() - t0, trials))
-            write_results(cfg, cells, capacity)  # after every cell: a killed sweep keeps what it found
+                              clock() - t0, trials, world=world))
+            if main_rank:
+                write_results(cfg, cells, capacity)  # after every cell: a killed sweep keeps what it found
     finally:
         if cfg.memory_gib is not None:
             torch.cuda.set_per_process_memory_fraction(1.0)
         if created and dist.is_initialized():
             dist.destroy_process_group()
-    print(markdown(cfg, cells, capacity), flush=True)
+    if main_rank:
+        print(markdown(cfg, cells, capacity), flush=True)
     return cells
+
+
+def _rank0_value(device: torch.device, value: float, op=None) -> float:
+    """`value` reduced with `op` over the ranks, or rank 0's (op None): one number every rank decides by."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    if op is None:
+        dist.broadcast(t, src=0)
+    else:
+        dist.all_reduce(t, op=op)
+    return float(t[0])
+
+
+def _rank0_clock(device: torch.device) -> float:
+    """Rank 0's `time.monotonic()` on every rank: the ranks' time-budget decisions (which length next, whether
+    one more trial fits) are then the same, and so are their collectives."""
+    return _rank0_value(device, time.monotonic())
 
 
 def _capacity_gib(cfg: CPOOMConfig) -> float | None:
@@ -314,7 +368,8 @@ def parse_args(argv: list[str] | None = None) -> CPOOMConfig:
     d = CPOOMConfig()
     p = argparse.ArgumentParser(prog="rlbench experiment cp-oom", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default=d.preset)
-    p.add_argument("--cp", type=int, nargs="+", default=list(d.cps), help="context-parallel sizes (cp > 1 emulated)")
+    p.add_argument("--cp", type=int, nargs="+", default=list(d.cps),
+                   help="context-parallel sizes (one process: cp > 1 emulated; torchrun: real, dividing the world)")
     p.add_argument("--ac", choices=["on", "off"], nargs="+", default=["on", "off"], help="activation checkpointing")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--attn", default=None, help="cp=1 attention (default flex_attention on CUDA, sdpa on CPU)")

@@ -54,7 +54,7 @@ def write_results(cfg, cells: list[Cell], capacity_gib: float | None) -> None:
         w.writeheader()
         for c in cells:
             best = c.at(c.longest)
-            w.writerow(common | {"cp": c.cp, "emulated": c.cp > 1, "ac": c.ac, "longest": c.longest,
+            w.writerow(common | {"cp": c.cp, "emulated": c.emulated, "ac": c.ac, "longest": c.longest,
                                  "shortest_oom": c.shortest_oom, "complete": c.complete, "extrapolated": c.extrapolated,
                                  "peak_gib_at_longest": best.peak_gib if best else None,
                                  "tokens_per_s_per_gpu_at_longest": best.tokens_per_s_per_gpu if best else None,
@@ -89,13 +89,21 @@ def _longest_text(c: Cell, max_len: int) -> str:
 def markdown(cfg, cells: list[Cell], capacity_gib: float | None) -> str:
     """The seeds-form tables (rows `FSDP cpN`, columns of lengths, cells works / OOM) and the predicted ratios."""
     dev = torch.cuda.get_device_name() if cfg.device == "cuda" else "CPU"
-    cap = f", {capacity_gib:.1f} GiB usable" if capacity_gib is not None else ""
-    lines = [f"# CP out-of-memory sweep: {cfg.preset}, {dev}{cap}", "",
+    world = max((c.world for c in cells), default=1)
+    cap = f", {capacity_gib:.1f} GiB usable per {'GPU' if cfg.device == 'cuda' else 'rank'}" if capacity_gib else ""
+    if world > 1:
+        how = (f"FSDP on {world} processes ({'GPUs' if cfg.device == 'cuda' else 'gloo ranks'}): cpN is dp {world}/N x "
+               f"cp N, every DP rank training its own sequence (fp32 params, grads and Adam states sharded over all "
+               f"{world}{', bf16 compute' if cfg.device == 'cuda' else ', fp32'}). Peaks are the largest rank's; a length "
+               "works only if it works on every rank.")
+    else:
+        how = ("FSDP on one process (fp32 params, grads and Adam states"
+               f"{', bf16 compute' if cfg.device == 'cuda' else ', fp32'}). `(emulated)` rows are an **emulation of one "
+               f"CP rank** (rank {cfg.emulated_rank}) in one process: real per-rank activation, gathered-K/V and logits "
+               "sizes; the whole one-GPU FSDP state (a real rank holds 1/cp of it), no communication.")
+    lines = [f"# CP out-of-memory sweep: {cfg.preset}, {dev}{' x ' + str(world) if world > 1 else ''}{cap}", "",
              f"One training step (forward, backward, AdamW) on one sequence: {cfg.prompt_len} prompt tokens + the "
-             "response length of the column; FSDP on one process (fp32 params, grads and Adam states"
-             f"{', bf16 compute' if cfg.device == 'cuda' else ', fp32'}). `(emulated)` rows are an **emulation of one "
-             f"CP rank** (rank {cfg.emulated_rank}) in one process: real per-rank activation, gathered-K/V and logits "
-             "sizes; the whole one-GPU FSDP state (a real rank holds 1/cp of it), no communication.",
+             f"response length of the column; {how}",
              "Cells: `works` (peak allocated GiB) / `OOM` as tried; `(works)` / `(OOM)` inferred from the search "
              "(memory grows with length); `?` unresolved.", ""]
     if cfg.device != "cuda":
@@ -115,8 +123,11 @@ def markdown(cfg, cells: list[Cell], capacity_gib: float | None) -> str:
             lines.append(f"| {c.label} | " + " | ".join(_cell_text(c, n) for n in grid)
                          + f" | {_longest_text(c, cfg.max_len)} | {extra} |")
         lines.append("")
-    lines += ["## Predicted length ratio vs cp1", "",
-              "From the emulated ranks, which hold the whole one-GPU FSDP state: lower bounds for a real CP run.", ""]
+    if world > 1:
+        lines += ["## Length ratio vs cp1", "", f"Measured on {world} real ranks.", ""]
+    else:
+        lines += ["## Predicted length ratio vs cp1", "",
+                  "From the emulated ranks, which hold the whole one-GPU FSDP state: lower bounds for a real CP run.", ""]
     for (ac, cp), (measured, extra) in ratios(cells).items():
         e = f"{extra:.2f}x" if extra else "—"
         lines.append(f"- AC {'on' if ac else 'off'}, cp{cp}/cp1: longest that trains {measured}; extrapolated {e}")

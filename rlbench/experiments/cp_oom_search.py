@@ -29,10 +29,11 @@ class Trial:
     step_s: float | None = None  # the last step's seconds (works only)
     loss: float | None = None
     grad_norm: float | None = None
+    world: int = 1  # GPUs (processes) of the run: 1 with cp > 1 is the one-rank emulation
 
     @property
     def emulated(self) -> bool:
-        return self.cp > 1
+        return self.cp > 1 and self.world == 1
 
     @property
     def tokens_per_s_per_gpu(self) -> float | None:
@@ -52,10 +53,15 @@ class Cell:
     state_gib: float | None  # allocated after the build: fp32 params + Adam states (grads come on top in a step)
     seconds: float
     trials: list[Trial] = field(default_factory=list)
+    world: int = 1  # GPUs (processes) of the run: dp = world / cp; 1 with cp > 1 is the one-rank emulation
+
+    @property
+    def emulated(self) -> bool:
+        return self.cp > 1 and self.world == 1
 
     @property
     def label(self) -> str:
-        return f"FSDP cp{self.cp}" + (" (emulated)" if self.cp > 1 else "")
+        return f"FSDP cp{self.cp}" + (" (emulated)" if self.emulated else "")
 
     def at(self, length: int) -> Trial | None:
         return next((t for t in self.trials if t.response_len == length), None)
