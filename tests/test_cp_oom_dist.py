@@ -11,6 +11,8 @@ import os
 import torch
 from dist_utils import free_port, spawn
 
+from rlbench.experiments.fsdp_vs_megatron import cp_oom_table
+
 PLANTED = {1: 700, 2: 1400}  # cp -> longest response that "fits"
 
 
@@ -39,8 +41,15 @@ def test_cp_oom_on_two_ranks_finds_the_planted_limits(tmp_path):
             assert works == (n <= PLANTED[cp]) and rank_tokens * cp == pack_tokens
             if works:  # the token mean over both ranks' sequences: ~ln(128) for a random init, at cp1 and cp2
                 assert abs(loss - math.log(128)) < 0.5
-    rows = list(csv.DictReader(open(tmp_path / "cp_oom_cells.csv")))
-    assert [(r["cp"], r["emulated"], r["longest"]) for r in rows] == [("1", "False", "640"), ("2", "False", "1280")]
     md = (tmp_path / "cp_oom.md").read_text()
     assert "FSDP on 2 processes" in md and "(emulated)" not in md
     assert "- AC on, cp2/cp1: longest that trains 2.00x" in md
+    rows = list(csv.DictReader(open(tmp_path / "cp_oom_cells.csv")))
+    assert [(r["world"], r["cp"], r["emulated"], r["longest"]) for r in rows] == [
+        ("2", "1", "False", "640"), ("2", "2", "False", "1280")]
+    sweep = tmp_path / "results" / "cp_oom_2gpu"  # as stored under benchmarks/results/ for notebook 04's table
+    sweep.mkdir(parents=True)
+    (tmp_path / "cp_oom_cells.csv").rename(sweep / "cp_oom_cells.csv")
+    table = cp_oom_table(tmp_path / "results")
+    assert [(r["layout"], r["source"], r["longest"]) for r in table if r["layout"].startswith("FSDP")] == [
+        ("FSDP cp1", "measured, 2 GPUs", "640"), ("FSDP cp2", "measured, 2 GPUs", "1280")]

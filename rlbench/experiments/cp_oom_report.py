@@ -31,9 +31,9 @@ def ratios(cells: list[Cell]) -> dict[tuple[bool, int], tuple[str, float | None]
     return out
 
 
-TRIAL_COLUMNS = ("preset", "device", "cp", "emulated", "ac", "response_len", "pack_tokens", "rank_tokens", "works",
+TRIAL_COLUMNS = ("preset", "device", "world", "cp", "emulated", "ac", "response_len", "pack_tokens", "rank_tokens", "works",
                  "peak_gib", "step_s", "tokens_per_s_per_gpu", "loss", "grad_norm")
-CELL_COLUMNS = ("preset", "device", "cp", "emulated", "ac", "longest", "shortest_oom", "complete", "extrapolated",
+CELL_COLUMNS = ("preset", "device", "world", "cp", "emulated", "ac", "longest", "shortest_oom", "complete", "extrapolated",
                 "peak_gib_at_longest", "tokens_per_s_per_gpu_at_longest", "state_gib", "trials", "seconds")
 
 
@@ -54,7 +54,7 @@ def write_results(cfg, cells: list[Cell], capacity_gib: float | None) -> None:
         w.writeheader()
         for c in cells:
             best = c.at(c.longest)
-            w.writerow(common | {"cp": c.cp, "emulated": c.emulated, "ac": c.ac, "longest": c.longest,
+            w.writerow(common | {"world": c.world, "cp": c.cp, "emulated": c.emulated, "ac": c.ac, "longest": c.longest,
                                  "shortest_oom": c.shortest_oom, "complete": c.complete, "extrapolated": c.extrapolated,
                                  "peak_gib_at_longest": best.peak_gib if best else None,
                                  "tokens_per_s_per_gpu_at_longest": best.tokens_per_s_per_gpu if best else None,

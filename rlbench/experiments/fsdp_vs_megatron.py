@@ -568,8 +568,8 @@ def cp_oom_table(root: str | Path = RESULTS_DIR) -> list[dict[str, Any]]:
     """The CP out-of-memory table from the CP issue's stored sweeps (`cp_oom_*/cp_oom_cells.csv`, written by
     `rlbench experiment cp-oom`): one row per (sweep, AC, FSDP cp size), and one per CP size for Megatron.
 
-    `source` is "measured" (a real run of that layout on one GPU) or "emulated" (one CP rank emulated in one
-    process: the CSV's `emulated` column); a `longest` with "≥" is a lower bound (no OOM found, or the search was
+    `source` is "measured" (a real run of that layout: one GPU, or "measured, N GPUs" for a torchrun sweep, the CSV's
+    `world`) or "emulated" (one CP rank emulated in one process: the CSV's `emulated` column); a `longest` with "≥" is a lower bound (no OOM found, or the search was
     cut by its budget). The Megatron rows are its constructor's answer to `cp_size`.
     """
     rows = []
@@ -580,7 +580,7 @@ def cp_oom_table(root: str | Path = RESULTS_DIR) -> list[dict[str, Any]]:
             oom = int(c["shortest_oom"]) if c["shortest_oom"] else None
             bound = "" if oom is not None and c["complete"] == "True" else "≥ "
             rows.append({"sweep": d.name, "preset": c["preset"], "ac": "on" if c["ac"] == "True" else "off",
-                         "layout": f"FSDP cp{c['cp']}", "source": "emulated" if c["emulated"] == "True" else "measured",
+                         "layout": f"FSDP cp{c['cp']}", "source": _cp_source(c),
                          "longest": bound + _k(int(c["longest"])), "first_oom": _k(oom),
                          "extrapolated": _k(int(float(c["extrapolated"]))) if c["extrapolated"] else "",
                          **{k: float(c[f"{k}_at_longest"]) if c[f"{k}_at_longest"] else None
@@ -590,6 +590,13 @@ def cp_oom_table(root: str | Path = RESULTS_DIR) -> list[dict[str, Any]]:
         rows.append({"layout": f"Megatron cp{cp}", "source": "capability check",
                      "longest": _cell(ok, why, "accepted (not measured)")})
     return rows
+
+
+def _cp_source(cell: dict) -> str:
+    world = int(cell.get("world") or 1)  # sweeps written before the column: one process
+    if cell["emulated"] == "True":
+        return "emulated"
+    return "measured" if world == 1 else f"measured, {world} GPUs"
 
 
 # ============================================================================================== CLI
