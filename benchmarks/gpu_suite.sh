@@ -18,7 +18,7 @@
 #   top4b    the mode beside the defaults at the 4B shape through the real loop (bits and cost)
 # Two-GPU parts (a 2-GPU kind):
 #   cp2      issue 31: the 4B cp-oom sweep with AC, emulated on GPU0 (the one-GPU prediction), then real on both GPUs
-#            (torchrun: cp1 = dp2, cp2 = dp1 x cp2)
+#            (torchrun: cp1 = dp2, cp2 = dp1 x cp2), then a 3-step GRPO loop at cp=2 with 8k responses (Ray, colocated)
 #   fvm      issue 32: FSDP dp2 vs megatron TP2 (then PP2) on 2 colocated Ray actors, 20 GRPO steps from one warm start
 # TRL for `loop`/`loop4b` comes from wheels carried in .whl/ (git-ignored; the GPU machine runs Python 3.12):
 #   pip download -d .whl --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
@@ -72,7 +72,12 @@ for part in "$@"; do case $part in
   cp2) run cp_emulated 0 "$(lim 200)" "python3 -m rlbench.experiments.cp_oom --preset qwen3-4b-shape --cp 1 2 --ac on \
          --start-len 8192 --max-len 262144 --resolution 4096 --time-budget 180 --out $OUT/cp_oom_emulated"
        run cp_2gpu 0,1 "$(lim 380)" "torchrun --nproc_per_node 2 -m rlbench.experiments.cp_oom --preset qwen3-4b-shape \
-         --cp 1 2 --ac on --start-len 8192 --max-len 262144 --resolution 4096 --time-budget 340 --out $OUT/cp_oom_2gpu" ;;
+         --cp 1 2 --ac on --start-len 8192 --max-len 262144 --resolution 4096 --time-budget 340 --out $OUT/cp_oom_2gpu"
+       run cp_loop 0,1 "$(lim 400)" "python3 -m rlbench.cli train --preset qwen3_0p6b_gpu --hf-checkpoint qwen3-4b-shape \
+         --backend ray --context-parallel-size 2 --actor-num-gpus-per-node 2 --colocate --num-rollout 3 \
+         --rollout-batch-size 1 --n-samples-per-prompt 2 --global-batch-size 2 --rollout-max-response-len 8192 \
+         --engine-max-seq-len 8448 --ignore-eos --gradient-checkpointing --max-tokens-per-gpu 16384 --with-entropy \
+         --entropy-coef 0.001 --skip-eval-before-train --eval-interval 1000 --metrics-jsonl $OUT/cp2_loop.jsonl" ;;
   fvm) run fvm 0,1 "$(lim 560)" "python3 -m rlbench.cli experiment fsdp-vs-megatron --device cuda --gpus 2 --steps 20 \
          --out $OUT/fsdp_vs_megatron_2gpu_tp2.json" ;;
   gputests) run gputests 0 "$(lim 240)" "python3 -m pytest -q -m gpu tests/test_rollout_gpu.py tests/test_fsdp_gpu.py tests/test_e2e_gpu.py" ;;

@@ -171,3 +171,13 @@ def test_config_validation_and_tokenizer_requirement(arith_path):
         DataConfig(path="a.jsonl", max_prompt_length=0)
     with pytest.raises(ValueError, match="need a tokenizer"):
         PromptDataset(DataConfig(path=arith_path), None)
+
+
+def test_a_preset_model_gets_a_tokenizer_of_its_vocabulary():
+    """A preset name (random init) gets the char-level tokenizer padded to the preset's vocabulary, so every id the
+    model samples decodes; an HF directory brings its own."""
+    from rlbench.orchestration.local import build_tokenizer_for
+
+    assert len(build_tokenizer_for("tiny")) == 128
+    tok = build_tokenizer_for("tiny", {"vocab_size": 300})
+    assert len(tok) == 300 and tok.decode([299]).startswith("<|reserved_")  # was: the 128-token tokenizer

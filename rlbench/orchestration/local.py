@@ -61,9 +61,12 @@ def materialize_task(task: TaskConfig) -> tuple[str, str]:
     return task.train_path, task.eval_path
 
 
-def build_tokenizer_for(model: str):
-    """The tokenizer saved in an HF directory, or the char-level tokenizer for a preset name."""
-    return load_tokenizer(model) if os.path.isdir(model) else build_tokenizer()
+def build_tokenizer_for(model: str, overrides: dict | None = None):
+    """The tokenizer saved in an HF directory, or for a preset name the char-level tokenizer padded to the preset's
+    vocabulary (so every id a randomly initialised 152k-vocabulary shape samples decodes)."""
+    if os.path.isdir(model):
+        return load_tokenizer(model)
+    return build_tokenizer(hf_config_for(model, overrides or {}).vocab_size)
 
 
 def hf_config_for(model: str, overrides: dict) -> PretrainedConfig:
@@ -140,7 +143,7 @@ def build_data(cfg: RunConfig) -> tuple[Any, PromptDataset, list]:
     if cfg.task is not None:
         _, task_eval = materialize_task(cfg.task)
         eval_path = eval_path or task_eval
-    tokenizer = build_tokenizer_for(cfg.backend.model)
+    tokenizer = build_tokenizer_for(cfg.backend.model, getattr(cfg.backend, "model_overrides", None))
     dataset = PromptDataset(cfg.data, tokenizer)
     eval_items = []
     if cfg.eval.interval is not None:
