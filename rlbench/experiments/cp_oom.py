@@ -236,11 +236,7 @@ class CellRunner:
 
     def _agree(self, values: list[float], op) -> list[float]:
         """`values` reduced with `op` over the run's ranks (as they are on one process)."""
-        if self.world == 1:
-            return values
-        t = torch.tensor(values, dtype=torch.float64, device=self.backend.env.device if self.backend else None)
-        dist.all_reduce(t, op=op)
-        return t.tolist()
+        return values if self.world == 1 else _across_ranks(values, self.backend.env.device, op)
 
     def _sync(self) -> None:
         if self.cuda:
@@ -286,7 +282,7 @@ def run_cp_oom(cfg: CPOOMConfig, planted_oom: PlantedOOM | None = None) -> list[
         clock, main_rank = functools.partial(_rank0_clock, env.device), env.rank == 0
     capacity = _capacity_gib(cfg)
     if world > 1 and capacity is not None:  # the search's memory fit: the same capacity on every rank
-        capacity = _rank0_value(env.device, capacity, dist.ReduceOp.MIN)
+        capacity = _across_ranks([capacity], env.device, dist.ReduceOp.MIN)[0]
     cells: list[Cell] = []
     end = clock() + cfg.time_budget_s
     todo = [(cp, ac) for ac in cfg.acs for cp in cfg.cps]
@@ -328,20 +324,20 @@ def run_cp_oom(cfg: CPOOMConfig, planted_oom: PlantedOOM | None = None) -> list[
     return cells
 
 
-def _rank0_value(device: torch.device, value: float, op=None) -> float:
-    """`value` reduced with `op` over the ranks, or rank 0's (op None): one number every rank decides by."""
-    t = torch.tensor([value], dtype=torch.float64, device=device)
+def _across_ranks(values: list[float], device: torch.device, op=None) -> list[float]:
+    """`values` reduced with `op` over the ranks, or rank 0's (op None): numbers every rank decides by."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     if op is None:
         dist.broadcast(t, src=0)
     else:
         dist.all_reduce(t, op=op)
-    return float(t[0])
+    return t.tolist()
 
 
 def _rank0_clock(device: torch.device) -> float:
     """Rank 0's `time.monotonic()` on every rank: the ranks' time-budget decisions (which length next, whether
     one more trial fits) are then the same, and so are their collectives."""
-    return _rank0_value(device, time.monotonic())
+    return _across_ranks([time.monotonic()], device)[0]
 
 
 def _capacity_gib(cfg: CPOOMConfig) -> float | None:
