@@ -42,7 +42,11 @@ def math_reward(response: str, label: Any) -> float:
     boxed = last_boxed(response)
     if boxed is not None and is_int(boxed.strip()) and is_int(str(label).strip()):
         return float(int(boxed) == int(label))  # fast path, same verdict as math_verify for integers
-    from math_verify import parse, verify  # lazy: sympy import costs ~1 s
+    try:
+        from math_verify import parse, verify  # lazy: sympy import costs ~1 s
+    except ImportError as err:
+        raise ImportError(f"the 'math' reward needs math-verify ({err}): pip install 'math-verify>=0.7', or set "
+                          "rm_type='exact' for answers that are plain strings") from err
 
     # math_verify's timeouts use SIGALRM, which only the main thread may install.
     timeout = 5 if threading.current_thread() is threading.main_thread() else None

@@ -129,3 +129,12 @@ def test_integer_answers_take_the_fast_path_without_math_verify(monkeypatch):
     scores = score_batch([f"\\boxed{{{i}}}" for i in range(64)], [str(i % 32) for i in range(64)], rm_type="math")
     assert scores == [1.0] * 32 + [0.0] * 32 and calls == []  # integers never reach sympy
     assert score_batch(["\\boxed{1/2}"], ["0.5"], rm_type="math") == [1.0] and len(calls) == 2  # gold + answer
+
+
+def test_math_reward_without_math_verify_names_the_install(monkeypatch):
+    """A machine without math-verify (an optional install there) gets the pip line, not a bare ModuleNotFoundError;
+    the integer fast path still needs nothing."""
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # import now raises ImportError
+    assert math_reward("so \\boxed{12}", "12") == 1.0
+    with pytest.raises(ImportError, match=r"pip install 'math-verify>=0.7'.*rm_type='exact'"):
+        math_reward("x = 1/2", "\\frac{1}{2}")
