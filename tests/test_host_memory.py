@@ -44,4 +44,6 @@ def test_warm_steps_reuse_freed_blocks_and_memory_stays_bounded():
     default, retained = _probe("default"), _probe("retain")
     assert default[0] > 4 * pages_per_step  # glibc maps and unmaps each tensor: its pages fault in every step
     assert retained[0] < default[0] // 10  # kept blocks are reused
-    assert retained[2] - retained[1] < 64  # MiB: no growth once warm
+    # MiB: bounded once warm. A step's temporaries are 337 MiB, so keeping them would add 2.7 GiB over the 8 steps;
+    # heap fragmentation may keep one more block of the largest size (150 MiB: seen once on a loaded 2-core box).
+    assert retained[2] - retained[1] <= 150 + 32
