@@ -19,10 +19,15 @@
 # Two-GPU parts (a 2-GPU kind):
 #   cp2      issue 31: the 4B cp-oom sweep with AC, emulated on GPU0 (the one-GPU prediction), then real on both GPUs
 #            (torchrun: cp1 = dp2, cp2 = dp1 x cp2), then a 3-step GRPO loop at cp=2 with 8k responses (Ray, colocated)
-#   fvm      issue 32: FSDP dp2 vs megatron TP2 (then PP2) on 2 colocated Ray actors, 20 GRPO steps from one warm start
-# TRL for `loop`/`loop4b` comes from wheels carried in .whl/ (git-ignored; the GPU machine runs Python 3.12):
+#   fvm      issue 32: FSDP dp2 vs megatron TP2 on 2 colocated Ray actors, 20 GRPO steps from one warm start
+#   fvm2     issue 32, second call: megatron PP2 in the same comparison, then the Ray paths with --train-backend
+#            megatron: colocated 2+2 (TP2) and disaggregated 1+1, 3 steps each, every weight sync verified bit for bit
+# Wheels the GPU machine lacks come carried in .whl/ (git-ignored; `carry: [".whl"]`; the machine runs Python 3.12):
+# TRL for `loop`/`loop4b`, and math-verify, which the arithmetic task's `math` reward needs for any answer that is
+# not a boxed integer (every GRPO run here: cp2's loop, fvm, fvm2; sympy comes with torch):
 #   pip download -d .whl --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-#     --platform manylinux_2_17_x86_64 --platform any trl==1.16.0 datasets==4.8.5 'dill<0.4.1' 'multiprocess<0.70.19' xxhash
+#     --platform manylinux_2_17_x86_64 --platform any trl==1.16.0 datasets==4.8.5 'dill<0.4.1' 'multiprocess<0.70.19' xxhash \
+#     math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
 set -u
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
@@ -80,6 +85,14 @@ for part in "$@"; do case $part in
          --entropy-coef 0.001 --skip-eval-before-train --eval-interval 1000 --metrics-jsonl $OUT/cp2_loop.jsonl" ;;
   fvm) run fvm 0,1 "$(lim 560)" "python3 -m rlbench.cli experiment fsdp-vs-megatron --device cuda --gpus 2 --steps 20 \
          --out $OUT/fsdp_vs_megatron_2gpu_tp2.json" ;;
+  fvm2) run fvm_pp2 0,1 "$(lim 260)" "python3 -m rlbench.cli experiment fsdp-vs-megatron --device cuda --gpus 2 --pp 2 \
+          --backends megatron --steps 20 --out $OUT/fsdp_vs_megatron_2gpu_pp2.json"
+        common="python3 -m rlbench.cli train --preset qwen3_0p6b_gpu --hf-checkpoint qwen3-0.6b-shape --backend ray \
+          --train-backend megatron --num-rollout 3 --check-weight-update-equal --skip-eval-before-train --eval-interval 1000"
+        run megatron_ray_coloc 0,1 "$(lim 150)" "$common --tensor-model-parallel-size 2 --actor-num-gpus-per-node 2 \
+          --colocate --metrics-jsonl $OUT/megatron_ray_coloc.jsonl"
+        run megatron_ray_disagg 0,1 "$(lim 150)" "$common --actor-num-gpus-per-node 1 --no-colocate --rollout-num-gpus 1 \
+          --metrics-jsonl $OUT/megatron_ray_disagg.jsonl" ;;
   gputests) run gputests 0 "$(lim 240)" "python3 -m pytest -q -m gpu tests/test_rollout_gpu.py tests/test_fsdp_gpu.py tests/test_e2e_gpu.py" ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac; done
