@@ -235,7 +235,7 @@ def run_rlbench(w: Workload, model_dir: str, rollouts: int, variant: str = "defa
         build_s = time.perf_counter() - t0
         history = [trainer.step() for _ in range(rollouts)]
         caches = compile_cache_counts()
-        train_profile = profile_phases(trainer) if profile else None
+        phase_profiles = profile_phases(trainer) if profile else None
     steps = []
     for m in history:
         phases = {name: m.get(key, 0.0) for name, key in PHASE_KEYS.items()}
@@ -251,7 +251,7 @@ def run_rlbench(w: Workload, model_dir: str, rollouts: int, variant: str = "defa
                       "logprob_abs_diff": m.get("train/train_rollout_logprob_abs_diff"),
                       "ppo_kl_first_mb": m.get("train/ppo_kl_first_mb")})
     plan = trainer.memory_plan.summary() if trainer.memory_plan is not None else None
-    return {"build_s": build_s, "num_params": trainer.num_params, "steps": steps, "train_profile": train_profile,
+    return {"build_s": build_s, "num_params": trainer.num_params, "steps": steps, "profile": phase_profiles,
             "memory_plan": plan, "compile_caches": caches}
 
 
@@ -378,7 +378,7 @@ def summarize(run: dict, peak_flops: float | None) -> dict:
             "max_logprob_abs_diff": _max(s.get("logprob_abs_diff") for s in run["steps"]),
             "max_abs_ppo_kl_first_mb": _max(abs(v) if v is not None else None
                                             for v in (s.get("ppo_kl_first_mb") for s in run["steps"])),
-            "num_params": run["num_params"], "steps": run["steps"], "train_profile": run.get("train_profile"),
+            "num_params": run["num_params"], "steps": run["steps"], "profile": run.get("profile"),
             "memory_plan": run.get("memory_plan"), "compile_caches": run.get("compile_caches")}
 
 
@@ -545,8 +545,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[e2e] {system} memory plan: {row['memory_plan']}")
         if row.get("compile_caches"):
             print(f"[e2e] {system} compile caches: {row['compile_caches']}")
-        if row.get("train_profile"):
-            print(f"\n[e2e] {system}: {row['train_profile']}")
+        if row.get("profile"):
+            print(f"\n[e2e] {system}: {row['profile']}")
     print(table(report["rows"]))
     print(f"\n[e2e] wrote {out_path}", flush=True)
     return 0

@@ -46,7 +46,8 @@ def test_smoke_run_writes_phases_and_no_mfu_on_cpu(tmp_path, capsys):
     assert row["tokens_per_step"] == 2 * 2 * (8 + 4)
     assert row["rollout_tokens_per_s"] == pytest.approx(2 * 2 * 4 / row["phases_s"]["rollout"])
     assert set(row["mfu"].values()) == {None} and row["peak_memory_gb"] is None
-    assert row["train_profile"].startswith("train phase wall") and "aten::" in row["train_profile"]  # --profile
+    assert row["profile"].startswith("train phase wall") and "aten::" in row["profile"]  # --profile
+    assert "rollout phase wall" in row["profile"]
     assert len(row["steps"]) == 2  # the profiled step is not a measured one
     text = capsys.readouterr().out
     assert "[e2e] rlbench: train phase wall" in text
