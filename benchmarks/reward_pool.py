@@ -22,7 +22,7 @@ import time
 
 from rlbench.config import RolloutConfig
 from rlbench.data import build_tokenizer
-from rlbench.rollout.base import Generation
+from rlbench.engine.protocol import Generation
 from rlbench.rollout.manager import RolloutManager
 
 

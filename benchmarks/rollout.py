@@ -17,9 +17,9 @@ import time
 
 import torch
 
+from rlbench.engine.protocol import SamplingParams
 from rlbench.engine.torch_engine import KV_FLOOR, TorchEngine, TorchEngineConfig, bucket
 from rlbench.models import build_model
-from rlbench.rollout.base import SamplingParams
 
 
 def _sync(device: str) -> None:

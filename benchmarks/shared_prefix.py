@@ -22,9 +22,9 @@ import time
 import torch
 
 from rlbench.engine.config import TorchEngineConfig
+from rlbench.engine.protocol import SamplingParams
 from rlbench.engine.torch_engine import TorchEngine
 from rlbench.models import build_model
-from rlbench.rollout.base import SamplingParams
 
 
 def _sync(device: str) -> None:

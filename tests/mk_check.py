@@ -13,13 +13,12 @@ import sys
 
 import torch
 
-from rlbench.engine import TorchEngine, TorchEngineConfig
+from rlbench.engine import SamplingParams, TorchEngine, TorchEngineConfig
 from rlbench.engine.kv_cache import CacheShape, KVCache
 from rlbench.engine.megakernel import layout
 from rlbench.engine.megakernel.host import DecodeMegakernel
 from rlbench.engine.runner import ModelRunner
 from rlbench.models import build_model
-from rlbench.rollout import SamplingParams
 
 CPU_CASES = [("tiny", 63, None), ("tiny", 130, None), ("small", 64, None), ("tiny", 100, 12)]
 """(preset, position, tile_programs): split boundaries (63 -> 1 split of 64 positions, 64 -> 2, 130 -> 3); tiny

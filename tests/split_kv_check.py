@@ -9,11 +9,10 @@ import json
 
 import torch
 
-from rlbench.engine import TorchEngine, TorchEngineConfig, split_kv
+from rlbench.engine import SamplingParams, TorchEngine, TorchEngineConfig, split_kv
 from rlbench.engine.attention import decode_mask, group_decode_mask
 from rlbench.engine.split_kv import split_kv_decode
 from rlbench.models import build_model
-from rlbench.rollout import SamplingParams
 
 
 def reference(q, keys, values, mask, scale):

@@ -27,9 +27,8 @@ from mk_check import (
     sync_outputs,
 )
 
-from rlbench.engine import MegakernelConfig, TorchEngine, TorchEngineConfig
+from rlbench.engine import MegakernelConfig, SamplingParams, TorchEngine, TorchEngineConfig
 from rlbench.models import build_model
-from rlbench.rollout import SamplingParams
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 needs_gluon = pytest.mark.skipif(importlib.util.find_spec("triton") is None

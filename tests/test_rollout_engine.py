@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlbench.engine import TorchEngine, TorchEngineConfig
+from rlbench.engine import SamplingParams, TorchEngine, TorchEngineConfig
 from rlbench.models import build_model
-from rlbench.rollout import SamplingParams
 
 LENGTHS = [3, 7, 12, 5, 9, 1, 6]
 

@@ -7,11 +7,10 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from rlbench.engine import TorchEngine, TorchEngineConfig
+from rlbench.engine import SamplingParams, TorchEngine, TorchEngineConfig
 from rlbench.engine.attention import DECODE_ATTENTION, decode_mask
 from rlbench.engine.runner import ModelRunner
 from rlbench.models import build_model
-from rlbench.rollout import SamplingParams
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, tie_word_embeddings=False)

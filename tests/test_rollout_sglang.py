@@ -16,6 +16,8 @@ from safetensors.torch import save_file
 
 from rlbench.config import RunConfig, SGLangEngineConfig, WeightSyncConfig
 from rlbench.data.config import DataConfig
+from rlbench.engine import SamplingParams, sglang_engine
+from rlbench.engine.sglang_engine import SGLangEngine, sglang_load_dtype, to_sglang_params
 from rlbench.orchestration.ray_config import ClusterConfig
 from rlbench.orchestration.ray_weights import (
     BroadcastGroup,
@@ -24,8 +26,6 @@ from rlbench.orchestration.ray_weights import (
     outgoing,
     push_broadcast,
 )
-from rlbench.rollout import SamplingParams, sglang_engine
-from rlbench.rollout.sglang_engine import SGLangEngine, sglang_load_dtype, to_sglang_params
 from rlbench.weights import WeightSync
 
 

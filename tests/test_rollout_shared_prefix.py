@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlbench.engine import TorchEngine, TorchEngineConfig
+from rlbench.engine import SamplingParams, TorchEngine, TorchEngineConfig
 from rlbench.engine.attention import group_decode_mask
 from rlbench.engine.kv_cache import CacheShape, KVCache
 from rlbench.models import build_model
-from rlbench.rollout import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

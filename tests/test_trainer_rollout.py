@@ -9,8 +9,8 @@ import pytest
 
 from rlbench.config import EvalConfig, RolloutConfig
 from rlbench.data import DataConfig, PromptDataset, build_tokenizer, make_arithmetic, write_jsonl
+from rlbench.engine.protocol import Generation
 from rlbench.metrics import pass_at_k
-from rlbench.rollout.base import Generation
 from rlbench.rollout.manager import RolloutManager
 from rlbench.types import Status
 

@@ -15,10 +15,9 @@ import torch
 
 from rlbench import numerics
 from rlbench.algorithms import token_logprobs
-from rlbench.engine import TorchEngine, TorchEngineConfig
+from rlbench.engine import SamplingParams, TorchEngine, TorchEngineConfig
 from rlbench.models import build_model
 from rlbench.numerics import torch_ops
-from rlbench.rollout import SamplingParams
 
 LENGTHS = [3, 9, 17, 5, 12, 1]
 TEMPERATURE = 0.7

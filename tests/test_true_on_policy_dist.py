@@ -9,10 +9,9 @@ import pytest
 import torch
 from dist_utils import free_port, spawn
 
-from rlbench.engine import TorchEngine, TorchEngineConfig
+from rlbench.engine import SamplingParams, TorchEngine, TorchEngineConfig
 from rlbench.models import build_model, load_model, save_pretrained
 from rlbench.packing.pack import pack_samples
-from rlbench.rollout import SamplingParams
 from rlbench.types import Sample
 
 WORLD = 2

@@ -10,9 +10,8 @@ import torch
 from test_true_on_policy import TEMPERATURE, packed_logprobs, padded_logprobs
 
 from rlbench import numerics
-from rlbench.engine import TorchEngine, TorchEngineConfig
+from rlbench.engine import SamplingParams, TorchEngine, TorchEngineConfig
 from rlbench.models import build_model
-from rlbench.rollout import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

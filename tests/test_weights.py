@@ -8,8 +8,8 @@ import torch
 from rlbench.backends.fsdp.weights import named_weight_buckets
 from rlbench.config import WEIGHT_TRANSPORTS
 from rlbench.engine import TorchEngine, TorchEngineConfig
+from rlbench.engine.protocol import SamplingParams
 from rlbench.models import build_model
-from rlbench.rollout.base import SamplingParams
 from rlbench.weights import TRANSPORTS, WeightSync, WeightSyncConfig, checksum
 
 

@@ -1,19 +1,28 @@
-"""The embedded torch engine: continuous batching over a slot KV cache on the HF model itself.
+"""Rollout engines and their contract.
 
-`TorchEngine` (torch_engine.py) drives `ModelRunner` (runner.py: prefill, compiled / graph-captured decode)
-over `KVCache` slots (kv_cache.py), fused layers (fused.py), the engine's attention (attention.py) and the
-seeded sampler (sampling.py); `megakernel/` holds the batch-1 decode kernels behind one factory.
-Configs live in config.py (no torch import). Light on import: the engine loads on first attribute access.
+`protocol.py` is the contract every engine implements (`RolloutEngine`: token ids in; token ids, log-probs,
+finish reasons and weight versions out) and its records (`SamplingParams`, `Generation`, `WeightBucket`).
+The embedded torch engine: `TorchEngine` (torch_engine.py) drives `ModelRunner` (runner.py: prefill, compiled /
+graph-captured decode) over `KVCache` slots (kv_cache.py), fused layers (fused.py), the engine's attention
+(attention.py) and the seeded sampler (sampling.py); `megakernel/` holds the batch-1 decode kernels behind one
+factory. `SGLangEngine` (sglang_engine.py) adapts an SGLang server to the same contract.
+Light on import: the engines (and sglang) load on first attribute access.
 """
 
 from rlbench.engine.config import MegakernelConfig, TorchEngineConfig
+from rlbench.engine.protocol import Generation, RolloutEngine, SamplingParams, WeightBucket
 
-__all__ = ["MegakernelConfig", "TorchEngine", "TorchEngineConfig"]
+__all__ = [
+    "Generation", "MegakernelConfig", "RolloutEngine", "SGLangEngine", "SamplingParams", "TorchEngine",
+    "TorchEngineConfig", "WeightBucket",
+]
+
+_LAZY = {"TorchEngine": "rlbench.engine.torch_engine", "SGLangEngine": "rlbench.engine.sglang_engine"}
 
 
 def __getattr__(name: str):
-    if name == "TorchEngine":
-        from rlbench.engine.torch_engine import TorchEngine
+    if name in _LAZY:
+        import importlib
 
-        return TorchEngine
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'rlbench.engine' has no attribute {name!r}")

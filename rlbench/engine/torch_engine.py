@@ -23,12 +23,12 @@ import torch
 from rlbench.engine.attention import ATTN_NAME
 from rlbench.engine.config import TorchEngineConfig
 from rlbench.engine.kv_cache import CacheShape, KVCache, slot_bytes, slots_for_memory
+from rlbench.engine.protocol import Generation, SamplingParams, WeightBucket, expand_seeds
 from rlbench.engine.quantize import weight_rounder
 from rlbench.engine.runner import ModelRunner
 from rlbench.engine.sampling import sample_tokens
 from rlbench.host_memory import retain_freed_host_memory
 from rlbench.packing.pack import bucket_length
-from rlbench.rollout.base import Generation, SamplingParams, WeightBucket, expand_seeds
 
 
 @dataclass

@@ -80,7 +80,7 @@ def build_engine(cfg: RunConfig, device: torch.device, tokenizer):
     like the trainer's, so both sides apply the same RoPE. `rollout_engine="sglang"`: an `sglang.Engine` loading
     `sglang.model_path` (None: the trainer's model directory)."""
     if cfg.rollout_engine == "sglang":
-        from rlbench.rollout.sglang_engine import SGLangEngine
+        from rlbench.engine.sglang_engine import SGLangEngine
 
         return SGLangEngine(sglang_config(cfg))
     from rlbench.backends.fsdp.config import PARAM_DTYPES

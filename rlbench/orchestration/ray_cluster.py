@@ -257,8 +257,8 @@ def with_engine_weight_dtype(cfg):
     when `weights.dtype` names another. The torch engine casts on load: `cfg` unchanged."""
     if cfg.rollout_engine != "sglang":
         return cfg
+    from rlbench.engine.sglang_engine import check_model_dir, sglang_load_dtype
     from rlbench.orchestration.local import sglang_config
-    from rlbench.rollout.sglang_engine import check_model_dir, sglang_load_dtype
 
     sglang = sglang_config(cfg)
     check_model_dir(sglang.model_path)

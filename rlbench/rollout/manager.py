@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from rlbench.engine.protocol import Generation, SamplingParams
 from rlbench.metrics import pass_at_k, summarize
 from rlbench.rewards import score_batch
-from rlbench.rollout.base import Generation, SamplingParams
 from rlbench.rollout.reward_pool import RewardPool, poolable
 from rlbench.types import Sample, Status
 

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from rlbench.config import SGLangEngineConfig
-from rlbench.rollout.base import Generation, SamplingParams, WeightBucket, expand_seeds
+from rlbench.engine.protocol import Generation, SamplingParams, WeightBucket, expand_seeds
 from rlbench.weights import DTYPE_NAMES, GROUP_NAME, LOAD_FORMAT, check_announcement
 
 __all__ = ["SGLangEngine", "SGLangEngineConfig", "check_model_dir", "checkpoint_weight_shapes", "sglang_load_dtype",
