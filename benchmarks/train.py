@@ -24,8 +24,8 @@ import time
 
 import torch
 
+from rlbench.backends.attention import document_block_mask
 from rlbench.backends.fsdp.actor import FSDPBackend
-from rlbench.backends.fsdp.attention import document_block_mask
 from rlbench.backends.fsdp.config import FSDPConfig, OptimConfig
 from rlbench.packing.pack import pack_samples
 from rlbench.types import Sample

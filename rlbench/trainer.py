@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from rlbench.algorithms import compute_advantages
-from rlbench.backends.fsdp.checkpoint import TRACKER, committed_dir, committed_steps, latest_step
+from rlbench.backends.checkpoint import TRACKER, committed_dir, committed_steps, latest_step
 from rlbench.compile_cache import compile_seconds, use_compile_cache
 from rlbench.config import RunConfig
 from rlbench.interrupts import defer_sigint

@@ -72,7 +72,7 @@ def _worker(rank: int, root: str, port: int) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from rlbench.backends.fsdp import checkpoint as ckpt_mod
+    from rlbench.backends import checkpoint as ckpt_mod
     from rlbench.backends.fsdp.actor import FSDPBackend
     from rlbench.backends.fsdp.config import FSDPConfig, OptimConfig
 
@@ -388,7 +388,7 @@ def test_weight_buckets_and_hf_export(runs):
 
 
 def test_random_init_is_world_size_invariant(runs):
-    from rlbench.backends.fsdp.model import random_init
+    from rlbench.backends.hf_weights import random_init
 
     model = build_model("tiny", seed=5)
     random_init(model, model.config, seed=1234, device=torch.device("cpu"))  # FSDPConfig's default seed

@@ -15,7 +15,7 @@ pytestmark = [
 ]
 
 from rlbench.algorithms.logprobs import token_logprobs  # noqa: E402
-from rlbench.backends.fsdp.attention import document_block_mask  # noqa: E402
+from rlbench.backends.attention import document_block_mask  # noqa: E402
 from rlbench.packing.pack import pack_samples  # noqa: E402
 from rlbench.types import Sample  # noqa: E402
 

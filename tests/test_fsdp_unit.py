@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from rlbench.algorithms.logprobs import token_logprobs
-from rlbench.backends.fsdp.attention import document_block_mask, document_ids
+from rlbench.backends.attention import document_block_mask, document_ids
 from rlbench.backends.fsdp.config import FSDPConfig, OptimConfig
-from rlbench.backends.fsdp.offload import HostStash
-from rlbench.backends.fsdp.optim import build_optimizer, init_optimizer_state, lr_at
+from rlbench.backends.offload import HostStash
+from rlbench.backends.optim import build_optimizer, init_optimizer_state, lr_at
 from rlbench.models import build_model
 from rlbench.packing.pack import pack_samples
 from rlbench.types import Sample

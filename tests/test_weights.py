@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlbench.backends.fsdp.weights import named_weight_buckets
+from rlbench.backends.export import named_weight_buckets
 from rlbench.config import WEIGHT_TRANSPORTS
 from rlbench.engine import TorchEngine, TorchEngineConfig
 from rlbench.engine.protocol import SamplingParams

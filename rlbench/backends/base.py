@@ -52,7 +52,7 @@ class TrainBackend(Protocol):
 
         `extra` (file name -> picklable object) is written inside the checkpoint before it is committed (the
         Trainer's loop state), so a checkpoint is all there or not at all. Layout and tracker (the only source
-        of "latest"): `rlbench.backends.fsdp.checkpoint` (docs/ARCHITECTURE.md, TrainBackend).
+        of "latest"): `rlbench.backends.checkpoint` (docs/ARCHITECTURE.md, TrainBackend).
         """
         ...
 

@@ -9,7 +9,7 @@ import signal
 import pytest
 import torch
 
-import rlbench.backends.fsdp.checkpoint as ckpt
+import rlbench.backends.checkpoint as ckpt
 from rlbench.trainer import Trainer
 
 from ._faults import assert_same, state, tiny_config

@@ -12,8 +12,8 @@ import warnings
 import pytest
 import torch
 
-from rlbench.backends.fsdp.optim import lr_at
-from rlbench.backends.fsdp.resume import ResumeError
+from rlbench.backends.optim import lr_at
+from rlbench.backends.resume import ResumeError
 from rlbench.trainer import Trainer
 
 from ._small import small_cfg

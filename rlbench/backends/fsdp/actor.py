@@ -8,7 +8,6 @@ One code path for every world size and device. Micro-batches are packs (`tokens 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -17,31 +16,17 @@ import torch
 import torch.distributed as dist
 
 from rlbench.algorithms.logprobs import token_logprobs
+from rlbench.backends.attention import document_block_mask
 from rlbench.backends.base import LossFn, PackOutputs
-from rlbench.backends.fsdp.attention import document_block_mask
-from rlbench.backends.fsdp.checkpoint import load_checkpoint, save_checkpoint
+from rlbench.backends.checkpoint import load_checkpoint, save_checkpoint
+from rlbench.backends.export import export_hf, named_weight_buckets
 from rlbench.backends.fsdp.config import FSDPConfig
 from rlbench.backends.fsdp.model import build_sharded_model
-from rlbench.backends.fsdp.offload import HostStash, state_tensors
-from rlbench.backends.fsdp.optim import build_optimizer, build_scheduler, init_optimizer_state
-from rlbench.backends.fsdp.weights import export_hf, named_weight_buckets
+from rlbench.backends.offload import Parking, state_tensors, to_device
+from rlbench.backends.optim import build_optimizer, build_scheduler, init_optimizer_state
 from rlbench.distributed.mesh import DistEnv, barrier, init_distributed
 from rlbench.host_memory import retain_freed_host_memory
 from rlbench.interrupts import defer_sigint, raise_if_interrupted
-
-
-def to_device(obj: Any, device: torch.device) -> Any:
-    """Move a tensor, or the tensor fields of a dataclass / dict, to `device` (other values unchanged). Host
-    tensors go to a GPU through pinned memory: an asynchronous copy from pageable memory may wait for the stream."""
-    if isinstance(obj, torch.Tensor):
-        if obj.device.type == "cpu" and torch.device(device).type == "cuda" and not obj.is_pinned():
-            obj = obj.pin_memory()
-        return obj.to(device, non_blocking=True)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj) if f.init})
-    if isinstance(obj, dict):
-        return {k: to_device(v, device) for k, v in obj.items()}
-    return obj
 
 
 class FSDPBackend:
@@ -66,8 +51,7 @@ class FSDPBackend:
         self.loss_fn = loss_fn
         self.step = 0  # optimizer steps taken (skipped steps do not count)
         self.model = self.ref = self.optimizer = self.scheduler = self.hf_config = None
-        self._stash = HostStash()
-        self._asleep = False
+        self._parking = Parking()
         self._cp_kernel = None  # `rlbench.distributed.cp_kernels.CPKernel` under CP, chosen at init
 
     # ---------------------------------------------------------------- build
@@ -113,7 +97,7 @@ class FSDPBackend:
     # ---------------------------------------------------------------- forward
     def forward_pack(self, model, pack, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response-space `(logp [R], entropy [R] | None)` of one packed micro-batch."""
-        if self._asleep:
+        if self._parking.asleep:
             raise ValueError("the backend is asleep (its device memory is released); call wake_up() first")
         dev = self.env.device
         if self.env.cp_size > 1:
@@ -277,7 +261,7 @@ class FSDPBackend:
         """
         if self.ref is None:
             raise ValueError("update_ref() needs a reference model; set FSDPConfig.ref_model")
-        if self._asleep:
+        if self._parking.asleep:
             raise ValueError("the backend is asleep (its device memory is released); call wake_up() first")
         t0 = time.perf_counter()
         self.model.reshard()  # registered params must be the sharded ones
@@ -366,32 +350,12 @@ class FSDPBackend:
 
     def sleep(self) -> dict:
         """Park params, grads and optimizer state in host memory; the device copies are freed."""
-        if self._asleep:
-            raise ValueError("sleep() called twice; call wake_up() first")
-        t0 = time.perf_counter()
-        self.model.reshard()  # registered params must be the sharded ones
-        allocated = self._allocated()
-        moved = self._stash.offload(self.state_tensors(), self.env.device)
-        self._asleep = True
-        gc.collect()
-        if self.env.device.type == "cuda":
-            torch.cuda.empty_cache()
-        barrier(self.env)
-        return {
-            "memory/sleep_moved_bytes": float(moved),
-            "memory/freed_bytes": float(allocated - self._allocated()) if allocated is not None else float(moved),
-            "perf/sleep_time": time.perf_counter() - t0,
-        }
+        if not self._parking.asleep:
+            self.model.reshard()  # registered params must be the sharded ones
+        return self._parking.park(self.state_tensors(), self.env.device, lambda: barrier(self.env))
 
     def wake_up(self) -> dict:
-        t0 = time.perf_counter()
-        restored = self._stash.restore()
-        self._asleep = False
-        barrier(self.env)
-        return {"memory/wake_restored_bytes": float(restored), "perf/wake_up_time": time.perf_counter() - t0}
-
-    def _allocated(self) -> int | None:
-        return torch.cuda.memory_allocated(self.env.device) if self.env.device.type == "cuda" else None
+        return self._parking.unpark(lambda: barrier(self.env))
 
 
 class _SumOverPeers(torch.autograd.Function):

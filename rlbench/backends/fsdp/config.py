@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 PARAM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 """`FSDPConfig.param_dtype` name -> the torch dtype's name."""
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
-"""Attention backends whose packed-sequence isolation is tested (`rlbench.backends.fsdp.attention` builds the masks)."""
+"""Attention backends whose packed-sequence isolation is tested (`rlbench.backends.attention` builds the masks)."""
 CP_ATTENTIONS = ("allgather", "ring_flash_llama3")
 """`FSDPConfig.cp_attention` kernels (`rlbench.distributed.cp_kernels`)."""
 

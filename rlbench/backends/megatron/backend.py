@@ -11,7 +11,6 @@ synced to the engine and exported in HF layout (`convert.py`).
 from __future__ import annotations
 
 import functools
-import gc
 import math
 import os
 import time
@@ -23,13 +22,12 @@ import torch.distributed as dist
 
 from rlbench.algorithms.logprobs import token_logprobs
 from rlbench.backends.base import LossFn, PackOutputs
-from rlbench.backends.fsdp.actor import to_device
+from rlbench.backends.export import buckets
 from rlbench.backends.fsdp.config import FSDPConfig
-from rlbench.backends.fsdp.offload import HostStash
-from rlbench.backends.fsdp.optim import lr_at
-from rlbench.backends.fsdp.weights import buckets
 from rlbench.backends.megatron import convert
 from rlbench.backends.megatron.config import MegatronConfig
+from rlbench.backends.offload import Parking, to_device
+from rlbench.backends.optim import lr_at
 from rlbench.distributed.mesh import DistEnv, barrier, init_distributed
 from rlbench.interrupts import defer_sigint, raise_if_interrupted
 
@@ -61,8 +59,7 @@ class MegatronBackend:
         self.env, self.loss_fn, self.temperature = env, loss_fn, temperature
         self.step = 0
         self.model = self.ref = self.optimizer = self.hf_config = self.layout = None
-        self._stash = HostStash()
-        self._asleep = False
+        self._parking = Parking()
 
     # ---------------------------------------------------------------- build
     def init(self) -> int:
@@ -170,7 +167,7 @@ class MegatronBackend:
     def _run(self, net, packs, per_pack, *, forward_only: bool) -> list:
         """megatron's schedule over `packs` (1F1B under PP); `per_pack(i, logp, ent) -> (loss, info)` runs on the
         last stage. Returns each pack's info, broadcast to every stage."""
-        if self._asleep:
+        if self._parking.asleep:
             raise ValueError("the backend is asleep (its device memory is released); call wake_up() first")
         self._check_same_count(len(packs))
         items = iter(range(len(packs)))
@@ -355,7 +352,7 @@ class MegatronBackend:
     def save(self, step: int | None = None, extra: dict | None = None) -> str:
         """Atomic checkpoint under `cfg.checkpoint_dir`: each rank's model and optimizer shard (rank{r}.pt), the
         layout (resumed only on the same tp/pp/world), `extra` files from rank 0; the FSDP backend's commit."""
-        from rlbench.backends.fsdp.checkpoint import clean_stale, commit, iter_dir
+        from rlbench.backends.checkpoint import clean_stale, commit, iter_dir
 
         root, step = self._checkpoint_root(), self.step if step is None else step
         final, tmp = iter_dir(root, step), iter_dir(root, step) + ".tmp"
@@ -389,7 +386,7 @@ class MegatronBackend:
         return final
 
     def load(self, step: int | None = None) -> int:
-        from rlbench.backends.fsdp.checkpoint import committed_dir, latest_step
+        from rlbench.backends.checkpoint import committed_dir, latest_step
 
         root = self._checkpoint_root()
         step = latest_step(root) if step is None else step
@@ -429,24 +426,10 @@ class MegatronBackend:
 
     def sleep(self) -> dict:
         """Park params, grad buffers, fp32 main params and Adam state in host memory (bit-exact round trip)."""
-        if self._asleep:
-            raise ValueError("sleep() called twice; call wake_up() first")
-        t0 = time.perf_counter()
-        moved = self._stash.offload(self.state_tensors(), self.env.device)
-        self._asleep = True
-        gc.collect()
-        if self.env.device.type == "cuda":
-            torch.cuda.empty_cache()
-        barrier(self.env)
-        return {"memory/sleep_moved_bytes": float(moved), "memory/freed_bytes": float(moved),
-                "perf/sleep_time": time.perf_counter() - t0}
+        return self._parking.park(self.state_tensors(), self.env.device, lambda: barrier(self.env))
 
     def wake_up(self) -> dict:
-        t0 = time.perf_counter()
-        restored = self._stash.restore()
-        self._asleep = False
-        barrier(self.env)
-        return {"memory/wake_restored_bytes": float(restored), "perf/wake_up_time": time.perf_counter() - t0}
+        return self._parking.unpark(lambda: barrier(self.env))
 
 
 def _finalize_without_token_scaling(finalize, model, num_tokens=None, **kwargs):

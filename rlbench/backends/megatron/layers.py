@@ -34,7 +34,7 @@ def _mask(kind: str, cu_seqlens: torch.Tensor, t: int):
         idx = torch.arange(t, device=docs.device)
         mask = (docs[:, None] == docs[None, :]) & (idx[None, :] <= idx[:, None])  # [t, t] query x key
     else:
-        from rlbench.backends.fsdp.attention import document_block_mask
+        from rlbench.backends.attention import document_block_mask
 
         positions = torch.arange(t, device=docs.device) - cu_seqlens.long()[docs]  # restart per slot
         mask = document_block_mask(positions)

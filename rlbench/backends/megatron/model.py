@@ -118,8 +118,8 @@ def build_gpt(hf: PretrainedConfig, config, device: torch.device):
 
 def hf_state_dict(name: str, fcfg: FSDPConfig, device: torch.device) -> tuple[dict, PretrainedConfig]:
     """The full HF state dict of a model directory, or a preset's random init drawn as the FSDP backend draws it
-    (`rlbench.backends.fsdp.model.random_init`, same seed), so both backends start from the same weights."""
-    from rlbench.backends.fsdp.model import load_hf_weights, model_config, random_init
+    (`rlbench.backends.hf_weights.random_init`, same seed), so both backends start from the same weights."""
+    from rlbench.backends.hf_weights import load_hf_weights, model_config, random_init
     from rlbench.models.build import params_on_meta
 
     hf = model_config(name, fcfg.model_overrides)

@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from rlbench.backends.fsdp.resume import (
+from rlbench.backends.resume import (
     apply_optim_config,
     check_dcp_shapes,
     check_model_config,

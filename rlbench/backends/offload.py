@@ -9,6 +9,11 @@ and optimizer key stays the same, and the round trip is bit-exact by constructio
 
 from __future__ import annotations
 
+import dataclasses
+import gc
+import time
+from typing import Any
+
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
@@ -29,6 +34,56 @@ def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> 
         for state in optimizer.state.values():
             out.extend(_local(v) for v in state.values() if isinstance(v, torch.Tensor))
     return out
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """Move a tensor, or the tensor fields of a dataclass / dict, to `device` (other values unchanged). Host
+    tensors go to a GPU through pinned memory: an asynchronous copy from pageable memory may wait for the stream."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type == "cpu" and torch.device(device).type == "cuda" and not obj.is_pinned():
+            obj = obj.pin_memory()
+        return obj.to(device, non_blocking=True)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+class Parking:
+    """A backend's sleep / wake_up: its training state parked in host memory between colocated turns.
+
+    Both backends call `park(tensors, device, barrier)` from `sleep()` and `unpark(barrier)` from `wake_up()`;
+    `asleep` guards the methods that need the state on the device.
+    """
+
+    def __init__(self) -> None:
+        self.stash = HostStash()
+        self.asleep = False
+
+    def park(self, tensors: list[torch.Tensor], device: torch.device, barrier) -> dict[str, float]:
+        """Copy `tensors`' storages to host memory and free them; `barrier()` after. Returns memory/perf metrics."""
+        if self.asleep:
+            raise ValueError("sleep() called twice; call wake_up() first")
+        t0 = time.perf_counter()
+        allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+        moved = self.stash.offload(tensors, device)
+        self.asleep = True
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        barrier()
+        freed = allocated - torch.cuda.memory_allocated(device) if allocated is not None else moved
+        return {"memory/sleep_moved_bytes": float(moved), "memory/freed_bytes": float(freed),
+                "perf/sleep_time": time.perf_counter() - t0}
+
+    def unpark(self, barrier) -> dict[str, float]:
+        """Bring the parked storages back (bit-exact); `barrier()` after. Returns memory/perf metrics."""
+        t0 = time.perf_counter()
+        restored = self.stash.restore()
+        self.asleep = False
+        barrier()
+        return {"memory/wake_restored_bytes": float(restored), "perf/wake_up_time": time.perf_counter() - t0}
 
 
 class HostStash:
