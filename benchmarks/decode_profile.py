@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from rollout import profile_step, weight_bytes  # noqa: E402
 
-from rlbench.engine.config import MegakernelConfig, TorchEngineConfig  # noqa: E402
+from rlbench.configs.engine import MegakernelConfig, TorchEngineConfig  # noqa: E402
 from rlbench.engine.torch_engine import TorchEngine, bucket  # noqa: E402
 from rlbench.models import build_model  # noqa: E402
 

@@ -164,7 +164,7 @@ def rlbench_config(w: Workload, model_dir: str, workdir: str, rollouts: int, var
     defaults let the memory plan decide); "true_on_policy": the defaults with `true_on_policy_mode=True`."""
     fast = variant == "fast"
     from rlbench import presets
-    from rlbench.config import EvalConfig, LoggingConfig
+    from rlbench.configs import EvalConfig, LoggingConfig
     from rlbench.data import write_jsonl
 
     data_path = os.path.join(workdir, "prompts.jsonl")

@@ -11,8 +11,8 @@ import argparse
 
 import torch
 
+from rlbench.configs.engine import STAGE_SYNC, MegakernelConfig, TorchEngineConfig
 from rlbench.engine import megakernel
-from rlbench.engine.config import STAGE_SYNC, MegakernelConfig, TorchEngineConfig
 from rlbench.engine.kv_cache import CacheShape, KVCache
 from rlbench.engine.runner import ModelRunner
 from rlbench.models import build_model

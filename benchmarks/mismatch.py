@@ -54,8 +54,8 @@ import torch
 
 from rlbench import presets
 from rlbench.algorithms import MISConfig
-from rlbench.config import LoggingConfig
-from rlbench.engine.config import WEIGHT_FORMATS
+from rlbench.configs import LoggingConfig
+from rlbench.configs.engine import WEIGHT_FORMATS
 from rlbench.sft import SFTConfig, run_sft
 from rlbench.trainer import Trainer
 

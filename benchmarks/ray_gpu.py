@@ -55,7 +55,7 @@ def digit_reward(response: str, label) -> float:
 def run_config(args):
     """The RunConfig of every mode (only the cluster differs)."""
     from rlbench import presets
-    from rlbench.config import EvalConfig, WeightSyncConfig
+    from rlbench.configs import EvalConfig, WeightSyncConfig
     from rlbench.metrics import LoggingConfig
     from rlbench.rewards import REWARDS
 
@@ -82,7 +82,7 @@ def median(history: list[dict], key: str, warmup: int) -> float:
 
 
 def bench_mode(mode: str, args) -> dict:
-    from rlbench.orchestration.ray_config import ClusterConfig
+    from rlbench.configs.cluster import ClusterConfig
     from rlbench.orchestration.ray_trainer import RayTrainer
 
     start = time.perf_counter()

@@ -20,7 +20,7 @@ import os
 import random
 import time
 
-from rlbench.config import RolloutConfig
+from rlbench.configs import RolloutConfig
 from rlbench.data import build_tokenizer
 from rlbench.engine.protocol import Generation
 from rlbench.rollout.manager import RolloutManager

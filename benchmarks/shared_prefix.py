@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from rlbench.engine.config import TorchEngineConfig
+from rlbench.configs.engine import TorchEngineConfig
 from rlbench.engine.protocol import SamplingParams
 from rlbench.engine.torch_engine import TorchEngine
 from rlbench.models import build_model

@@ -26,7 +26,7 @@ import torch
 
 from rlbench.backends.attention import document_block_mask
 from rlbench.backends.fsdp.actor import FSDPBackend
-from rlbench.backends.fsdp.config import FSDPConfig, OptimConfig
+from rlbench.configs.backend import FSDPConfig, OptimConfig
 from rlbench.packing.pack import pack_samples
 from rlbench.types import Sample
 

@@ -35,7 +35,7 @@ import time
 import torch
 
 from rlbench import presets
-from rlbench.config import EvalConfig, LoggingConfig
+from rlbench.configs import EvalConfig, LoggingConfig
 from rlbench.data import write_jsonl
 from rlbench.metrics import NUMERICS_MODES, STEP_COST_KEYS
 from rlbench.rewards import REWARDS

@@ -14,7 +14,7 @@ import importlib
 
 __all__ = ["RunConfig", "Trainer", "build_trainer", "presets"]
 
-_LAZY = {"Trainer": ("rlbench.trainer", "Trainer"), "RunConfig": ("rlbench.config", "RunConfig"),
+_LAZY = {"Trainer": ("rlbench.trainer", "Trainer"), "RunConfig": ("rlbench.configs", "RunConfig"),
          "build_trainer": ("rlbench.orchestration", "build_trainer"), "presets": ("rlbench.presets", None)}
 
 

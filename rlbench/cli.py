@@ -102,7 +102,7 @@ flags are applied after, as for `rlbench train`."""
 
 
 def _section_types() -> dict[str, type]:
-    from rlbench.config import RunConfig
+    from rlbench.configs import RunConfig
 
     hints = typing.get_type_hints(RunConfig)
     out = {"": RunConfig}

@@ -18,7 +18,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from rlbench.config import LoggingConfig
+from rlbench.configs import LoggingConfig
 
 STEP_COST_KEYS = {"rollout_tokens_per_s": "perf/rollout_tokens_per_sec", "rollout_time_s": "perf/rollout_time",
                   "logprob_time_s": "perf/log_probs_time", "train_time_s": "perf/train_time",

@@ -19,7 +19,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from rlbench.config import (
+from rlbench.configs import (
     BatchConfig,
     CheckpointConfig,
     DataConfig,

@@ -45,7 +45,7 @@ from rlbench.packing import num_micro_batches
 from rlbench.packing.pack import Pack, make_step_packs
 
 if TYPE_CHECKING:
-    from rlbench.config import BatchConfig, LossConfig
+    from rlbench.configs import BatchConfig, LossConfig
     from rlbench.types import Sample
 
 StepTensors = list[list[torch.Tensor]]  # [optimizer step][micro-batch] -> [R]

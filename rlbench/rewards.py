@@ -24,7 +24,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rlbench.config import REWARD_NAMES, check_rm_type, did_you_mean
+from rlbench.configs.checks import did_you_mean
+from rlbench.configs.rollout import REWARD_NAMES, check_rm_type
 from rlbench.data.tasks import is_int, last_boxed, verify_countdown
 
 RewardFn = Callable[[str, Any], float]
@@ -71,7 +72,7 @@ def countdown_reward(response: str, label: Any) -> float:
 
 
 REWARDS: dict[str, RewardFn] = {"math": math_reward, "exact": exact_reward, "countdown": countdown_reward}
-assert tuple(REWARDS) == REWARD_NAMES, "rlbench.config.REWARD_NAMES lists the registry (configs check names with it)"
+assert tuple(REWARDS) == REWARD_NAMES, "rlbench.configs.rollout.REWARD_NAMES lists the registry (configs check names with it)"
 
 
 def get_reward_fn(rm_type: str | RewardFn) -> RewardFn:

@@ -31,7 +31,7 @@ import torch
 from rlbench.algorithms import compute_advantages
 from rlbench.backends.checkpoint import TRACKER, committed_dir, committed_steps, latest_step
 from rlbench.compile_cache import compile_seconds, use_compile_cache
-from rlbench.config import RunConfig
+from rlbench.configs import RunConfig
 from rlbench.interrupts import defer_sigint
 from rlbench.memory_plan import memory_plan
 from rlbench.metrics import MetricsLogger, build_sinks, to_floats

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlbench.config import WeightSyncConfig
+from rlbench.configs import WeightSyncConfig
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -36,7 +36,7 @@ class InProcessTransport:
 
 
 TRANSPORTS: dict[str, type] = {"in_process": InProcessTransport}
-"""Transport name -> class; the names are `rlbench.config.WEIGHT_TRANSPORTS` (what the config accepts)."""
+"""Transport name -> class; the names are `rlbench.configs.weights.WEIGHT_TRANSPORTS` (what the config accepts)."""
 
 
 @dataclass

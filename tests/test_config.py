@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from rlbench.config import (
+from rlbench.configs import (
     BatchConfig,
     CheckpointConfig,
     ClusterConfig,

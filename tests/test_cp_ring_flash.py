@@ -88,7 +88,7 @@ def test_missing_packages_name_the_pip_packages(fresh_loader, monkeypatch, tmp_p
 
 
 def test_config_validates_the_cp_attention():
-    from rlbench.backends.fsdp.config import FSDPConfig
+    from rlbench.configs.backend import FSDPConfig
 
     cfg = FSDPConfig(device="cuda", cp_size=2, cp_attention="ring_flash_llama3")
     assert (cfg.cp_attention, cfg.attention, cfg.compiled) == ("ring_flash_llama3", "flex_attention", False)
@@ -106,7 +106,7 @@ def test_config_validates_the_cp_attention():
 
 
 def test_kernel_registry_matches_the_config_names():
-    from rlbench.backends.fsdp.config import CP_ATTENTIONS
+    from rlbench.configs.backend import CP_ATTENTIONS
     from rlbench.distributed import cp_kernels
 
     assert sorted(cp_kernels._KERNELS) == sorted(CP_ATTENTIONS)
@@ -123,7 +123,7 @@ def make_packs(samples, cp: int) -> list:
 
 def ring_config(cp: int, **kw):
     """An fp32 CPU config with the ring kernel: set after validation, which (rightly) asks for CUDA and bf16."""
-    from rlbench.backends.fsdp.config import FSDPConfig, OptimConfig
+    from rlbench.configs.backend import FSDPConfig, OptimConfig
 
     cfg = FSDPConfig(model="tiny", device="cpu", param_dtype="fp32", cp_size=cp, with_entropy=True,
                      optim=OptimConfig(lr=LR, eps=EPS, clip_grad=100.0), **kw)

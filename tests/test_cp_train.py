@@ -92,7 +92,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     import torch.distributed as dist
 
     from rlbench.backends.fsdp.actor import FSDPBackend
-    from rlbench.backends.fsdp.config import FSDPConfig, OptimConfig
+    from rlbench.configs.backend import FSDPConfig, OptimConfig
     from rlbench.distributed import init_distributed
 
     samples = make_samples()
@@ -192,7 +192,7 @@ def test_params_match_cp1_and_cp_peers_agree(results, run):
 
 
 def test_config_rejects_cp_with_batch_invariant_or_flash():
-    from rlbench.backends.fsdp.config import FSDPConfig
+    from rlbench.configs.backend import FSDPConfig
 
     with pytest.raises(ValueError, match="batch_invariant"):
         FSDPConfig(device="cpu", cp_size=2, batch_invariant=True)
@@ -212,7 +212,7 @@ def test_kv_head_chunks_and_recompute_change_only_the_schedule(results):
 
 
 def test_kv_head_chunk_is_validated():
-    from rlbench.backends.fsdp.config import FSDPConfig
+    from rlbench.configs.backend import FSDPConfig
 
     with pytest.raises(ValueError, match="cp_kv_head_chunk=0 must be >= 1"):
         FSDPConfig(device="cpu", cp_size=2, cp_kv_head_chunk=0)

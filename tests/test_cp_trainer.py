@@ -20,10 +20,10 @@ import torch
 from dist_utils import local_ray
 
 from rlbench import presets
-from rlbench.backends.fsdp.config import OptimConfig
-from rlbench.config import EvalConfig, WeightSyncConfig
+from rlbench.configs import EvalConfig, WeightSyncConfig
+from rlbench.configs.backend import OptimConfig
+from rlbench.configs.cluster import ClusterConfig
 from rlbench.metrics import LoggingConfig
-from rlbench.orchestration.ray_config import ClusterConfig
 from rlbench.rewards import REWARDS
 
 STEPS = 3

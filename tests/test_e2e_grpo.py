@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rlbench import presets
-from rlbench.backends.fsdp.config import OptimConfig
+from rlbench.configs.backend import OptimConfig
 from rlbench.sft import SFTConfig, run_sft
 from rlbench.trainer import Trainer
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlbench.configs.engine import WEIGHT_FORMATS
 from rlbench.engine import TorchEngine, TorchEngineConfig
-from rlbench.engine.config import WEIGHT_FORMATS
 from rlbench.engine.quantize import (
     E2M1_GRID,
     FORMATS,

@@ -74,7 +74,7 @@ def _worker(rank: int, root: str, port: int) -> None:
 
     from rlbench.backends import checkpoint as ckpt_mod
     from rlbench.backends.fsdp.actor import FSDPBackend
-    from rlbench.backends.fsdp.config import FSDPConfig, OptimConfig
+    from rlbench.configs.backend import FSDPConfig, OptimConfig
 
     hf = os.path.join(root, "hf")
     samples = make_samples()

@@ -42,7 +42,7 @@ def env():
 
 def _backend(env, **kw):
     from rlbench.backends.fsdp.actor import FSDPBackend
-    from rlbench.backends.fsdp.config import FSDPConfig, OptimConfig
+    from rlbench.configs.backend import FSDPConfig, OptimConfig
 
     cfg = FSDPConfig(model="small", device="cuda", optim=OptimConfig(lr=1e-4), **kw)
     b = FSDPBackend(cfg, env=env, loss_fn=_loss)

@@ -10,9 +10,9 @@ import torch
 
 from rlbench.algorithms.logprobs import token_logprobs
 from rlbench.backends.attention import document_block_mask, document_ids
-from rlbench.backends.fsdp.config import FSDPConfig, OptimConfig
 from rlbench.backends.offload import HostStash
 from rlbench.backends.optim import build_optimizer, init_optimizer_state, lr_at
+from rlbench.configs.backend import FSDPConfig, OptimConfig
 from rlbench.models import build_model
 from rlbench.packing.pack import pack_samples
 from rlbench.types import Sample
@@ -311,7 +311,7 @@ def test_bucketed_pack_lengths_bound_the_compiled_graphs(monkeypatch):
     from rlbench.algorithms import LossConfig
     from rlbench.backends.fsdp import model as fsdp_model
     from rlbench.backends.fsdp.actor import FSDPBackend
-    from rlbench.config import BatchConfig
+    from rlbench.configs import BatchConfig
     from rlbench.packing.pack import make_step_packs
     from rlbench.rank_step import RankStep
 

@@ -17,7 +17,7 @@ from dist_utils import megatron_world
 
 pytest.importorskip("megatron.core")
 
-from rlbench.backends.fsdp.config import FSDPConfig  # noqa: E402
+from rlbench.configs.backend import FSDPConfig  # noqa: E402
 from rlbench.experiments import EXPERIMENTS  # noqa: E402
 from rlbench.experiments import fsdp_vs_megatron as fvm  # noqa: E402
 
@@ -169,7 +169,7 @@ def test_cli_writes_a_result_the_notebook_loads(run, tmp_path, capsys):
 
 def test_two_gpu_layouts_run_on_ray():
     """`--gpus 2`: colocated Ray actors; FSDP at DP 2, megatron at TP 2 (or PP 2 with --pp 2), issue 32's runs."""
-    from rlbench.orchestration.ray_config import check_batch_layout
+    from rlbench.configs.cluster import check_batch_layout
 
     cfg = fvm.run_config("tiny", "/tmp/unused", gpus=2, sequence_parallel=True)
     assert cfg.cluster.backend == "ray" and cfg.cluster.actor_num_gpus_per_node == 2 and cfg.cluster.colocate

@@ -258,7 +258,7 @@ def test_released_weights_are_not_held_by_the_megakernel():
 
 
 def test_megakernel_config_takes_gluon_from_a_command_line():
-    from rlbench.engine.config import MegakernelConfig
+    from rlbench.configs.engine import MegakernelConfig
 
     assert MegakernelConfig(gluon=0).gluon is False
     assert MegakernelConfig(gluon=1).gluon is True

@@ -17,8 +17,8 @@ from dist_utils import free_port, megatron_world, spawn
 
 pytest.importorskip("megatron.core")
 
-from rlbench.backends.fsdp.config import FSDPConfig, OptimConfig  # noqa: E402
 from rlbench.backends.megatron import MegatronConfig  # noqa: E402
+from rlbench.configs.backend import FSDPConfig, OptimConfig  # noqa: E402
 from rlbench.packing.pack import pack_samples  # noqa: E402
 from rlbench.types import Sample  # noqa: E402
 

@@ -11,8 +11,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 from rlbench.backends.fsdp.actor import FSDPBackend  # noqa: E402
-from rlbench.backends.fsdp.config import FSDPConfig  # noqa: E402
 from rlbench.backends.megatron import MegatronBackend, MegatronConfig  # noqa: E402
+from rlbench.configs.backend import FSDPConfig  # noqa: E402
 from rlbench.packing.pack import pack_samples  # noqa: E402
 from rlbench.types import Sample  # noqa: E402
 

@@ -9,7 +9,7 @@ from the position ids). GPU (`pytest -m gpu`): the same three plus flash_attenti
 import pytest
 import torch
 
-from rlbench.backends.fsdp.config import ATTN_IMPLEMENTATIONS
+from rlbench.configs.backend import ATTN_IMPLEMENTATIONS
 from rlbench.models import build_model
 from rlbench.packing import pack_samples, pad_for_cp, unpack_tokens
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlbench.algorithms import LossConfig
-from rlbench.config import BatchConfig
+from rlbench.configs import BatchConfig
 from rlbench.rank_step import RankStep
 from rlbench.trainer import PEAK_FLOPS, Trainer, train_flops
 from rlbench.types import Sample

@@ -14,7 +14,7 @@ import torch
 from dist_utils import free_port, spawn
 
 from rlbench.algorithms import LossConfig, MISConfig
-from rlbench.config import BatchConfig
+from rlbench.configs import BatchConfig
 from rlbench.rank_step import RankStep, SingleRank
 from rlbench.types import Sample
 

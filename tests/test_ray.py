@@ -25,14 +25,14 @@ from dist_utils import local_ray
 from fake_sglang import write_sglang_package
 
 from rlbench import presets
-from rlbench.config import EvalConfig, RunConfig, SGLangEngineConfig, WeightSyncConfig
-from rlbench.data.config import DataConfig
-from rlbench.metrics import LoggingConfig
-from rlbench.orchestration.ray_config import (
+from rlbench.configs import EvalConfig, RunConfig, SGLangEngineConfig, WeightSyncConfig
+from rlbench.configs.cluster import (
     ClusterConfig,
     placement_plan,
     weight_group_ranks,
 )
+from rlbench.configs.data import DataConfig
+from rlbench.metrics import LoggingConfig
 from rlbench.orchestration.ray_dp import split_steps_by_dp
 from rlbench.orchestration.ray_weights import flatten_bucket, from_ipc, to_ipc, unflatten
 from rlbench.rewards import REWARDS
@@ -310,8 +310,8 @@ def test_not_enough_gpus_names_the_fix(ray_cluster):
 
 def test_build_trainer_picks_the_class_of_the_cluster_backend(tmp_path):
     import rlbench
+    from rlbench.configs.cluster import BACKENDS
     from rlbench.orchestration import TRAINERS, build_trainer, trainer_class
-    from rlbench.orchestration.ray_config import BACKENDS
     from rlbench.orchestration.ray_trainer import RayTrainer
     from rlbench.trainer import Trainer
 

@@ -8,7 +8,7 @@ import time
 import pytest
 from test_trainer_rollout import ScriptedEngine, _dataset
 
-from rlbench.config import RolloutConfig
+from rlbench.configs import RolloutConfig
 from rlbench.data import build_tokenizer
 from rlbench.rewards import REWARDS, RewardError, score_batch
 from rlbench.rollout.manager import RolloutManager
@@ -100,7 +100,7 @@ def test_rewards_a_worker_cannot_import_are_scored_inline(tmp_path, tok, monkeyp
         return 1.0
 
     monkeypatch.setitem(REWARDS, "runtime_reward", runtime_reward)
-    monkeypatch.setattr("rlbench.config.REWARD_NAMES", (*REWARDS,))
+    monkeypatch.setattr("rlbench.configs.rollout.REWARD_NAMES", (*REWARDS,))
     cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, rm_type="runtime_reward")
     mgr = RolloutManager(cfg, ReportingEngine(tok, str(tmp_path)), _data(tmp_path, tok), tok, reward_workers=1)
     mgr.engine.marks = str(tmp_path / "none")

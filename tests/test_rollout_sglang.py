@@ -14,11 +14,11 @@ import torch
 from fake_sglang import EMBED, GROUP_TIMEOUT_S, NORM, FakeSGLang, SchedulerDied, SchedulerProcess
 from safetensors.torch import save_file
 
-from rlbench.config import RunConfig, SGLangEngineConfig, WeightSyncConfig
-from rlbench.data.config import DataConfig
+from rlbench.configs import RunConfig, SGLangEngineConfig, WeightSyncConfig
+from rlbench.configs.cluster import ClusterConfig
+from rlbench.configs.data import DataConfig
 from rlbench.engine import SamplingParams, sglang_engine
 from rlbench.engine.sglang_engine import SGLangEngine, sglang_load_dtype, to_sglang_params
-from rlbench.orchestration.ray_config import ClusterConfig
 from rlbench.orchestration.ray_weights import (
     BroadcastGroup,
     announce,
@@ -502,7 +502,7 @@ def test_the_local_trainer_steps_with_sglang_colocated(tmp_path, monkeypatch):
     from fake_sglang import write_sglang_package
 
     from rlbench import presets
-    from rlbench.config import EvalConfig, LoggingConfig
+    from rlbench.configs import EvalConfig, LoggingConfig
     from rlbench.models import build_model
     from rlbench.trainer import Trainer
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from rlbench.config import EvalConfig, RolloutConfig
+from rlbench.configs import EvalConfig, RolloutConfig
 from rlbench.data import DataConfig, PromptDataset, build_tokenizer, make_arithmetic, write_jsonl
 from rlbench.engine.protocol import Generation
 from rlbench.metrics import pass_at_k

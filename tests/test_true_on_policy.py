@@ -209,7 +209,7 @@ def test_trainer_steps_log_exactly_zero_mismatch(tmp_path, monkeypatch, bypass, 
     from dataclasses import replace
 
     from rlbench import presets
-    from rlbench.config import EvalConfig
+    from rlbench.configs import EvalConfig
     from rlbench.rewards import REWARDS
     from rlbench.trainer import Trainer
 

@@ -31,7 +31,7 @@ def _worker(rank: int, root: str, port: int) -> None:
     import torch.distributed as dist
 
     from rlbench.backends.fsdp.actor import FSDPBackend
-    from rlbench.backends.fsdp.config import FSDPConfig
+    from rlbench.configs.backend import FSDPConfig
     from rlbench.distributed.mesh import init_distributed
 
     env = init_distributed("cpu")

@@ -42,7 +42,7 @@ def _char_reward(response: str, label) -> float:
 def batches(tmp_path_factory):
     """One scored rollout with recomputed log-probs per mode (default, true on-policy) of the tiny model."""
     from rlbench import presets
-    from rlbench.config import EvalConfig
+    from rlbench.configs import EvalConfig
     from rlbench.trainer import Trainer
 
     out = {}

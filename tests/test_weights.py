@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlbench.backends.export import named_weight_buckets
-from rlbench.config import WEIGHT_TRANSPORTS
+from rlbench.configs.weights import WEIGHT_TRANSPORTS
 from rlbench.engine import TorchEngine, TorchEngineConfig
 from rlbench.engine.protocol import SamplingParams
 from rlbench.models import build_model

@@ -1,8 +1,8 @@
 """RL algorithms as pure functions (torch only, no process groups): log-probs, advantages, policy losses,
 KL estimators, aggregation weights and train–inference mismatch correction. See docs/algorithms.md.
 
-Light on import (`config` is read by `rlbench.config`, hence by the CLI before it parses): each name loads
-its module, and torch with it, on first access.
+Light on import: each name loads its module, and torch with it, on first access (the configs, `LossConfig`
+and `MISConfig`, live in `rlbench.configs.loss`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ _MODULES = {
     "whiten": "advantages",
     "GlobalNorm": "aggregation",
     "loss_token_weights": "aggregation",
-    "LossConfig": "config",
-    "MISConfig": "config",
+    "LossConfig": "rlbench.configs.loss",
+    "MISConfig": "rlbench.configs.loss",
     "approx_kl": "kl",
     "linear_token_logprobs": "logprobs",
     "token_logprobs": "logprobs",
@@ -56,7 +56,8 @@ def __getattr__(name: str):
     target = _ALIASES.get(name, name)
     if target not in _MODULES:
         raise AttributeError(f"module 'rlbench.algorithms' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"rlbench.algorithms.{_MODULES[target]}"), target)
+    module = _MODULES[target]
+    return getattr(importlib.import_module(module if "." in module else f"rlbench.algorithms.{module}"), target)
 
 
 def __dir__() -> list[str]:

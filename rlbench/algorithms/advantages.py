@@ -24,8 +24,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from rlbench.configs.loss import LossConfig
+
 from .aggregation import zero_masked
-from .config import LossConfig
 from .kl import approx_kl
 
 

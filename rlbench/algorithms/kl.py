@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from .config import KL_TYPES
+from rlbench.configs.loss import KL_TYPES
 
 LOG_RATIO_CLAMP = 20.0  # low_var_kl: |logπ − logπ_ref| bound before exp (verl, miles)
 KL_CLAMP = 10.0  # low_var_kl: bound on the estimate (slime, verl)

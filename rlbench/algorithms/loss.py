@@ -21,6 +21,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from rlbench.configs.loss import LossConfig
+
 from .aggregation import (
     GlobalNorm,
     loss_token_weights,
@@ -28,7 +30,6 @@ from .aggregation import (
     sequence_metric_weights,
     zero_masked,
 )
-from .config import LossConfig
 from .kl import make_kl_fn
 from .mismatch import SEQUENCE_METRICS, compute_is_weights
 from .policy_loss import POLICY_LOSS_FNS, opsm_keep_mask

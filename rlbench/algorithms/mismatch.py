@@ -34,7 +34,7 @@ import torch
 from .aggregation import segment_masked_mean, segment_sum, zero_masked
 
 if TYPE_CHECKING:
-    from .config import LossConfig, MISConfig
+    from rlbench.configs.loss import LossConfig, MISConfig
 
 SAFETY_BOUND = 20.0  # clamp on log importance ratios before exp (as slime)
 

@@ -7,7 +7,7 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from rlbench.backends.fsdp.config import OptimConfig
+from rlbench.configs.backend import OptimConfig
 
 
 def lr_at(step: int, cfg: OptimConfig) -> float:

@@ -1,7 +1,7 @@
 """Prompt data: the char-level Qwen-style tokenizer, slime-layout prompt datasets and synthetic tasks.
 
-Light on import (`rlbench.data.config` is read by `rlbench.config`): each name loads its module on first
-access, so the tokenizer (transformers) is imported only when it is used.
+Light on import: each name loads its module on first access, so the tokenizer (transformers) is imported only
+when it is used (`DataConfig` lives in `rlbench.configs.data`).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 _MODULES = {
-    "DataConfig": "rlbench.data.config",
+    "DataConfig": "rlbench.configs.data",
     "PromptDataset": "rlbench.data.datasets",
     "PromptItem": "rlbench.data.datasets",
     "read_rows": "rlbench.data.datasets",

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from rlbench.data.config import DataConfig
+from rlbench.configs.data import DataConfig
 
 MAX_REPORTED = 10
 """Bad lines listed one by one in a data error (the rest are counted)."""

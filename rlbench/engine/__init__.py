@@ -9,7 +9,7 @@ factory. `SGLangEngine` (sglang_engine.py) adapts an SGLang server to the same c
 Light on import: the engines (and sglang) load on first attribute access.
 """
 
-from rlbench.engine.config import MegakernelConfig, TorchEngineConfig
+from rlbench.configs.engine import MegakernelConfig, TorchEngineConfig
 from rlbench.engine.protocol import Generation, RolloutEngine, SamplingParams, WeightBucket
 
 __all__ = [

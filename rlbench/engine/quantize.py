@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from rlbench.engine.config import WEIGHT_FORMATS
+from rlbench.configs.engine import WEIGHT_FORMATS
 
 FP8_E4M3_MAX = 448.0
 """Largest finite float8_e4m3fn value."""

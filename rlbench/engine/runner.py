@@ -29,9 +29,9 @@ import torch
 import torch._dynamo
 import torch.fx.experimental._config as fx_config
 
+from rlbench.configs.engine import TorchEngineConfig
 from rlbench.engine import megakernel
 from rlbench.engine.attention import KVContext, decode_attention, decode_mask, group_decode_mask
-from rlbench.engine.config import TorchEngineConfig
 from rlbench.engine.fused import LayerOps, fuse_layers, fused_layer_forward, hf_layer_forward
 from rlbench.engine.kv_cache import KVCache
 from rlbench.engine.sampling import greedy_tokens, logsumexp_rows, sample_tokens, token_hash

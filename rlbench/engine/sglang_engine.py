@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from rlbench.config import SGLangEngineConfig
+from rlbench.configs import SGLangEngineConfig
 from rlbench.engine.protocol import Generation, SamplingParams, WeightBucket, expand_seeds
 from rlbench.weights import DTYPE_NAMES, GROUP_NAME, LOAD_FORMAT, check_announcement
 

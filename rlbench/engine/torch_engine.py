@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlbench.configs.engine import TorchEngineConfig
 from rlbench.engine.attention import ATTN_NAME
-from rlbench.engine.config import TorchEngineConfig
 from rlbench.engine.kv_cache import CacheShape, KVCache, slot_bytes, slots_for_memory
 from rlbench.engine.protocol import Generation, SamplingParams, WeightBucket, expand_seeds
 from rlbench.engine.quantize import weight_rounder

@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from rlbench.algorithms.logprobs import token_logprobs
 from rlbench.backends.fsdp.actor import FSDPBackend, kept_logits
-from rlbench.backends.fsdp.config import FSDPConfig, OptimConfig
+from rlbench.configs.backend import FSDPConfig, OptimConfig
 from rlbench.distributed.cp_attention import CP_ATTN_NAME, CPContext, EmulatedCP, cp_attention_info
 from rlbench.distributed.mesh import init_distributed
 from rlbench.experiments.cp_oom_report import markdown, write_results

@@ -37,9 +37,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rlbench.backends.fsdp.config import ATTN_IMPLEMENTATIONS, CP_ATTENTIONS, PARAM_DTYPES, FSDPConfig
-from rlbench.backends.megatron.config import CORE_ATTENTIONS, RECOMPUTE_GRANULARITIES, MegatronConfig
-from rlbench.config import TRAIN_BACKENDS
+from rlbench.configs.backend import ATTN_IMPLEMENTATIONS, CP_ATTENTIONS, PARAM_DTYPES, FSDPConfig
+from rlbench.configs.megatron import CORE_ATTENTIONS, RECOMPUTE_GRANULARITIES, MegatronConfig
+from rlbench.configs.run import TRAIN_BACKENDS
 
 BACKENDS = TRAIN_BACKENDS
 """The backends compared (`RunConfig.train_backend` values)."""
@@ -233,7 +233,7 @@ def feature_table(*, live: bool = False, device: str = "cpu") -> list[dict[str, 
     row("TP / PP through the Trainer (one process)", "— (no TP / PP)",
         _cell(*run_accepts("megatron", megatron=MegatronConfig(tensor_model_parallel_size=2))),
         "RunConfig(train_backend='megatron', megatron=MegatronConfig(tensor_model_parallel_size=2))")
-    from rlbench.orchestration.ray_config import ClusterConfig
+    from rlbench.configs.cluster import ClusterConfig
 
     row("Ray cluster (several trainer ranks)",
         *(_cell(*run_accepts(b, cluster=ClusterConfig(backend="ray"))) for b in BACKENDS),
@@ -361,9 +361,9 @@ def run_config(model: str, workdir: str, *, device: str = "cpu", steps: int = 4,
     `gpus` > 1: a Ray cluster of that many colocated trainer ranks (one engine each): FSDP runs DP = gpus,
     megatron TP = `tp` (None: gpus / pp) x PP = `pp` (with `sequence_parallel`), DP = the rest."""
     from rlbench import presets
-    from rlbench.backends.megatron.config import MegatronConfig
-    from rlbench.config import EvalConfig
-    from rlbench.orchestration.ray_config import ClusterConfig
+    from rlbench.configs import EvalConfig
+    from rlbench.configs.cluster import ClusterConfig
+    from rlbench.configs.megatron import MegatronConfig
 
     if device == "cpu":
         cfg = presets.cpu_test(model=model, workdir=workdir, level=1, seed=seed, n_eval=16)

@@ -2,7 +2,7 @@
 
     trainer = rlbench.build_trainer(cfg)     # the Trainer class of cfg.cluster.backend, built
 
-Light on import (`ray_config` is read by `rlbench.config`): the trainer classes load when asked for.
+Light on import: the trainer classes load when asked for.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def _ray_trainer() -> type:
 
 
 TRAINERS: dict[str, Callable[[], type]] = {"local": _local_trainer, "ray": _ray_trainer}
-"""Cluster backend name (`ray_config.BACKENDS`) -> a loader of the Trainer class that runs it."""
+"""Cluster backend name (`rlbench.configs.cluster.BACKENDS`) -> a loader of the Trainer class that runs it."""
 
 
 def trainer_class(backend: str) -> type:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from rlbench.config import RunConfig, SGLangEngineConfig, TaskConfig
+from rlbench.configs import RunConfig, SGLangEngineConfig, TaskConfig
 from rlbench.data import PromptDataset, build_tokenizer, write_jsonl
 from rlbench.models import build_config, load_tokenizer
 from rlbench.models.build import materialize, params_on_meta
@@ -83,7 +83,7 @@ def build_engine(cfg: RunConfig, device: torch.device, tokenizer):
         from rlbench.engine.sglang_engine import SGLangEngine
 
         return SGLangEngine(sglang_config(cfg))
-    from rlbench.backends.fsdp.config import PARAM_DTYPES
+    from rlbench.configs.backend import PARAM_DTYPES
     from rlbench.engine.torch_engine import TorchEngine
 
     hf_config = hf_config_for(cfg.backend.model, cfg.backend.model_overrides)

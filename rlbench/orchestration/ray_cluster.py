@@ -17,7 +17,7 @@ import os
 import time
 from collections.abc import Sequence
 
-from rlbench.orchestration.ray_config import (
+from rlbench.configs.cluster import (
     ClusterConfig,
     check_engine_layout,
     placement_plan,

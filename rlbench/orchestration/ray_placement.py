@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rlbench.orchestration.ray_config import ClusterConfig, PlacementPlan
+from rlbench.configs.cluster import ClusterConfig, PlacementPlan
 
 # Every process sees every GPU; an actor finds its own through ray.get_gpu_ids() (as slime does), so CUDA IPC
 # handles and NCCL peers use one consistent device numbering. Except SGLang engine actors: they see only the

@@ -25,9 +25,9 @@ import concurrent.futures
 import numpy as np
 import torch
 
+from rlbench.configs.cluster import ClusterConfig, check_batch_layout
 from rlbench.orchestration.local import Components, build_data
 from rlbench.orchestration.ray_cluster import RayCluster, max_merge
-from rlbench.orchestration.ray_config import ClusterConfig, check_batch_layout
 from rlbench.orchestration.ray_dp import split_steps_by_dp
 from rlbench.rollout.manager import RolloutBatch
 from rlbench.trainer import Trainer

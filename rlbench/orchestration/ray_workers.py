@@ -19,7 +19,7 @@ import time
 import torch
 
 from rlbench.compile_cache import use_compile_cache
-from rlbench.orchestration.ray_config import ClusterConfig
+from rlbench.configs.cluster import ClusterConfig
 from rlbench.orchestration.ray_placement import gather, local_gpu_index
 from rlbench.orchestration.ray_weights import (
     BroadcastGroup,

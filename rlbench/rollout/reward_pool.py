@@ -28,7 +28,7 @@ import sys
 import threading
 from concurrent.futures import Future
 
-from rlbench.config import REWARD_NAMES
+from rlbench.configs.rollout import REWARD_NAMES
 from rlbench.rewards import RewardError
 
 Record = tuple  # (response, label, rm_type, prompt, index)

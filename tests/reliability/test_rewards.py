@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from rlbench.config import RolloutConfig
+from rlbench.configs import RolloutConfig
 from rlbench.metrics import ConsoleSink
 from rlbench.rewards import RewardError, score_batch
 from rlbench.trainer import Trainer

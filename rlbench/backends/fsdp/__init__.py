@@ -4,7 +4,7 @@ Light on import: `FSDPConfig` / `OptimConfig` come from config.py (no torch impo
 actor (transformers, torch.distributed) on first access.
 """
 
-from rlbench.backends.fsdp.config import FSDPConfig, OptimConfig
+from rlbench.configs.backend import FSDPConfig, OptimConfig
 
 __all__ = ["FSDPBackend", "FSDPConfig", "OptimConfig"]
 

@@ -20,10 +20,10 @@ from rlbench.backends.attention import document_block_mask
 from rlbench.backends.base import LossFn, PackOutputs
 from rlbench.backends.checkpoint import load_checkpoint, save_checkpoint
 from rlbench.backends.export import export_hf, named_weight_buckets
-from rlbench.backends.fsdp.config import FSDPConfig
 from rlbench.backends.fsdp.model import build_sharded_model
 from rlbench.backends.offload import Parking, state_tensors, to_device
 from rlbench.backends.optim import build_optimizer, build_scheduler, init_optimizer_state
+from rlbench.configs.backend import FSDPConfig
 from rlbench.distributed.mesh import DistEnv, barrier, init_distributed
 from rlbench.host_memory import retain_freed_host_memory
 from rlbench.interrupts import defer_sigint, raise_if_interrupted

@@ -17,8 +17,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from rlbench.backends.fsdp.config import FSDPConfig
 from rlbench.backends.hf_weights import load_hf_weights, model_config, random_init
+from rlbench.configs.backend import FSDPConfig
 from rlbench.distributed.mesh import DistEnv
 from rlbench.models.build import params_on_meta, restore_buffers
 

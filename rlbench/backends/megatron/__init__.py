@@ -3,7 +3,7 @@
 Light on import: `MegatronConfig` has no torch import; `MegatronBackend` (megatron-core) loads on first access.
 """
 
-from rlbench.backends.megatron.config import MegatronConfig
+from rlbench.configs.megatron import MegatronConfig
 
 __all__ = ["MegatronBackend", "MegatronConfig"]
 

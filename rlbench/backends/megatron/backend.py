@@ -23,11 +23,11 @@ import torch.distributed as dist
 from rlbench.algorithms.logprobs import token_logprobs
 from rlbench.backends.base import LossFn, PackOutputs
 from rlbench.backends.export import buckets
-from rlbench.backends.fsdp.config import FSDPConfig
 from rlbench.backends.megatron import convert
-from rlbench.backends.megatron.config import MegatronConfig
 from rlbench.backends.offload import Parking, to_device
 from rlbench.backends.optim import lr_at
+from rlbench.configs.backend import FSDPConfig
+from rlbench.configs.megatron import MegatronConfig
 from rlbench.distributed.mesh import DistEnv, barrier, init_distributed
 from rlbench.interrupts import defer_sigint, raise_if_interrupted
 

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from rlbench.backends.fsdp.config import FSDPConfig
 from rlbench.backends.megatron import convert
-from rlbench.backends.megatron.config import MegatronConfig
+from rlbench.configs.backend import FSDPConfig
+from rlbench.configs.megatron import MegatronConfig
 
 
 def transformer_config(hf: PretrainedConfig, mcfg: MegatronConfig, fcfg: FSDPConfig):

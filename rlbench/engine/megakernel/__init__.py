@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from rlbench.engine.config import MegakernelConfig
+from rlbench.configs.engine import MegakernelConfig
 from rlbench.engine.megakernel.host import DecodeMegakernel, default_stage_sync, unsupported
 
 

@@ -30,7 +30,7 @@ import warnings
 
 import torch
 
-from rlbench.engine.config import STAGE_SYNC
+from rlbench.configs.engine import STAGE_SYNC
 from rlbench.engine.megakernel import layout
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 
@@ -32,3 +33,39 @@ class DataConfig:
             raise ValueError(f"path={self.path!r} must end in .jsonl or .parquet")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"max_prompt_length={self.max_prompt_length} must be >= 1 or None")
+
+
+@dataclass
+class TaskConfig:
+    """A synthetic task whose train/eval jsonl files are generated before the run (if missing)."""
+
+    name: str = "arithmetic"
+    """Task name in `rlbench.data.tasks.TASKS` ("arithmetic" or "countdown")."""
+    level: int | None = 1
+    """Arithmetic difficulty level 1..4 (ignored by countdown)."""
+    n_train: int = 20000
+    """Rows drawn for training (held-out prompts are removed from them; = SFTConfig.num_train)."""
+    n_eval: int = 128
+    """Held-out prompts (= SFTConfig.num_eval: the same split as the SFT warm start)."""
+    seed: int = 0
+    """Generation seed (= SFTConfig.seed)."""
+    out_dir: str = "runs/data"
+    """Where the jsonl files are written."""
+
+    def __post_init__(self) -> None:
+        if self.name not in ("arithmetic", "countdown"):
+            raise ValueError(f"task name={self.name!r}; use 'arithmetic' or 'countdown'")
+        if self.n_train < 1 or self.n_eval < 1:
+            raise ValueError(f"n_train={self.n_train}, n_eval={self.n_eval} must both be >= 1")
+
+    def _stem(self) -> str:
+        level = f"-l{self.level}" if self.name == "arithmetic" else ""
+        return os.path.join(self.out_dir, f"{self.name}{level}-s{self.seed}")
+
+    @property
+    def train_path(self) -> str:
+        return f"{self._stem()}-train{self.n_train}.jsonl"
+
+    @property
+    def eval_path(self) -> str:
+        return f"{self._stem()}-eval{self.n_eval}.jsonl"
