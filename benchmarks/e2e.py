@@ -171,11 +171,12 @@ def rlbench_config(w: Workload, model_dir: str, workdir: str, rollouts: int, var
     write_jsonl([{"prompt": p, "label": "0"} for p in prompt_texts(w, rollouts)], data_path)
     base = presets.qwen3_0p6b_gpu(model=model_dir, workdir=workdir)
     backend = dataclasses.replace(base.backend, device=w.device, param_dtype=w.dtype,
-                                  gradient_checkpointing=w.gradient_checkpointing,
+                                  fsdp=dataclasses.replace(base.backend.fsdp, gradient_checkpointing=w.gradient_checkpointing),
                                   optim=dataclasses.replace(base.backend.optim, lr=w.lr))
     engine = dataclasses.replace(base.engine, max_seq_len=w.prompt_len + w.response_len + 16)
     if fast:
-        backend = dataclasses.replace(backend, attn_implementation="flex_attention", compile=True)
+        backend = dataclasses.replace(backend, fsdp=dataclasses.replace(backend.fsdp, attn_implementation="flex_attention",
+                                                                             compile=True))
         engine = dataclasses.replace(engine, compile=True)
     return base.replace(
         task=None, eval=EvalConfig(), logging=LoggingConfig(console=False), backend=backend, engine=engine,

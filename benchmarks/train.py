@@ -26,7 +26,7 @@ import torch
 
 from rlbench.backends.attention import document_block_mask
 from rlbench.backends.fsdp.actor import FSDPBackend
-from rlbench.configs.backend import FSDPConfig, OptimConfig
+from rlbench.configs.backend import FSDPOptions, OptimConfig, TrainConfig
 from rlbench.packing.pack import pack_samples
 from rlbench.types import Sample
 
@@ -152,11 +152,7 @@ def main() -> None:
     args = parse_args()
     if args.device == "cuda":
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    cfg = FSDPConfig(
-        model=args.preset, device=args.device, param_dtype=args.param_dtype, attn_implementation=args.attn,
-        gradient_checkpointing=not args.no_ac, checkpoint_every=args.ac_every, compile=args.compile, cpu_offload=args.cpu_offload,
-        batch_invariant=args.batch_invariant, optim=OptimConfig(lr=1e-6),
-    )
+    cfg = TrainConfig(model=args.preset, device=args.device, param_dtype=args.param_dtype, batch_invariant=args.batch_invariant, optim=OptimConfig(lr=1e-6), fsdp=FSDPOptions(attn_implementation=args.attn, gradient_checkpointing=not args.no_ac, checkpoint_every=args.ac_every, compile=args.compile, cpu_offload=args.cpu_offload))
     backend = FSDPBackend(cfg, loss_fn=loss_fn)
     t0 = time.perf_counter()
     backend.init()

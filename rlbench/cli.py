@@ -35,14 +35,14 @@ import types
 import typing
 from typing import Any
 
-# (section path, field) -> flag. Sections: data, backend, backend.optim, loss, rollout, batch, engine,
+# (section path, field) -> flag. Sections: data, backend, backend.optim, backend.fsdp, loss, rollout, batch, engine,
 # weights, eval, logging, checkpoint, task, and "" for RunConfig's own scalar fields.
 FLAG_NAMES: dict[tuple[str, str], str] = {
     ("backend", "model"): "--hf-checkpoint",
     ("backend", "ref_model"): "--ref-load",
     ("backend", "seed"): "--model-seed",
     ("backend", "cp_size"): "--context-parallel-size",
-    ("backend", "cpu_offload"): "--fsdp-cpu-offload",
+    ("backend.fsdp", "cpu_offload"): "--fsdp-cpu-offload",
     ("backend", "checkpoint_dir"): "--backend-checkpoint-dir",
     ("backend.optim", "lr_schedule"): "--lr-decay-style",
     ("backend.optim", "warmup_steps"): "--lr-warmup-iters",
@@ -79,12 +79,13 @@ FLAG_NAMES: dict[tuple[str, str], str] = {
     ("megatron", "attention"): "--megatron-attention",
 }
 # Sections whose field names are used bare (`--eps-clip`, `--global-batch-size`, `--lr`).
-BARE_SECTIONS = ("loss", "batch", "backend.optim", "rollout", "backend", "data", "cluster", "megatron", "")
-SKIP = {("loss", "mis"), ("backend", "model_overrides"), ("backend", "optim"),
+BARE_SECTIONS = ("loss", "batch", "backend.optim", "backend.fsdp", "rollout", "backend", "data", "cluster", "megatron", "")
+SKIP = {("loss", "mis"), ("backend", "model_overrides"), ("backend", "optim"), ("backend", "fsdp"),
+        ("backend", "batch_invariant"), ("engine", "batch_invariant"),  # both follow --true-on-policy-mode
         ("logging", "console_keys"), ("backend.optim", "betas"), ("", "task"), ("engine", "megakernel"),
         ("engine.megakernel", "sync"), ("engine.megakernel", "gluon"), ("engine.megakernel", "head")}
 # Nested sections: "parent.field" -> the dataclass held in that field.
-NESTED = ("backend.optim", "engine.megakernel")
+NESTED = ("backend.optim", "backend.fsdp", "engine.megakernel")
 
 PRESETS = ("cpu_demo", "cpu_test", "qwen3_0p6b_gpu")
 CPU_PRESETS = ("cpu_demo", "cpu_test")

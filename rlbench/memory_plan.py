@@ -117,7 +117,7 @@ def memory_plan(backend, engine, cfg, device: torch.device) -> MemoryPlan | None
     cache = engine.cache
     kv = tensor_bytes([*cache.k, *cache.v])
     tokens = largest_micro_batch(cfg)
-    ac = bool(cfg.backend.gradient_checkpointing)
+    ac = bool(cfg.backend.fsdp.gradient_checkpointing)
     est = micro_batch_bytes(backend.hf_config, tokens, checkpointing=ac)
     total = free = None
     if device.type == "cuda":

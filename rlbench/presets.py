@@ -24,7 +24,6 @@ from rlbench.configs import (
     CheckpointConfig,
     DataConfig,
     EvalConfig,
-    FSDPConfig,
     LoggingConfig,
     LossConfig,
     OptimConfig,
@@ -32,6 +31,7 @@ from rlbench.configs import (
     RunConfig,
     TaskConfig,
     TorchEngineConfig,
+    TrainConfig,
 )
 
 if TYPE_CHECKING:
@@ -106,9 +106,7 @@ def gpu_sft(preset: str = "qwen3-0.6b-shape", out: str | None = None, steps: int
 def _task_run(model: str, task: TaskConfig, *, device: str, param_dtype: str, workdir: str, **sections) -> RunConfig:
     """A GRPO run on a synthetic task; `sections` override whole sections."""
     rollout = sections.pop("rollout", RolloutConfig())
-    backend = FSDPConfig(
-        model=model, device=device, param_dtype=param_dtype, seed=task.seed, optim=sections.pop("optim", OptimConfig()),
-    )
+    backend = TrainConfig(model=model, device=device, param_dtype=param_dtype, seed=task.seed, optim=sections.pop("optim", OptimConfig()))
     parts = dict(
         data=DataConfig(path=task.train_path, input_key="prompt", label_key="label", seed=rollout.seed),
         backend=backend,
@@ -223,8 +221,7 @@ def quickstart(model: str, data: str, *, eval_data: str | None = None, workdir: 
                             max_response_len=max_response_len, rm_type="exact", temperature=1.0)
     return RunConfig(
         data=data_cfg,
-        backend=FSDPConfig(model=model, device=device, param_dtype="bf16" if gpu else "fp32",
-                           optim=OptimConfig(lr=1e-6 if gpu else 1e-5, betas=(0.9, 0.98), clip_grad=1.0)),
+        backend=TrainConfig(model=model, device=device, param_dtype="bf16" if gpu else "fp32", optim=OptimConfig(lr=1e-6 if gpu else 1e-5, betas=(0.9, 0.98), clip_grad=1.0)),
         rollout=rollout,
         batch=BatchConfig(global_batch_size=128 if gpu else 16, use_dynamic_batch_size=True,
                           max_tokens_per_gpu=max(16384 if gpu else 1024, max_seq_len), num_rollout=10),

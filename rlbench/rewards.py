@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rlbench.configs.checks import did_you_mean
-from rlbench.configs.rollout import REWARD_NAMES, check_rm_type
+from rlbench.configs.rollout import check_rm_type
 from rlbench.data.tasks import is_int, last_boxed, verify_countdown
 
 RewardFn = Callable[[str, Any], float]
@@ -72,7 +72,8 @@ def countdown_reward(response: str, label: Any) -> float:
 
 
 REWARDS: dict[str, RewardFn] = {"math": math_reward, "exact": exact_reward, "countdown": countdown_reward}
-assert tuple(REWARDS) == REWARD_NAMES, "rlbench.configs.rollout.REWARD_NAMES lists the registry (configs check names with it)"
+BUILTIN_REWARDS = tuple(REWARDS)
+"""The names REWARDS starts with (others may be registered at run time): `rlbench.configs.rollout.REWARD_NAMES`."""
 
 
 def get_reward_fn(rm_type: str | RewardFn) -> RewardFn:

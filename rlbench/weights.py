@@ -35,8 +35,6 @@ class InProcessTransport:
         engine.update_weights(buckets, version)
 
 
-TRANSPORTS: dict[str, type] = {"in_process": InProcessTransport}
-"""Transport name -> class; the names are `rlbench.configs.weights.WEIGHT_TRANSPORTS` (what the config accepts)."""
 
 
 @dataclass
@@ -115,7 +113,8 @@ class WeightSync:
         self.cfg = cfg
         self.backend = backend
         self.engine = engine
-        self.transport = TRANSPORTS[cfg.transport]()
+        # one process: buckets by reference; the Ray paths (CUDA IPC, NCCL broadcast) are rlbench.orchestration's
+        self.transport = InProcessTransport()
 
     def push(self, version: int) -> dict[str, float]:
         """Sync all weights and set the engine's version to `version`.

@@ -1,4 +1,4 @@
-"""FSDPConfig.cp_attention="ring_flash_llama3": rlbench's glue around ring-flash-attn's llama3 varlen kernel, on CPU.
+"""TrainConfig.cp_attention="ring_flash_llama3": rlbench's glue around ring-flash-attn's llama3 varlen kernel, on CPU.
 
 flash-attn has no CPU build, so the kernel module is a stand-in (tests/ring_flash_stub/ring_flash_attn: the
 prepare function's algorithm rewritten from the real source, the varlen function as SDPA over K/V all-gathered
@@ -88,21 +88,21 @@ def test_missing_packages_name_the_pip_packages(fresh_loader, monkeypatch, tmp_p
 
 
 def test_config_validates_the_cp_attention():
-    from rlbench.configs.backend import FSDPConfig
+    from rlbench.configs.backend import FSDPOptions, TrainConfig
 
-    cfg = FSDPConfig(device="cuda", cp_size=2, cp_attention="ring_flash_llama3")
-    assert (cfg.cp_attention, cfg.attention, cfg.compiled) == ("ring_flash_llama3", "flex_attention", False)
-    assert FSDPConfig(device="cpu", cp_size=2).cp_attention == "allgather"
+    cfg = TrainConfig(device="cuda", cp_size=2, fsdp=FSDPOptions(cp_attention="ring_flash_llama3"))
+    assert (cfg.fsdp.cp_attention, cfg.attention, cfg.compiled) == ("ring_flash_llama3", "flex_attention", False)
+    assert TrainConfig(device="cpu", cp_size=2).fsdp.cp_attention == "allgather"
     with pytest.raises(ValueError, match="cp_attention='ring'; use one of"):
-        FSDPConfig(device="cuda", cp_size=2, cp_attention="ring")
+        TrainConfig(device="cuda", cp_size=2, fsdp=FSDPOptions(cp_attention="ring"))
     with pytest.raises(ValueError, match="needs device='cuda'"):
-        FSDPConfig(device="cpu", cp_size=2, cp_attention="ring_flash_llama3")
+        TrainConfig(device="cpu", cp_size=2, fsdp=FSDPOptions(cp_attention="ring_flash_llama3"))
     with pytest.raises(ValueError, match="bf16/fp16 only"):
-        FSDPConfig(device="cuda", cp_size=2, param_dtype="fp32", cp_attention="ring_flash_llama3")
+        TrainConfig(device="cuda", cp_size=2, param_dtype="fp32", fsdp=FSDPOptions(cp_attention="ring_flash_llama3"))
     with pytest.warns(UserWarning, match="no effect with cp_size=1"):
-        FSDPConfig(device="cuda", cp_attention="ring_flash_llama3")
+        TrainConfig(device="cuda", fsdp=FSDPOptions(cp_attention="ring_flash_llama3"))
     with pytest.warns(UserWarning, match="cp_recompute has no effect"):
-        FSDPConfig(device="cuda", cp_size=2, cp_recompute=True, cp_attention="ring_flash_llama3")
+        TrainConfig(device="cuda", cp_size=2, fsdp=FSDPOptions(cp_recompute=True, cp_attention="ring_flash_llama3"))
 
 
 def test_kernel_registry_matches_the_config_names():
@@ -123,12 +123,12 @@ def make_packs(samples, cp: int) -> list:
 
 def ring_config(cp: int, **kw):
     """An fp32 CPU config with the ring kernel: set after validation, which (rightly) asks for CUDA and bf16."""
-    from rlbench.configs.backend import FSDPConfig, OptimConfig
+    from rlbench.configs.backend import FSDPOptions, OptimConfig, TrainConfig
 
-    cfg = FSDPConfig(model="tiny", device="cpu", param_dtype="fp32", cp_size=cp, with_entropy=True,
-                     optim=OptimConfig(lr=LR, eps=EPS, clip_grad=100.0), **kw)
+    cfg = TrainConfig(model="tiny", device="cpu", param_dtype="fp32", cp_size=cp, with_entropy=True,
+                      optim=OptimConfig(lr=LR, eps=EPS, clip_grad=100.0), fsdp=FSDPOptions(**kw))
     if cp > 1:
-        cfg.cp_attention = "ring_flash_llama3"
+        cfg.fsdp.cp_attention = "ring_flash_llama3"
     return cfg
 
 
@@ -207,4 +207,4 @@ def test_cli_flag_sets_the_cp_attention():
     argv = ["train", "--backend", "ray", "--actor-num-gpus-per-node", "2", "--context-parallel-size", "2",
             "--cp-attention", "ring_flash_llama3", "--device", "cuda", "--param-dtype", "bf16"]
     cfg = preset_config(build_parser().parse_args(argv))
-    assert (cfg.backend.cp_size, cfg.backend.cp_attention, cfg.backend.device) == (2, "ring_flash_llama3", "cuda")
+    assert (cfg.backend.cp_size, cfg.backend.fsdp.cp_attention, cfg.backend.device) == (2, "ring_flash_llama3", "cuda")

@@ -92,7 +92,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     import torch.distributed as dist
 
     from rlbench.backends.fsdp.actor import FSDPBackend
-    from rlbench.configs.backend import FSDPConfig, OptimConfig
+    from rlbench.configs.backend import FSDPOptions, OptimConfig, TrainConfig
     from rlbench.distributed import init_distributed
 
     samples = make_samples()
@@ -101,8 +101,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
         dp, cp = run[:2]
         env = init_distributed("cpu", cp_size=cp)
         assert env.dp_size == dp
-        cfg = FSDPConfig(model="tiny", device="cpu", param_dtype="fp32", cp_size=cp, with_entropy=True,
-                         optim=OptimConfig(lr=LR, eps=EPS, clip_grad=100.0), **(CHUNKED if "chunked" in run else {}))
+        cfg = TrainConfig(model="tiny", device="cpu", param_dtype="fp32", cp_size=cp, with_entropy=True, optim=OptimConfig(lr=LR, eps=EPS, clip_grad=100.0), fsdp=FSDPOptions(**(CHUNKED if "chunked" in run else {})))
         b = FSDPBackend(cfg, env=env, loss_fn=full_response_loss)
         b.init()
         packs = make_packs(samples, dp, env.dp_rank, cp)
@@ -118,7 +117,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
         out["local2"] = {n: p.to_local().clone() for n, p in b.model.named_parameters()}
         res[run] = out
     if world == 2:
-        bad = FSDPConfig(model="tiny", device="cpu", cp_size=2, cp_kv_head_chunk=3)
+        bad = TrainConfig(model="tiny", device="cpu", cp_size=2, fsdp=FSDPOptions(cp_kv_head_chunk=3))
         res["bad_chunk_error"] = _value_error(lambda: FSDPBackend(bad, env=env).init())
         # the last run's backend, asked for 1 pack on rank 0 and 2 on rank 1: an error on both, not a hang
         res["count_error"] = _value_error(lambda: b.compute_log_prob(packs[: 1 + rank]))
@@ -192,12 +191,12 @@ def test_params_match_cp1_and_cp_peers_agree(results, run):
 
 
 def test_config_rejects_cp_with_batch_invariant_or_flash():
-    from rlbench.configs.backend import FSDPConfig
+    from rlbench.configs.backend import FSDPOptions, TrainConfig
 
     with pytest.raises(ValueError, match="batch_invariant"):
-        FSDPConfig(device="cpu", cp_size=2, batch_invariant=True)
+        TrainConfig(device="cpu", cp_size=2, batch_invariant=True)
     with pytest.raises(ValueError, match="flash_attention_2"):
-        FSDPConfig(device="cuda", cp_size=2, attn_implementation="flash_attention_2")
+        TrainConfig(device="cuda", cp_size=2, fsdp=FSDPOptions(attn_implementation="flash_attention_2"))
 
 
 def test_kv_head_chunks_and_recompute_change_only_the_schedule(results):
@@ -212,12 +211,12 @@ def test_kv_head_chunks_and_recompute_change_only_the_schedule(results):
 
 
 def test_kv_head_chunk_is_validated():
-    from rlbench.configs.backend import FSDPConfig
+    from rlbench.configs.backend import FSDPOptions, TrainConfig
 
     with pytest.raises(ValueError, match="cp_kv_head_chunk=0 must be >= 1"):
-        FSDPConfig(device="cpu", cp_size=2, cp_kv_head_chunk=0)
+        TrainConfig(device="cpu", cp_size=2, fsdp=FSDPOptions(cp_kv_head_chunk=0))
     with pytest.warns(UserWarning, match="no effect with cp_size=1"):
-        FSDPConfig(device="cpu", cp_recompute=True)
+        TrainConfig(device="cpu", fsdp=FSDPOptions(cp_recompute=True))
 
 
 def test_kv_head_chunk_must_divide_the_kv_heads(results):
@@ -237,4 +236,4 @@ def test_cli_flags_set_the_cp_attention_fields():
             "--cp-kv-head-chunk", "1", "--cp-recompute"]
     args = build_parser().parse_args(argv)
     cfg = preset_config(args)
-    assert (cfg.backend.cp_size, cfg.backend.cp_kv_head_chunk, cfg.backend.cp_recompute) == (2, 1, True)
+    assert (cfg.backend.cp_size, cfg.backend.fsdp.cp_kv_head_chunk, cfg.backend.fsdp.cp_recompute) == (2, 1, True)

@@ -50,7 +50,7 @@ def run_cfg(workdir: str, cp: int):
         rollout=replace(cfg.rollout, rollout_batch_size=4, n_samples_per_prompt=4, max_response_len=8,
                         rm_type="cp_digits"),
         batch=replace(cfg.batch, global_batch_size=8, num_rollout=STEPS, max_tokens_per_gpu=64),
-        backend=replace(cfg.backend, cp_size=cp, checkpoint_format="full",
+        backend=replace(cfg.backend, cp_size=cp, fsdp=replace(cfg.backend.fsdp, checkpoint_format="full"),
                         optim=OptimConfig(lr=0.5, eps=1.0, betas=(0.9, 0.98))),
         loss=replace(cfg.loss, use_tis=True),
         engine=replace(cfg.engine, max_seq_len=48, num_slots=16),

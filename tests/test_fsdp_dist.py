@@ -74,13 +74,12 @@ def _worker(rank: int, root: str, port: int) -> None:
 
     from rlbench.backends import checkpoint as ckpt_mod
     from rlbench.backends.fsdp.actor import FSDPBackend
-    from rlbench.configs.backend import FSDPConfig, OptimConfig
+    from rlbench.configs.backend import FSDPOptions, OptimConfig, TrainConfig
 
     hf = os.path.join(root, "hf")
     samples = make_samples()
     res: dict = {}
-    cfg = FSDPConfig(model=hf, ref_model=hf, device="cpu", param_dtype="fp32", checkpoint_dir=os.path.join(root, "ckpt"),
-                     optim=OptimConfig(lr=LR, clip_grad=CLIP, weight_decay=0.01))
+    cfg = TrainConfig(model=hf, ref_model=hf, device="cpu", param_dtype="fp32", checkpoint_dir=os.path.join(root, "ckpt"), optim=OptimConfig(lr=LR, clip_grad=CLIP, weight_decay=0.01))
     b = FSDPBackend(cfg, loss_fn=reinforce_loss)
     b.init()
     packs_a, inputs_a = rank_split(samples, rank, 2)
@@ -159,7 +158,7 @@ def _worker(rank: int, root: str, port: int) -> None:
     res["step_after_nan"] = b.step
 
     # full-state-dict checkpoint format round trip
-    b.cfg.checkpoint_format, b.cfg.checkpoint_dir = "full", os.path.join(root, "ckpt_full")
+    b.cfg.fsdp.checkpoint_format, b.cfg.checkpoint_dir = "full", os.path.join(root, "ckpt_full")
     b.save(5)
     b.train(packs_a, inputs_a)
     b.load(5)
@@ -172,20 +171,18 @@ def _worker(rank: int, root: str, port: int) -> None:
     res["logp_export"] = [o.log_probs for o in b.compute_log_prob(packs_a)]
 
     # fsdp_cpu_offload actor (CPUOffloadPolicy; optimizer step on the CPU shards) gives the same step
-    off = FSDPBackend(FSDPConfig(model=hf, device="cpu", param_dtype="fp32", cpu_offload=True,
-                                 optim=OptimConfig(lr=LR, clip_grad=CLIP, weight_decay=0.01)), env=b.env, loss_fn=reinforce_loss)
+    off = FSDPBackend(TrainConfig(model=hf, device="cpu", param_dtype="fp32", optim=OptimConfig(lr=LR, clip_grad=CLIP, weight_decay=0.01), fsdp=FSDPOptions(cpu_offload=True)), env=b.env, loss_fn=reinforce_loss)
     off.init()
     off.train(packs_a, inputs_a)
     res["params1_offload"] = _snapshot(off)
 
     # bf16 mixed precision (bf16 compute, fp32 master weights and fp32 gradient reduction)
-    mixed = FSDPBackend(FSDPConfig(model=hf, device="cpu", param_dtype="bf16",
-                                   optim=OptimConfig(lr=LR, clip_grad=CLIP, weight_decay=0.01)), env=b.env, loss_fn=reinforce_loss)
+    mixed = FSDPBackend(TrainConfig(model=hf, device="cpu", param_dtype="bf16", optim=OptimConfig(lr=LR, clip_grad=CLIP, weight_decay=0.01)), env=b.env, loss_fn=reinforce_loss)
     mixed.init()
     res["step1_bf16"] = mixed.train(packs_a, inputs_a)
     res["params1_bf16"] = _snapshot(mixed)
     # random init from a preset (no checkpoint): compared with the unsharded init in the parent
-    rnd = FSDPBackend(FSDPConfig(model="tiny", device="cpu", param_dtype="fp32"), env=b.env)
+    rnd = FSDPBackend(TrainConfig(model="tiny", device="cpu", param_dtype="fp32"), env=b.env)
     rnd.init()
     res["random_init"] = _snapshot(rnd)
     torch.save(res, os.path.join(root, f"rank{rank}.pt"))
@@ -391,7 +388,7 @@ def test_random_init_is_world_size_invariant(runs):
     from rlbench.backends.hf_weights import random_init
 
     model = build_model("tiny", seed=5)
-    random_init(model, model.config, seed=1234, device=torch.device("cpu"))  # FSDPConfig's default seed
+    random_init(model, model.config, seed=1234, device=torch.device("cpu"))  # TrainConfig's default seed
     want = dict(model.named_parameters())
     got = runs[1][0]["random_init"]
     assert got.keys() == want.keys()

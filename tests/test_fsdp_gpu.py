@@ -42,9 +42,9 @@ def env():
 
 def _backend(env, **kw):
     from rlbench.backends.fsdp.actor import FSDPBackend
-    from rlbench.configs.backend import FSDPConfig, OptimConfig
+    from rlbench.configs.backend import OptimConfig, TrainConfig
 
-    cfg = FSDPConfig(model="small", device="cuda", optim=OptimConfig(lr=1e-4), **kw)
+    cfg = TrainConfig(model="small", device="cuda", optim=OptimConfig(lr=1e-4), **kw)
     b = FSDPBackend(cfg, env=env, loss_fn=_loss)
     b.init()
     return b

@@ -3,6 +3,7 @@ schedules, config validation, the host stash behind sleep/wake_up, and optimizer
 
 from __future__ import annotations
 
+import dataclasses as dc
 import math
 
 import pytest
@@ -12,7 +13,7 @@ from rlbench.algorithms.logprobs import token_logprobs
 from rlbench.backends.attention import document_block_mask, document_ids
 from rlbench.backends.offload import HostStash
 from rlbench.backends.optim import build_optimizer, init_optimizer_state, lr_at
-from rlbench.configs.backend import FSDPConfig, OptimConfig
+from rlbench.configs.backend import FSDPOptions, OptimConfig, TrainConfig
 from rlbench.models import build_model
 from rlbench.packing.pack import pack_samples
 from rlbench.types import Sample
@@ -92,21 +93,24 @@ def test_optim_config_validation(kwargs):
     ],
 )
 def test_fsdp_config_validation(kwargs):
+    own = {f.name for f in dc.fields(FSDPOptions)}
+    top = {k: v for k, v in kwargs.items() if k not in own}
+    fsdp = {k: v for k, v in kwargs.items() if k in own}
     with pytest.raises(ValueError, match=str(list(kwargs.values())[-1])):
-        FSDPConfig(**kwargs)
+        TrainConfig(**top, fsdp=FSDPOptions(**fsdp))
 
 
 def test_hub_kernels_refused_with_a_clear_message():
     with pytest.raises(ValueError, match="Hub kernels .* not supported.*flash_attention_2"):
-        FSDPConfig(device="cuda", attn_implementation="kernels-community/vllm-flash-attn3")
-    assert FSDPConfig(device="cuda", attn_implementation="flash_attention_2").attn_implementation == "flash_attention_2"
+        TrainConfig(device="cuda", fsdp=FSDPOptions(attn_implementation="kernels-community/vllm-flash-attn3"))
+    assert TrainConfig(device="cuda", fsdp=FSDPOptions(attn_implementation="flash_attention_2")).attention == "flash_attention_2"
 
 
 def test_ref_update_config_and_schedule():
     from rlbench.trainer import ref_update_due
 
     with pytest.raises(ValueError, match="needs a reference model; set ref_model"):
-        FSDPConfig(ref_update_interval=2)
+        TrainConfig(ref_update_interval=2)
 
     assert [r for r in range(10) if ref_update_due(3, r)] == [2, 5, 8]  # after every 3rd completed rollout
     assert [r for r in range(3) if ref_update_due(1, r)] == [0, 1, 2]
@@ -167,10 +171,7 @@ def _compiled_graphs(layers: int, compile: bool) -> tuple[int, list[torch.Tensor
 
     torch._dynamo.reset()
     counters.clear()
-    cfg = FSDPConfig(
-        model="tiny", device="cpu", param_dtype="fp32", gradient_checkpointing=True, compile=compile,
-        model_overrides={"num_hidden_layers": layers}, optim=OptimConfig(lr=1e-3),
-    )
+    cfg = TrainConfig(model="tiny", device="cpu", param_dtype="fp32", model_overrides={"num_hidden_layers": layers}, optim=OptimConfig(lr=1e-3), fsdp=FSDPOptions(gradient_checkpointing=True, compile=compile))
     seen = []
 
     def loss_fn(logp, ent, inputs):
@@ -283,16 +284,16 @@ def test_attention_and_compile_defaults_follow_the_device():
     re-resolves (nothing is frozen)."""
     import dataclasses as dc
 
-    cuda = FSDPConfig(device="cuda")
+    cuda = TrainConfig(device="cuda")
     assert (cuda.attention, cuda.compiled) == ("flex_attention", True)
     cpu = dc.replace(cuda, device="cpu")
     assert (cpu.attention, cpu.compiled) == ("sdpa", False)
-    assert FSDPConfig(device="cuda", batch_invariant=True).compiled is True
-    assert FSDPConfig(device="cuda", cp_size=2).compiled is False
-    explicit = FSDPConfig(device="cuda", attn_implementation="sdpa", compile=False)
+    assert TrainConfig(device="cuda", batch_invariant=True).compiled is True
+    assert TrainConfig(device="cuda", cp_size=2).compiled is False
+    explicit = TrainConfig(device="cuda", fsdp=FSDPOptions(attn_implementation="sdpa", compile=False))
     assert (explicit.attention, explicit.compiled) == ("sdpa", False)
     with pytest.raises(ValueError, match="needs device='cuda'"):
-        FSDPConfig(device="cpu", attn_implementation="flex_attention")
+        TrainConfig(device="cpu", fsdp=FSDPOptions(attn_implementation="flex_attention"))
 
 
 def test_bucketed_pack_lengths_bound_the_compiled_graphs(monkeypatch):
@@ -330,8 +331,7 @@ def test_bucketed_pack_lengths_bound_the_compiled_graphs(monkeypatch):
     torch._dynamo.reset()
     counters.clear()
     try:
-        cfg = FSDPConfig(model="tiny", ref_model="tiny", device="cpu", param_dtype="fp32", compile=True,
-                         optim=OptimConfig(lr=1e-3))
+        cfg = TrainConfig(model="tiny", ref_model="tiny", device="cpu", param_dtype="fp32", optim=OptimConfig(lr=1e-3), fsdp=FSDPOptions(compile=True))
         backend = FSDPBackend(cfg)
         backend.init()
         batch = BatchConfig(global_batch_size=6, use_dynamic_batch_size=True, max_tokens_per_gpu=512)
@@ -349,8 +349,9 @@ def test_bucketed_pack_lengths_bound_the_compiled_graphs(monkeypatch):
         samples = rollout()[0]
         plain, bucketed = (make_step_packs(samples, 1, 512, bucket=b)[0] for b in (False, True))
         results = []
-        for eager_cfg in ({"attn_implementation": "eager"}, {"batch_invariant": True}):
-            eager = FSDPBackend(dataclasses.replace(cfg, ref_model=None, compile=False, **eager_cfg))
+        for attn, invariant in (("eager", False), (None, True)):
+            eager = FSDPBackend(dataclasses.replace(cfg, ref_model=None, batch_invariant=invariant,
+                                                    fsdp=FSDPOptions(attn_implementation=attn, compile=False)))
             eager.init()
             results.append([eager.compute_log_prob([p])[0].log_probs for p in (bucketed, plain)])
         (got, want), (got_bi, want_bi) = results
@@ -376,8 +377,7 @@ def test_the_head_runs_on_response_rows_only_and_a_model_ignoring_logits_to_keep
     from rlbench.backends.fsdp.actor import FSDPBackend
 
     pack = pack_samples(SAMPLES, pad_multiple=8)
-    backend = FSDPBackend(FSDPConfig(model="tiny", device="cpu", param_dtype="fp32", compile=False,
-                                     attn_implementation="eager"))
+    backend = FSDPBackend(TrainConfig(model="tiny", device="cpu", param_dtype="fp32", fsdp=FSDPOptions(compile=False, attn_implementation="eager")))
     backend.init()
     try:
         with torch.no_grad():

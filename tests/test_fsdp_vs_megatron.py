@@ -17,7 +17,7 @@ from dist_utils import megatron_world
 
 pytest.importorskip("megatron.core")
 
-from rlbench.configs.backend import FSDPConfig  # noqa: E402
+from rlbench.configs.backend import TrainConfig  # noqa: E402
 from rlbench.experiments import EXPERIMENTS  # noqa: E402
 from rlbench.experiments import fsdp_vs_megatron as fvm  # noqa: E402
 
@@ -52,11 +52,11 @@ def test_feature_cells_are_the_backends_own_answers(features):
 
     assert list(next(iter(features.values()))) == list(fvm.FEATURE_COLUMNS)
     with pytest.raises(ValueError) as refused:
-        MegatronBackend(FSDPConfig(device="cpu", cp_size=2))
+        MegatronBackend(TrainConfig(device="cpu", cp_size=2))
     cp = features["context parallel (CP)"]
     assert cp["Megatron"].startswith(f"no ({refused.value})") and "TransformerEngine" in cp["Megatron"]
     assert cp["FSDP"] == "yes (kernels: allgather, ring_flash_llama3)"
-    assert features["tensor parallel (TP)"]["FSDP"] == "no (FSDPConfig has no tensor_model_parallel_size field)"
+    assert features["tensor parallel (TP)"]["FSDP"] == "no (TrainConfig has no tensor_model_parallel_size field)"
     assert features["tensor parallel (TP)"]["Megatron"] == "yes (TP=2 accepted)"
     assert features["param dtypes on CPU"]["Megatron"].startswith("fp32; not bf16, fp16 (megatron on CPU runs fp32")
     assert features["param dtypes on CUDA"]["Megatron"] == "bf16, fp16, fp32"

@@ -18,7 +18,7 @@ from dist_utils import free_port, megatron_world, spawn
 pytest.importorskip("megatron.core")
 
 from rlbench.backends.megatron import MegatronConfig  # noqa: E402
-from rlbench.configs.backend import FSDPConfig, OptimConfig  # noqa: E402
+from rlbench.configs.backend import FSDPOptions, OptimConfig, TrainConfig  # noqa: E402
 from rlbench.packing.pack import pack_samples  # noqa: E402
 from rlbench.types import Sample  # noqa: E402
 
@@ -61,9 +61,8 @@ def nan_loss(logp, ent, inputs):
     return loss * float("nan"), m
 
 
-def base_cfg(**kw) -> FSDPConfig:
-    return FSDPConfig(model="tiny", device="cpu", param_dtype="fp32", compile=False,
-                      optim=OptimConfig(lr=1e-3, weight_decay=0.01, clip_grad=1.0), **kw)
+def base_cfg(**kw) -> TrainConfig:
+    return TrainConfig(model="tiny", device="cpu", param_dtype="fp32", optim=OptimConfig(lr=1e-3, weight_decay=0.01, clip_grad=1.0), **kw, fsdp=FSDPOptions(compile=False))
 
 
 def weights(backend) -> dict[str, torch.Tensor]:
@@ -253,7 +252,7 @@ def test_settings_megatron_cannot_run_are_refused():
     from rlbench.backends.megatron import MegatronBackend
 
     with pytest.raises(ValueError, match="fp32"):
-        MegatronBackend(FSDPConfig(model="tiny", device="cpu", param_dtype="bf16"), MegatronConfig())
+        MegatronBackend(TrainConfig(model="tiny", device="cpu", param_dtype="bf16"), MegatronConfig())
     with pytest.raises(ValueError, match="TransformerEngine"):
         MegatronBackend(base_cfg(cp_size=2), MegatronConfig())
     with pytest.raises(ValueError, match="sequence_parallel=True needs tensor_model_parallel_size > 1"):

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 
 from rlbench.backends.fsdp.actor import FSDPBackend  # noqa: E402
 from rlbench.backends.megatron import MegatronBackend, MegatronConfig  # noqa: E402
-from rlbench.configs.backend import FSDPConfig  # noqa: E402
+from rlbench.configs.backend import FSDPOptions, TrainConfig  # noqa: E402
 from rlbench.packing.pack import pack_samples  # noqa: E402
 from rlbench.types import Sample  # noqa: E402
 
@@ -31,8 +31,7 @@ def _loss(logp, ent, inputs):
 @pytest.mark.parametrize("dtype,attn", [("fp32", "sdpa"), ("bf16", "flex"), ("bf16", "sdpa")])
 def test_megatron_matches_fsdp_on_gpu(dtype, attn):
     """Log-probs / entropy at T = 0.8 and two training steps (entropy term): fp32 to 1e-5, bf16 to bf16 rounding."""
-    cfg = FSDPConfig(model="small", device="cuda", param_dtype=dtype, with_entropy=True, compile=False,
-                     attn_implementation="sdpa" if attn == "sdpa" else "flex_attention")
+    cfg = TrainConfig(model="small", device="cuda", param_dtype=dtype, with_entropy=True, fsdp=FSDPOptions(compile=False, attn_implementation="sdpa" if attn == "sdpa" else "flex_attention"))
     mb = MegatronBackend(cfg, MegatronConfig(attention=attn), temperature=0.8)
     mb.init()
     fb = FSDPBackend(cfg, env=mb.env, temperature=0.8)

@@ -1,4 +1,4 @@
-"""Packed sequences must not attend to each other, with every attention backend FSDPConfig allows: logits of a
+"""Packed sequences must not attend to each other, with every attention backend TrainConfig allows: logits of a
 packed `[1, T]` forward (position_ids restarting per sequence, use_cache=False) equal the logits of each
 sequence run alone, and the same pack with one running position range (the negative control) does leak.
 

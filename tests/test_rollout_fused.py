@@ -8,7 +8,7 @@ from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from rlbench.engine import SamplingParams, TorchEngine, TorchEngineConfig
-from rlbench.engine.attention import DECODE_ATTENTION, decode_mask
+from rlbench.engine.attention import DECODE_ATTENTION_FNS, decode_mask
 from rlbench.engine.runner import ModelRunner
 from rlbench.models import build_model
 
@@ -93,7 +93,7 @@ def _reference_attention(q, keys, values, mask, scale):
     return torch.einsum("bkgl,bkld->bkgd", probs, values.double())
 
 
-@pytest.mark.parametrize("impl", sorted(DECODE_ATTENTION))
+@pytest.mark.parametrize("impl", sorted(DECODE_ATTENTION_FNS))
 @pytest.mark.parametrize("kv_len", [16, 96, 256])
 def test_decode_attention_equals_float64_reference(impl, kv_len):
     """GQA (4 query heads per KV head), strided cache slices, positions leaving masked tails of every length."""
@@ -104,7 +104,7 @@ def test_decode_attention_equals_float64_reference(impl, kv_len):
     q = torch.randn(b, n_kv, groups, hd, generator=g)
     positions = torch.tensor([0, kv_len - 1, kv_len // 2, 3, kv_len - 7])
     mask = decode_mask(positions, kv_len)
-    got = DECODE_ATTENTION[impl](q, keys, values, mask, hd**-0.5)
+    got = DECODE_ATTENTION_FNS[impl](q, keys, values, mask, hd**-0.5)
     want = _reference_attention(q, keys, values, mask, hd**-0.5)
     assert got.shape == (b, n_kv, groups, hd) and got.dtype == torch.float32
     assert (got.double() - want).abs().max() < 2e-6

@@ -219,7 +219,7 @@ def test_trainer_steps_log_exactly_zero_mismatch(tmp_path, monkeypatch, bypass, 
         true_on_policy_mode=True, eval=EvalConfig(), data=replace(cfg.data, metadata_key=None),
         rollout=replace(cfg.rollout, rm_type="chars", rollout_batch_size=4, max_response_len=10),
         batch=replace(cfg.batch, global_batch_size=16, num_rollout=3),
-        loss=replace(cfg.loss, use_rollout_logprobs=bypass), backend=replace(cfg.backend, compile=compiled))
+        loss=replace(cfg.loss, use_rollout_logprobs=bypass), backend=replace(cfg.backend, fsdp=replace(cfg.backend.fsdp, compile=compiled)))
     trainer = Trainer(cfg)
     weights = [p.detach().clone() for p in trainer.engine.model.parameters()][:3]
     for _ in range(3):

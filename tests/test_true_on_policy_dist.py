@@ -31,7 +31,7 @@ def _worker(rank: int, root: str, port: int) -> None:
     import torch.distributed as dist
 
     from rlbench.backends.fsdp.actor import FSDPBackend
-    from rlbench.configs.backend import FSDPConfig
+    from rlbench.configs.backend import TrainConfig
     from rlbench.distributed.mesh import init_distributed
 
     env = init_distributed("cpu")
@@ -39,8 +39,7 @@ def _worker(rank: int, root: str, port: int) -> None:
     for name in DTYPES:
         data = torch.load(os.path.join(root, f"gens_{name}.pt"), weights_only=False)
         samples = data["samples"]
-        backend = FSDPBackend(FSDPConfig(model=os.path.join(root, "hf"), device="cpu", param_dtype=name,
-                                         batch_invariant=True), env=env, temperature=TEMPERATURE)
+        backend = FSDPBackend(TrainConfig(model=os.path.join(root, "hf"), device="cpu", param_dtype=name, batch_invariant=True), env=env, temperature=TEMPERATURE)
         backend.init()
         mine = list(range(rank, len(samples), WORLD))
         packs = [pack_samples(samples, mine[k::2], pad_multiple=8) for k in range(2)]  # 2 micro-batches

@@ -6,11 +6,10 @@ import pytest
 import torch
 
 from rlbench.backends.export import named_weight_buckets
-from rlbench.configs.weights import WEIGHT_TRANSPORTS
 from rlbench.engine import TorchEngine, TorchEngineConfig
 from rlbench.engine.protocol import SamplingParams
 from rlbench.models import build_model
-from rlbench.weights import TRANSPORTS, WeightSync, WeightSyncConfig, checksum
+from rlbench.weights import WeightSync, WeightSyncConfig, checksum
 
 
 class PlainBackend:
@@ -100,8 +99,7 @@ def test_verify_detects_a_missed_tensor(models):
         sync.push(1)
 
 
-def test_every_transport_the_config_accepts_exists():
-    assert sorted(TRANSPORTS) == sorted(WEIGHT_TRANSPORTS)
+def test_weight_sync_dtype_names_torch_dtypes():
     assert WeightSyncConfig(dtype="bfloat16").torch_dtype is torch.bfloat16 and WeightSyncConfig().torch_dtype is None
 
 

@@ -126,7 +126,7 @@ def _seq_sum_constant(mask, seq_ids, n_seqs, norm):
     return mask / (norm.n_samples * norm.constant)
 
 
-_WEIGHT_FNS: dict[str, Callable] = {
+AGGREGATION_FNS: dict[str, Callable] = {
     "sample_mean": _sample_mean,
     "token_mean": _token_mean,
     "seq_sum_constant": _seq_sum_constant,
@@ -152,12 +152,12 @@ def loss_token_weights(
         `[R]` weights; zero where the mask is zero.
     """
     dtype = dtype or (torch.float64 if loss_mask.dtype == torch.float64 else torch.float32)
-    if mode not in _WEIGHT_FNS:
+    if mode not in AGGREGATION_FNS:
         raise ValueError(f"loss_aggregation={mode!r} is not one of {AGGREGATIONS}")
     seq_ids = seq_ids_from_lengths(seq_lengths, device=loss_mask.device)
     if seq_ids.numel() != loss_mask.numel():
         raise ValueError(f"seq_lengths sum to {seq_ids.numel()} but loss_mask has {loss_mask.numel()} entries")
-    return _WEIGHT_FNS[mode](loss_mask.to(dtype), seq_ids, len(seq_lengths), norm)
+    return AGGREGATION_FNS[mode](loss_mask.to(dtype), seq_ids, len(seq_lengths), norm)
 
 
 def sequence_metric_weights(

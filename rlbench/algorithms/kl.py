@@ -38,7 +38,7 @@ def _k3(d: torch.Tensor) -> torch.Tensor:
     return torch.expm1(-d) + d
 
 
-_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "k1": _k1,
     "k2": _k2,
     "k3": _k3,
@@ -62,16 +62,16 @@ def approx_kl(
         old_log_probs: `[R]` sampling-policy log-probs; when given, multiply by exp(logπ − logπ_old)
             (the unbiased KL).
     """
-    if kl_type not in _ESTIMATORS:
+    if kl_type not in KL_ESTIMATORS:
         raise ValueError(f"kl_type={kl_type!r} is not one of {KL_TYPES}")
     return make_kl_fn(kl_type, old_log_probs is not None)(log_probs, ref_log_probs, old_log_probs)
 
 
 def make_kl_fn(kl_type: str, unbiased: bool) -> Callable[..., torch.Tensor]:
     """Pick the estimator once: returns `fn(log_probs, ref_log_probs, old_log_probs) -> [R]`."""
-    if kl_type not in _ESTIMATORS:
+    if kl_type not in KL_ESTIMATORS:
         raise ValueError(f"kl_loss_type={kl_type!r} is not one of {KL_TYPES}")
-    est, clamp = _ESTIMATORS[kl_type], kl_type == "low_var_kl"
+    est, clamp = KL_ESTIMATORS[kl_type], kl_type == "low_var_kl"
 
     def kl_fn(log_probs, ref_log_probs, old_log_probs):
         d = log_probs - ref_log_probs

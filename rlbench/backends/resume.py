@@ -26,7 +26,7 @@ IGNORED_MODEL_FIELDS = frozenset({
     "_attn_implementation", "_attn_implementation_autoset", "attn_implementation", "use_cache", "_commit_hash",
     "output_attentions", "output_hidden_states", "return_dict", "torchscript", "_experts_implementation",
 })
-"""HF config keys that do not change the parameters or the function (dtype and kernels are FSDPConfig's)."""
+"""HF config keys that do not change the parameters or the function (dtype and kernels are TrainConfig's)."""
 
 
 class ResumeError(ValueError):

@@ -11,7 +11,7 @@ be built and validated without loading CUDA code (tests/test_imports.py checks i
     checkpoint.py  CheckpointConfig                            metrics.py   LoggingConfig
 """
 
-from rlbench.configs.backend import FSDPConfig, OptimConfig
+from rlbench.configs.backend import FSDPOptions, OptimConfig, TrainConfig
 from rlbench.configs.batch import BatchConfig
 from rlbench.configs.checkpoint import CheckpointConfig
 from rlbench.configs.cluster import ClusterConfig
@@ -26,7 +26,7 @@ from rlbench.configs.sglang import SGLangEngineConfig
 from rlbench.configs.weights import WeightSyncConfig
 
 __all__ = [
-    "BatchConfig", "CheckpointConfig", "ClusterConfig", "DataConfig", "EvalConfig", "FSDPConfig", "LoggingConfig",
+    "BatchConfig", "CheckpointConfig", "ClusterConfig", "DataConfig", "EvalConfig", "FSDPOptions", "LoggingConfig",
     "LossConfig", "MISConfig", "MegakernelConfig", "MegatronConfig", "OptimConfig", "RolloutConfig", "RunConfig",
-    "SGLangEngineConfig", "TaskConfig", "TorchEngineConfig", "WeightSyncConfig",
+    "SGLangEngineConfig", "TaskConfig", "TorchEngineConfig", "TrainConfig", "WeightSyncConfig",
 ]

@@ -1,10 +1,13 @@
-"""Typed configuration of the FSDP2 backend: model/sharding, optimizer and LR schedule.
+"""The training backends' settings: `TrainConfig` (what both backends share: model, precision, optimizer and
+schedule, CP size, checkpoints), its FSDP-only part `FSDPOptions` (nested, refused by megatron when set), and
+`OptimConfig`.
 
 No torch import at module level: a run config validates without loading torch (`torch_param_dtype` imports it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -13,11 +16,11 @@ if TYPE_CHECKING:
     import torch
 
 PARAM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-"""`FSDPConfig.param_dtype` name -> the torch dtype's name."""
+"""`TrainConfig.param_dtype` name -> the torch dtype's name."""
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 """Attention backends whose packed-sequence isolation is tested (`rlbench.backends.attention` builds the masks)."""
 CP_ATTENTIONS = ("allgather", "ring_flash_llama3")
-"""`FSDPConfig.cp_attention` kernels (`rlbench.distributed.cp_kernels`)."""
+"""`FSDPOptions.cp_attention` kernels (`rlbench.distributed.cp_kernels`)."""
 
 
 def check_attn_implementation(name: str, device: str) -> None:
@@ -75,8 +78,56 @@ class OptimConfig:
 
 
 @dataclass
-class FSDPConfig:
-    """The FSDP2 actor: which model, how it is sharded, computed and checkpointed."""
+class FSDPOptions:
+    """Settings only the FSDP2 backend has (how the HF model is wrapped, sharded and computed); the megatron
+    backend refuses any that differs from its default (it has its own: `MegatronConfig`)."""
+
+    attn_implementation: str | None = None
+    """"sdpa", "eager", "flex_attention" (document BlockMask), "flash_attention_2/3" when installed; None: the
+    fast tested default, flex_attention on CUDA and sdpa on CPU (`TrainConfig.attention`)"""
+    gradient_checkpointing: bool = False
+    """recompute each decoder layer in backward (activation checkpointing)"""
+    checkpoint_every: int = 1
+    """with gradient_checkpointing: recompute every k-th decoder layer only (1 = all; 2 = half, less recompute)"""
+    compile: bool | None = None
+    """torch.compile each decoder layer (after checkpointing, before fully_shard); None: on CUDA unless
+    cp_size > 1 (`TrainConfig.compiled`); batch-invariant layers compile with eager's rounding
+    (`numerics.compile_options`)"""
+    reshard_after_forward: bool = True
+    """free gathered params after forward (ZeRO-3); False keeps them until backward (ZeRO-2-like)"""
+    cpu_offload: bool = False
+    """FSDP CPUOffloadPolicy on the actor: params/grads/optimizer on CPU, AdamW step on CPU"""
+    no_sync_accumulation: bool = True
+    """reduce-scatter gradients only on the last micro-batch of a step (fp32 unsharded accumulation)"""
+    cp_kv_head_chunk: int | None = None
+    """CP attention all-gathers this many KV heads at a time (must divide the model's KV heads); None = all at once"""
+    cp_recompute: bool = False
+    """CP attention: backward re-gathers each head chunk's K/V instead of keeping every layer's gathered K/V"""
+    cp_attention: str = "allgather"
+    """CP attention kernel: "allgather" (rlbench_cp, zig-zag slices) or "ring_flash_llama3" (ring-flash-attn's
+    llama3 varlen kernel, contiguous slices; CUDA, bf16/fp16, pip install flash-attn ring-flash-attn)"""
+    checkpoint_format: str = "sharded"
+    """"sharded" (torch.distributed.checkpoint) or "full" (rank-0 torch.save of full state dicts)"""
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_format not in ("sharded", "full"):
+            raise ValueError(f"checkpoint_format={self.checkpoint_format!r}; use 'sharded' or 'full'")
+        if self.cp_kv_head_chunk is not None and self.cp_kv_head_chunk < 1:
+            raise ValueError(f"cp_kv_head_chunk={self.cp_kv_head_chunk} must be >= 1 (None = all KV heads at once)")
+        if self.checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every={self.checkpoint_every} must be >= 1 (1 = every layer)")
+        if self.cp_attention not in CP_ATTENTIONS:
+            raise ValueError(f"cp_attention={self.cp_attention!r}; use one of {CP_ATTENTIONS}")
+
+    def changed(self) -> list[str]:
+        """The fields set to something other than their default (what another backend must refuse)."""
+        default = FSDPOptions()
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(default, f.name)]
+
+
+@dataclass
+class TrainConfig:
+    """A training backend (FSDP2 or megatron): which model, its precision, optimizer, layout and checkpoints."""
 
     model: str = "tiny"
     """a preset name (random init) or a local Hugging Face directory (safetensors)"""
@@ -88,46 +139,24 @@ class FSDPConfig:
     """device of the parameters and the compute: "cuda" or "cpu"."""
     param_dtype: str = "bf16"
     """compute dtype of all-gathered params: "bf16", "fp16" or "fp32" (fp32 = no mixed precision)"""
-    attn_implementation: str | None = None
-    """"sdpa", "eager", "flex_attention" (document BlockMask), "flash_attention_2/3" when installed; None: the
-    fast tested default, flex_attention on CUDA and sdpa on CPU (`attention`)"""
-    gradient_checkpointing: bool = False
-    """recompute each decoder layer in backward (activation checkpointing)"""
-    checkpoint_every: int = 1
-    """with gradient_checkpointing: recompute every k-th decoder layer only (1 = all; 2 = half, less recompute)"""
-    compile: bool | None = None
-    """torch.compile each decoder layer (after checkpointing, before fully_shard); None: on CUDA unless
-    cp_size > 1 (`compiled`); batch_invariant layers compile with eager's rounding (`numerics.compile_options`)"""
-    reshard_after_forward: bool = True
-    """free gathered params after forward (ZeRO-3); False keeps them until backward (ZeRO-2-like)"""
-    cpu_offload: bool = False
-    """FSDP CPUOffloadPolicy on the actor: params/grads/optimizer on CPU, AdamW step on CPU"""
     seed: int = 1234
     """seed for random init and torch RNG"""
     logprob_chunk_size: int = 256
     """rows of logits processed at once in the log-prob/entropy kernel (`algorithms.logprobs.DEFAULT_CHUNK_SIZE`)"""
     with_entropy: bool = False
     """compute entropy in train() (needed when the loss has an entropy term)"""
-    no_sync_accumulation: bool = True
-    """reduce-scatter gradients only on the last micro-batch of a step (fp32 unsharded accumulation)"""
     cp_size: int = 1
     """context-parallel size (mesh is (dp, cp); FSDP shards over dp x cp); > 1 replaces the model's attention
-    with the `cp_attention` kernel (default `rlbench.distributed.cp_attention`: zig-zag slices, all-gathered K/V)"""
-    cp_kv_head_chunk: int | None = None
-    """CP attention all-gathers this many KV heads at a time (must divide the model's KV heads); None = all at once"""
-    cp_recompute: bool = False
-    """CP attention: backward re-gathers each head chunk's K/V instead of keeping every layer's gathered K/V"""
-    cp_attention: str = "allgather"
-    """CP attention kernel: "allgather" (rlbench_cp, zig-zag slices) or "ring_flash_llama3" (ring-flash-attn's
-    llama3 varlen kernel, contiguous slices; CUDA, bf16/fp16, pip install flash-attn ring-flash-attn)"""
+    with the `fsdp.cp_attention` kernel (default `rlbench.distributed.cp_attention`: zig-zag slices, all-gathered K/V)"""
     checkpoint_dir: str | None = None
     """where save()/load() write/read iter_XXXXXXX directories"""
-    checkpoint_format: str = "sharded"
-    """"sharded" (torch.distributed.checkpoint) or "full" (rank-0 torch.save of full state dicts)"""
     batch_invariant: bool = False
-    """batch-invariant forward numerics (`rlbench.numerics`), the engine's (true on-policy mode)"""
+    """batch-invariant forward numerics (`rlbench.numerics`), the engine's; set by `RunConfig.true_on_policy_mode`
+    in a run (a backend built alone may set it)"""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """optimizer and LR schedule"""
+    fsdp: FSDPOptions = field(default_factory=FSDPOptions)
+    """the FSDP2 backend's own settings (refused by megatron when changed)"""
     model_overrides: dict = field(default_factory=dict)
     """config overrides for a preset model (e.g. vocab_size)"""
 
@@ -141,14 +170,11 @@ class FSDPConfig:
             raise ValueError(f"ref_update_interval={self.ref_update_interval} must be >= 1 (None = never update)")
         if self.ref_update_interval is not None and self.ref_model is None:
             raise ValueError(f"ref_update_interval={self.ref_update_interval} needs a reference model; set ref_model (--ref-load)")
-        if self.checkpoint_format not in ("sharded", "full"):
-            raise ValueError(f"checkpoint_format={self.checkpoint_format!r}; use 'sharded' or 'full'")
         if self.cp_size < 1:
             raise ValueError(f"cp_size={self.cp_size} must be >= 1")
-        if self.cp_kv_head_chunk is not None and self.cp_kv_head_chunk < 1:
-            raise ValueError(f"cp_kv_head_chunk={self.cp_kv_head_chunk} must be >= 1 (None = all KV heads at once)")
-        if self.cp_size == 1 and (self.cp_kv_head_chunk is not None or self.cp_recompute):
-            warnings.warn(f"cp_kv_head_chunk={self.cp_kv_head_chunk}, cp_recompute={self.cp_recompute} have no "
+        f = self.fsdp
+        if self.cp_size == 1 and (f.cp_kv_head_chunk is not None or f.cp_recompute):
+            warnings.warn(f"cp_kv_head_chunk={f.cp_kv_head_chunk}, cp_recompute={f.cp_recompute} have no "
                           "effect with cp_size=1 (they schedule the CP attention)", UserWarning, stacklevel=3)
         self._check_cp_attention()
         if self.cp_size > 1 and self.batch_invariant:
@@ -157,15 +183,11 @@ class FSDPConfig:
         if self.cp_size > 1 and self.attention.startswith("flash_attention"):
             raise ValueError(f"cp_size={self.cp_size} with attn_implementation={self.attention!r}: CP runs its "
                              "own attention (rlbench_cp: SDPA on CPU, flex on CUDA); use 'sdpa' or 'flex_attention'")
-        if self.checkpoint_every < 1:
-            raise ValueError(f"checkpoint_every={self.checkpoint_every} must be >= 1 (1 = every layer)")
         if self.logprob_chunk_size < 1:
             raise ValueError(f"logprob_chunk_size={self.logprob_chunk_size} must be >= 1")
 
     def _check_cp_attention(self) -> None:
-        name = self.cp_attention
-        if name not in CP_ATTENTIONS:
-            raise ValueError(f"cp_attention={name!r}; use one of {CP_ATTENTIONS}")
+        name, f = self.fsdp.cp_attention, self.fsdp
         if name == "allgather":
             return
         if self.cp_size == 1:
@@ -176,23 +198,23 @@ class FSDPConfig:
         if self.param_dtype == "fp32":
             raise ValueError(f"cp_attention={name!r} runs flash-attn, which takes bf16/fp16 only; set "
                              "param_dtype='bf16' or use cp_attention='allgather'")
-        if self.cp_recompute:
+        if f.cp_recompute:
             warnings.warn(f"cp_recompute has no effect with cp_attention={name!r} (its backward re-gathers K/V "
                           "by itself)", UserWarning, stacklevel=4)
 
     @property
     def attention(self) -> str:
-        """The attention implementation the model is built with (`attn_implementation`, or the device's default)."""
-        if self.attn_implementation is not None:
-            return self.attn_implementation
+        """The attention implementation the model is built with (`fsdp.attn_implementation`, or the device's default)."""
+        if self.fsdp.attn_implementation is not None:
+            return self.fsdp.attn_implementation
         return "flex_attention" if self.device == "cuda" else "sdpa"
 
     @property
     def compiled(self) -> bool:
-        """Whether the decoder layers are compiled (`compile`, or on by default on CUDA where it is tested: not
+        """Whether the decoder layers are compiled (`fsdp.compile`, or on by default on CUDA where it is tested: not
         under CP)."""
-        if self.compile is not None:
-            return self.compile
+        if self.fsdp.compile is not None:
+            return self.fsdp.compile
         return self.device == "cuda" and self.cp_size == 1
 
     @property

@@ -35,6 +35,10 @@ class DataConfig:
             raise ValueError(f"max_prompt_length={self.max_prompt_length} must be >= 1 or None")
 
 
+TASK_NAMES = ("arithmetic", "countdown")
+"""The synthetic tasks (`rlbench.data.tasks.TASKS`; tests/test_registries.py ties the two)."""
+
+
 @dataclass
 class TaskConfig:
     """A synthetic task whose train/eval jsonl files are generated before the run (if missing)."""
@@ -53,8 +57,8 @@ class TaskConfig:
     """Where the jsonl files are written."""
 
     def __post_init__(self) -> None:
-        if self.name not in ("arithmetic", "countdown"):
-            raise ValueError(f"task name={self.name!r}; use 'arithmetic' or 'countdown'")
+        if self.name not in TASK_NAMES:
+            raise ValueError(f"task name={self.name!r}; use one of {TASK_NAMES}")
         if self.n_train < 1 or self.n_eval < 1:
             raise ValueError(f"n_train={self.n_train}, n_eval={self.n_eval} must both be >= 1")
 

@@ -1,6 +1,6 @@
 """Typed configuration of the megatron-core backend: its parallel layout and kernels.
 
-The model, precision, optimizer, schedule, checkpoint and log-prob settings are the run's `FSDPConfig`
+The model, precision, optimizer, schedule, checkpoint and log-prob settings are the run's `TrainConfig`
 (`RunConfig.backend`), shared by both backends so a comparison changes only the backend. No torch import here.
 """
 

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from rlbench.configs.checks import did_you_mean
 
 REWARD_NAMES = ("math", "exact", "countdown")
-"""The names in `rlbench.rewards.REWARDS` (checked there), so that a config checks `rm_type` without importing it."""
+"""The built-in names of `rlbench.rewards.REWARDS`, so that a config checks `rm_type` without importing it
+(tests/test_registries.py ties the two)."""
 
 
 def check_rm_type(rm_type) -> None:

@@ -10,10 +10,9 @@ returning a `RunConfig`; the CLI (`rlbench.cli`) maps slime-named flags onto the
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass, field
 
-from rlbench.configs.backend import PARAM_DTYPES, FSDPConfig
+from rlbench.configs.backend import PARAM_DTYPES, TrainConfig
 from rlbench.configs.batch import BatchConfig
 from rlbench.configs.checkpoint import CheckpointConfig
 from rlbench.configs.checks import did_you_mean
@@ -39,7 +38,7 @@ class RunConfig:
 
     data: DataConfig
     """Training prompts (slime's --prompt-data, --input-key, --label-key, ...)."""
-    backend: FSDPConfig = field(default_factory=FSDPConfig)
+    backend: TrainConfig = field(default_factory=TrainConfig)
     """The training backend's model, precision, optimizer and schedule (shared by both backends; the FSDP-only
     fields are refused by the megatron backend)."""
     train_backend: str = "fsdp"
@@ -80,8 +79,9 @@ class RunConfig:
     """Global seed (torch/numpy/python RNG at start)."""
     true_on_policy_mode: bool = False
     """Engine and trainer run the same batch-invariant numerics (`rlbench.numerics`), so the rollout log-probs
-    equal the trainer's recompute bit for bit (`train/train_rollout_logprob_abs_diff == 0`). Sets
-    `engine.batch_invariant` and `backend.batch_invariant`; docs/true_on_policy.md says what it costs."""
+    equal the trainer's recompute bit for bit (`train/train_rollout_logprob_abs_diff == 0`). The one switch: it
+    sets `engine.batch_invariant` and `backend.batch_invariant` (no flags of their own); docs/true_on_policy.md
+    says what it costs."""
 
     def __post_init__(self) -> None:
         self._check_train_backend()
@@ -147,11 +147,11 @@ class RunConfig:
 
     def _check_on_policy(self) -> None:
         if not self.true_on_policy_mode:
-            if self.backend.batch_invariant != self.engine.batch_invariant:
-                warnings.warn(
-                    f"backend.batch_invariant={self.backend.batch_invariant} but engine.batch_invariant="
-                    f"{self.engine.batch_invariant}: rollout and trainer log-probs will differ; set "
-                    "true_on_policy_mode=True (--true-on-policy-mode) to run both batch-invariant", stacklevel=3)
+            if self.backend.batch_invariant or self.engine.batch_invariant:
+                raise ValueError(
+                    f"backend.batch_invariant={self.backend.batch_invariant}, engine.batch_invariant="
+                    f"{self.engine.batch_invariant} with true_on_policy_mode=False: in a run the two follow the mode "
+                    "(one switch); set true_on_policy_mode=True (--true-on-policy-mode) or leave both False")
             return
         dtype = self.engine.dtype or self.backend.param_dtype
         weights = {torch_name: name for name, torch_name in PARAM_DTYPES.items()}.get(self.weights.dtype, dtype)

@@ -8,8 +8,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-WEIGHT_TRANSPORTS = ("in_process",)
-"""Weight-sync transport names (`rlbench.weights.TRANSPORTS` maps them to classes)."""
 WEIGHT_DTYPES = ("bfloat16", "float16", "float32")
 """Dtypes weights may be cast to before sending (torch attribute names)."""
 
@@ -18,8 +16,6 @@ WEIGHT_DTYPES = ("bfloat16", "float16", "float32")
 class WeightSyncConfig:
     """How trainer weights reach the rollout engine."""
 
-    transport: str = "in_process"
-    """Transport name in `WEIGHT_TRANSPORTS` (only "in_process" for now)."""
     bucket_bytes: int = 512 << 20
     """Maximum bytes per bucket (slime's --update-weight-buffer-size, default 512 MiB)."""
     dtype: str | None = None
@@ -28,10 +24,6 @@ class WeightSyncConfig:
     """After each sync, compare per-tensor checksums of what was sent with the engine's weights."""
 
     def __post_init__(self) -> None:
-        if self.transport not in WEIGHT_TRANSPORTS:
-            raise ValueError(
-                f"weight-sync transport={self.transport!r} is unknown; choose one of {sorted(WEIGHT_TRANSPORTS)}"
-            )
         if self.bucket_bytes < 1 << 10:
             raise ValueError(f"bucket_bytes={self.bucket_bytes} is below 1 KiB; pass e.g. 512 << 20")
         if self.dtype is not None and self.dtype not in WEIGHT_DTYPES:

@@ -1,4 +1,4 @@
-"""The context-parallel attention kernels `FSDPConfig.cp_attention` chooses from, picked once when the run is built.
+"""The context-parallel attention kernels `TrainConfig.cp_attention` chooses from, picked once when the run is built.
 
 A kernel says which `AttentionInterface` entry the model runs, which slicing of the pack it needs (zig-zag or
 contiguous, `rlbench.packing.cp`), and how to build the per-forward `rl_cp=` context from the pack's layout.
@@ -54,11 +54,11 @@ def _ring_flash_llama3() -> CPKernel:
     return CPKernel(RING_FLASH_ATTN_NAME, False, context)
 
 
-_KERNELS = {"allgather": _allgather, "ring_flash_llama3": _ring_flash_llama3}
+CP_KERNELS = {"allgather": _allgather, "ring_flash_llama3": _ring_flash_llama3}
 
 
 def cp_kernel(name: str) -> CPKernel:
-    """The kernel named by `FSDPConfig.cp_attention` (importing it registers its attention entry)."""
-    if name not in _KERNELS:
-        raise ValueError(f"cp_attention={name!r}; use one of {sorted(_KERNELS)}")
-    return _KERNELS[name]()
+    """The kernel named by `TrainConfig.cp_attention` (importing it registers its attention entry)."""
+    if name not in CP_KERNELS:
+        raise ValueError(f"cp_attention={name!r}; use one of {sorted(CP_KERNELS)}")
+    return CP_KERNELS[name]()

@@ -1,7 +1,7 @@
 """Context-parallel attention through ring-flash-attn's "llama3" varlen kernel (an optional extra, CUDA only).
 
 `pip install flash-attn ring-flash-attn` (flash-attn has no CPU build). Selected by
-`FSDPConfig.cp_attention="ring_flash_llama3"`; the default CP kernel is `rlbench.distributed.cp_attention`.
+`TrainConfig.cp_attention="ring_flash_llama3"`; the default CP kernel is `rlbench.distributed.cp_attention`.
 
 What the kernel expects (ring_flash_attn/llama3_flash_attn_varlen.py, ring-flash-attention @8996282, the same
 file in the 0.1.8 wheel):

@@ -84,8 +84,10 @@ def auto_decode(q, keys, values, mask, scale: float) -> torch.Tensor:
     return fn(q, keys, values, mask, scale)
 
 
-DECODE_ATTENTION: dict[str, DecodeAttention] = {"sdpa": sdpa_decode, "split": split_decode, "auto": auto_decode}
-"""The decode attentions written in torch (`decode_attention` adds the Triton "split_kv")."""
+DECODE_ATTENTION_FNS: dict[str, DecodeAttention] = {"sdpa": sdpa_decode, "split": split_decode, "auto": auto_decode}
+"""The decode attentions written in torch (`decode_attention` adds `TRITON_DECODE_ATTENTION`)."""
+TRITON_DECODE_ATTENTION = ("split_kv",)
+"""The Triton decode attentions, imported on first use (`rlbench.engine.split_kv`)."""
 
 
 def decode_attention(name: str, *, compiled: bool, grouped: bool, cuda: bool) -> DecodeAttention:
@@ -104,7 +106,7 @@ def decode_attention(name: str, *, compiled: bool, grouped: bool, cuda: bool) ->
         from rlbench.engine.split_kv import split_kv_decode
 
         return split_kv_decode
-    return DECODE_ATTENTION[name]
+    return DECODE_ATTENTION_FNS[name]
 
 
 @dataclass

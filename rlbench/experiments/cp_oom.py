@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from rlbench.algorithms.logprobs import token_logprobs
 from rlbench.backends.fsdp.actor import FSDPBackend, kept_logits
-from rlbench.configs.backend import FSDPConfig, OptimConfig
+from rlbench.configs.backend import FSDPOptions, OptimConfig, TrainConfig
 from rlbench.distributed.cp_attention import CP_ATTN_NAME, CPContext, EmulatedCP, cp_attention_info
 from rlbench.distributed.mesh import init_distributed
 from rlbench.experiments.cp_oom_report import markdown, write_results
@@ -188,10 +188,7 @@ class CellRunner:
 
     def _build(self) -> FSDPBackend:
         cfg = self.cfg
-        fsdp = FSDPConfig(model=cfg.preset, device=cfg.device, param_dtype="bf16" if self.cuda else "fp32",
-                          attn_implementation=cfg.attn_implementation, gradient_checkpointing=self.ac, seed=cfg.seed,
-                          cp_size=self.cp if self.world > 1 else 1,
-                          compile=False, optim=OptimConfig(lr=1e-6))  # compiled layers would recompile per length
+        fsdp = TrainConfig(model=cfg.preset, device=cfg.device, param_dtype="bf16" if self.cuda else "fp32", seed=cfg.seed, cp_size=self.cp if self.world > 1 else 1, optim=OptimConfig(lr=1e-6), fsdp=FSDPOptions(attn_implementation=cfg.attn_implementation, gradient_checkpointing=self.ac, compile=False))  # compiled layers would recompile per length
         backend = FSDPBackend(fsdp, loss_fn=token_mean_loss)
         backend.init()
         if self.cp > 1 and self.world == 1:  # importing cp_attention (above) registered the rlbench_cp attention

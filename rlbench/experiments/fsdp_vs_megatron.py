@@ -10,7 +10,7 @@
         --out benchmarks/results/fsdp_vs_megatron_<date>_sft800.json      # docs/megatron.md, "to reproduce"
 
 Nothing in the feature table is typed in as a verdict. A setting is "supported" when the backend's own config
-and constructor accept it (`FSDPConfig`, `MegatronConfig`, `FSDPBackend(...)`, `MegatronBackend(...)`,
+and constructor accept it (`TrainConfig`, `MegatronConfig`, `FSDPBackend(...)`, `MegatronBackend(...)`,
 `RunConfig(train_backend=...)`); a refusal's `ValueError` message is the reason shown. Fields are read from the
 dataclasses, methods from the classes, optional packages (TransformerEngine) from the import system. The text
 around a "yes" names what the probe tried.
@@ -37,7 +37,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rlbench.configs.backend import ATTN_IMPLEMENTATIONS, CP_ATTENTIONS, PARAM_DTYPES, FSDPConfig
+from rlbench.configs.backend import (
+    ATTN_IMPLEMENTATIONS,
+    CP_ATTENTIONS,
+    PARAM_DTYPES,
+    FSDPOptions,
+    TrainConfig,
+)
 from rlbench.configs.megatron import CORE_ATTENTIONS, RECOMPUTE_GRANULARITIES, MegatronConfig
 from rlbench.configs.run import TRAIN_BACKENDS
 
@@ -79,20 +85,20 @@ def package_version(dist: str) -> str | None:
 
 
 def fsdp_accepts(**fsdp: Any) -> tuple[bool, str]:
-    """Does the FSDP backend take these `FSDPConfig` settings (validation + `FSDPBackend(cfg)`)? CPU fp32 unless
+    """Does the FSDP backend take these `TrainConfig` settings (validation + `FSDPBackend(cfg)`)? CPU fp32 unless
     given."""
     from rlbench.backends.fsdp.actor import FSDPBackend
 
-    return _try(lambda: FSDPBackend(FSDPConfig(**({"device": "cpu", "param_dtype": "fp32"} | fsdp))))
+    return _try(lambda: FSDPBackend(TrainConfig(**({"device": "cpu", "param_dtype": "fp32"} | fsdp))))
 
 
 def megatron_accepts(fsdp: Mapping[str, Any] | None = None, **megatron: Any) -> tuple[bool, str]:
     """Does the megatron backend take these settings (`MegatronConfig(**megatron)` and
-    `MegatronBackend(FSDPConfig(**fsdp), ...)`, whose constructor refuses the FSDP-only settings)?"""
+    `MegatronBackend(TrainConfig(**fsdp), ...)`, whose constructor refuses the FSDP-only settings)?"""
     from rlbench.backends.megatron.backend import MegatronBackend
 
     fsdp = {"device": "cpu", "param_dtype": "fp32"} | dict(fsdp or {})
-    return _try(lambda: MegatronBackend(FSDPConfig(**fsdp), MegatronConfig(**megatron)))
+    return _try(lambda: MegatronBackend(TrainConfig(**fsdp), MegatronConfig(**megatron)))
 
 
 def run_accepts(train_backend: str, **changes: Any) -> tuple[bool, str]:
@@ -155,25 +161,25 @@ def feature_table(*, live: bool = False, device: str = "cpu") -> list[dict[str, 
              dict(tensor_model_parallel_size=2)),
             ("sequence parallel (SP)", "sequence_parallel", "yes (with TP=2)",
              dict(tensor_model_parallel_size=2, sequence_parallel=True))):
-        row(feature, _cell(*_field(FSDPConfig, name)), _cell(*megatron_accepts(**probe), yes),
-            f"FSDPConfig fields; MegatronBackend(FSDPConfig(), MegatronConfig(**{probe}))")
+        row(feature, _cell(*_field(TrainConfig, name)), _cell(*megatron_accepts(**probe), yes),
+            f"TrainConfig fields; MegatronBackend(TrainConfig(), MegatronConfig(**{probe}))")
     sp1 = _try(lambda: MegatronConfig(sequence_parallel=True))
     rows[-1]["Megatron"] += "" if sp1[0] else f"; TP=1: no ({sp1[1]})"
-    row("pipeline parallel (PP)", _cell(*_field(FSDPConfig, "pipeline_model_parallel_size")),
+    row("pipeline parallel (PP)", _cell(*_field(TrainConfig, "pipeline_model_parallel_size")),
         _by_device("yes (1F1B)", pipeline_model_parallel_size=2),
-        "MegatronConfig(pipeline_model_parallel_size=2) with FSDPConfig(device='cuda', bf16) and device='cpu'")
-    kernels, _ = _accepted(lambda k: _try(lambda: FSDPConfig(device="cuda", cp_size=2, cp_attention=k)),
+        "MegatronConfig(pipeline_model_parallel_size=2) with TrainConfig(device='cuda', bf16) and device='cpu'")
+    kernels, _ = _accepted(lambda k: _try(lambda: TrainConfig(device="cuda", cp_size=2, fsdp=FSDPOptions(cp_attention=k))),
                            CP_ATTENTIONS)
     m_cp, m_cp_why = megatron_accepts({"cp_size": 2})
     row("context parallel (CP)", _cell(*fsdp_accepts(cp_size=2), f"yes (kernels: {', '.join(kernels)})"),
         _cell(m_cp, m_cp_why) + ("" if te else "; transformer_engine not importable"),
-        "FSDPBackend(FSDPConfig(cp_size=2)), FSDPConfig(cp_attention=each); MegatronBackend(FSDPConfig(cp_size=2))")
-    zero3 = _field(FSDPConfig, "reshard_after_forward")
+        "FSDPBackend(TrainConfig(cp_size=2)), TrainConfig(fsdp=FSDPOptions(cp_attention=each)); MegatronBackend(TrainConfig(cp_size=2))")
+    zero3 = _field(TrainConfig, "reshard_after_forward")
     row("parameter + gradient sharding (ZeRO-3)", _cell(*zero3, "yes (fully_shard per block)"),
         _cell(*_field(MegatronConfig, "use_megatron_fsdp")), "config fields (megatron-core's own FSDP is not wired)")
     row("optimizer-state sharding (ZeRO-1)", _cell(*zero3, "yes (sharded with the params)"),
         _by_device("yes (use_distributed_optimizer)", use_distributed_optimizer=True),
-        "MegatronBackend(FSDPConfig(device=cuda / cpu), MegatronConfig(use_distributed_optimizer=True))")
+        "MegatronBackend(TrainConfig(device=cuda / cpu), MegatronConfig(use_distributed_optimizer=True))")
 
     # --- memory
     gran, gran_no = _accepted(lambda g: megatron_accepts(recompute_granularity=g),
@@ -185,9 +191,9 @@ def feature_table(*, live: bool = False, device: str = "cpu") -> list[dict[str, 
         (f"yes (recompute_granularity: {', '.join(gran)})" if gran else f"no ({gran_no})")
         + ("" if m_gc else f"; gradient_checkpointing: no ({m_gc_why})"),
         "FSDPBackend(gradient_checkpointing=True, checkpoint_every=2); MegatronConfig(recompute_granularity=each); "
-        "MegatronBackend(FSDPConfig(gradient_checkpointing=True))")
+        "MegatronBackend(TrainConfig(fsdp=FSDPOptions(gradient_checkpointing=True)))")
     row("CPU offload of the training state (cpu_offload)", _cell(*fsdp_accepts(cpu_offload=True)),
-        _cell(*megatron_accepts({"cpu_offload": True})), "both constructors with FSDPConfig(cpu_offload=True)")
+        _cell(*megatron_accepts({"cpu_offload": True})), "both constructors with TrainConfig(fsdp=FSDPOptions(cpu_offload=True))")
     sw = [_cell(all(callable(getattr(cls, m, None)) for m in ("sleep", "wake_up")), "no sleep()/wake_up()")
           for cls in (FSDPBackend, MegatronBackend)]
     row("sleep / wake_up (colocated: state parked in host memory)", *sw, "methods of both classes")
@@ -198,31 +204,31 @@ def feature_table(*, live: bool = False, device: str = "cpu") -> list[dict[str, 
         m_dt, m_no = _accepted(lambda d, dev=dev: megatron_accepts({"device": dev, "param_dtype": d}), PARAM_DTYPES)
         why = f"; not {', '.join(m_no)} ({next(iter(m_no.values()))})" if m_no else ""
         row(f"param dtypes on {dev.upper()}", ", ".join(f_dt), ", ".join(m_dt) + why,
-            f"FSDPConfig(device={dev!r}, param_dtype=each) through both constructors")
+            f"TrainConfig(device={dev!r}, param_dtype=each) through both constructors")
     m_fp8, m_fp8_why = _field(MegatronConfig, "fp8")
     fp8_why = [m_fp8_why] if not m_fp8 else []
     if not te:
         fp8_why.append("transformer_engine not importable")
-    row("FP8 training", _cell(*_field(FSDPConfig, "fp8")), _cell(not fp8_why, "; ".join(fp8_why)),
+    row("FP8 training", _cell(*_field(TrainConfig, "fp8")), _cell(not fp8_why, "; ".join(fp8_why)),
         "config fields; import system (megatron-core's FP8 runs in TransformerEngine layers)")
     row("batch-invariant numerics (true on-policy mode)", _cell(*fsdp_accepts(batch_invariant=True, compile=False)),
         _cell(*run_accepts("megatron", true_on_policy_mode=True)),
-        "FSDPBackend(FSDPConfig(batch_invariant=True)); RunConfig(train_backend='megatron', true_on_policy_mode=True)")
-    attn = {dev: (_accepted(lambda a, dev=dev: _try(lambda: FSDPConfig(device=dev, attn_implementation=a)),
+        "FSDPBackend(TrainConfig(batch_invariant=True)); RunConfig(train_backend='megatron', true_on_policy_mode=True)")
+    attn = {dev: (_accepted(lambda a, dev=dev: _try(lambda: TrainConfig(device=dev, fsdp=FSDPOptions(attn_implementation=a))),
                             ATTN_IMPLEMENTATIONS)[0],
                   _accepted(lambda a, dev=dev: _try(lambda: MegatronConfig(attention=a).core_attention(dev)),
                             CORE_ATTENTIONS)[0]) for dev in ("cuda", "cpu")}
     row("attention kernels (packed, no padding)",
         *("; ".join(f"{dev.upper()}: {', '.join(attn[dev][i])}" for dev in attn) for i in (0, 1)),
-        "FSDPConfig(attn_implementation=each); MegatronConfig(attention=each).core_attention(device)")
+        "TrainConfig(fsdp=FSDPOptions(attn_implementation=each)); MegatronConfig(attention=each).core_attention(device)")
 
     # --- model, weights, checkpoints, the loop
     ref = [_cell(callable(getattr(cls, "update_ref", None)), "no update_ref()") for cls in (FSDPBackend, MegatronBackend)]
-    row("reference model (+ update_ref)", *ref, "FSDPConfig.ref_model (shared); each class's update_ref()")
-    fmts, _ = _accepted(lambda f: _try(lambda: FSDPConfig(checkpoint_format=f)), ("sharded", "full", "torch_dist"))
-    row("checkpoint formats", f"{', '.join(fmts)} (FSDPConfig.checkpoint_format)",
+    row("reference model (+ update_ref)", *ref, "TrainConfig.ref_model (shared); each class's update_ref()")
+    fmts, _ = _accepted(lambda f: _try(lambda: TrainConfig(fsdp=FSDPOptions(checkpoint_format=f))), ("sharded", "full", "torch_dist"))
+    row("checkpoint formats", f"{', '.join(fmts)} (TrainConfig.checkpoint_format)",
         "per-rank model + optimizer state (rank<N>.pt; checkpoint_format has no effect)",
-        "FSDPConfig(checkpoint_format=each); MegatronBackend.save (live rows: the files written)")
+        "TrainConfig(fsdp=FSDPOptions(checkpoint_format=each)); MegatronBackend.save (live rows: the files written)")
     hf = [_cell(all(callable(getattr(cls, m, None)) for m in ("export_hf", "named_weights_for_sync")),
                 "no export_hf / named_weights_for_sync", yes)
           for cls, yes in ((FSDPBackend, "yes (the HF model itself)"),
@@ -271,8 +277,7 @@ def live_checks(device: str = "cpu", model: str = "tiny") -> list[dict[str, str]
     rows = []
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cfgs = {n: FSDPConfig(model=model, device=device, param_dtype=dtype, compile=False,
-                              checkpoint_dir=os.path.join(tmp, n)) for n in BACKENDS}
+        cfgs = {n: TrainConfig(model=model, device=device, param_dtype=dtype, checkpoint_dir=os.path.join(tmp, n), fsdp=FSDPOptions(compile=False)) for n in BACKENDS}
         mb = MegatronBackend(cfgs["megatron"], MegatronConfig(), temperature=0.7)
         mb.init()
         fb = FSDPBackend(cfgs["fsdp"], env=mb.env, temperature=0.7)

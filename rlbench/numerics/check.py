@@ -112,7 +112,7 @@ def _check_compiled(device, dtype, rand) -> None:
     if not torch.equal(fn(x, w, cos, sin, up), eager):
         _fail("compiled elementwise code (torch.compile)", device, dtype,
               "inductor's fused RoPE / residual / product rounds unlike eager; turn compile off (engine.compile=False, "
-              "backend.compile=False)")
+              "backend.fsdp.compile=False)")
     rows = 64  # enough rows that a logsumexp compiled by inductor (not the opaque op) shows in a few of them
     logits, temperature = rand(rows, 4099) * 4, torch.full((rows,), 0.7, device=device)
     tokens = torch.arange(rows, device=device) * 61

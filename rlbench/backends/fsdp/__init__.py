@@ -1,12 +1,12 @@
 """FSDP2 training backend: sharded HF model, packed training step, checkpoints, sleep/wake, weight export.
 
-Light on import: `FSDPConfig` / `OptimConfig` come from config.py (no torch import); `FSDPBackend` loads the
+Light on import: `TrainConfig` / `OptimConfig` come from config.py (no torch import); `FSDPBackend` loads the
 actor (transformers, torch.distributed) on first access.
 """
 
-from rlbench.configs.backend import FSDPConfig, OptimConfig
+from rlbench.configs.backend import OptimConfig, TrainConfig
 
-__all__ = ["FSDPBackend", "FSDPConfig", "OptimConfig"]
+__all__ = ["FSDPBackend", "TrainConfig", "OptimConfig"]
 
 
 def __getattr__(name: str):

@@ -23,7 +23,7 @@ from rlbench.backends.export import export_hf, named_weight_buckets
 from rlbench.backends.fsdp.model import build_sharded_model
 from rlbench.backends.offload import Parking, state_tensors, to_device
 from rlbench.backends.optim import build_optimizer, build_scheduler, init_optimizer_state
-from rlbench.configs.backend import FSDPConfig
+from rlbench.configs.backend import TrainConfig
 from rlbench.distributed.mesh import DistEnv, barrier, init_distributed
 from rlbench.host_memory import retain_freed_host_memory
 from rlbench.interrupts import defer_sigint, raise_if_interrupted
@@ -41,7 +41,7 @@ class FSDPBackend:
     """
 
     def __init__(
-        self, cfg: FSDPConfig, *, env: DistEnv | None = None, loss_fn: LossFn | None = None, temperature: float = 1.0
+        self, cfg: TrainConfig, *, env: DistEnv | None = None, loss_fn: LossFn | None = None, temperature: float = 1.0
     ):
         if temperature <= 0:
             raise ValueError(f"temperature={temperature} must be > 0 (log-probs use the sampling temperature)")
@@ -60,13 +60,13 @@ class FSDPBackend:
         if cfg.cp_size > 1:  # before any process group: a missing optional kernel package fails first
             from rlbench.distributed.cp_kernels import cp_kernel
 
-            self._cp_kernel = cp_kernel(cfg.cp_attention)
+            self._cp_kernel = cp_kernel(cfg.fsdp.cp_attention)
         if self.env is None:
-            self.env = init_distributed(cfg.device, cp_size=cfg.cp_size, cpu_offload=cfg.cpu_offload)
+            self.env = init_distributed(cfg.device, cp_size=cfg.cp_size, cpu_offload=cfg.fsdp.cpu_offload)
         if self.env.device.type == "cpu":
             retain_freed_host_memory()  # the step's large temporaries reuse freed blocks (no page faults)
         torch.manual_seed(cfg.seed)
-        self.model, self.hf_config = build_sharded_model(cfg.model, cfg, self.env, offload=cfg.cpu_offload)
+        self.model, self.hf_config = build_sharded_model(cfg.model, cfg, self.env, offload=cfg.fsdp.cpu_offload)
         _check_kv_head_chunk(cfg, self.hf_config)
         if cfg.ref_model is not None:
             # Same precision policy and kernels as the actor, params streamed from CPU per layer.
@@ -81,7 +81,7 @@ class FSDPBackend:
             for net in (self.model, self.ref):
                 if net is not None:
                     numerics.make_batch_invariant(net)
-        fused = self.env.device.type == "cuda" and not cfg.cpu_offload
+        fused = self.env.device.type == "cuda" and not cfg.fsdp.cpu_offload
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, fused=fused)
         init_optimizer_state(self.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
@@ -139,7 +139,7 @@ class FSDPBackend:
         group = env.mesh["cp"].get_group()
         tokens = cp_slice(pack.tokens, layout, rank).to(dev, non_blocking=True)  # [T/cp]
         positions = cp_slice(pack.position_ids, layout, rank).to(dev, non_blocking=True)  # [T/cp]
-        ctx = kernel.context(layout, rank, group, self.cfg.cp_kv_head_chunk, self.cfg.cp_recompute, dev)
+        ctx = kernel.context(layout, rank, group, self.cfg.fsdp.cp_kv_head_chunk, self.cfg.fsdp.cp_recompute, dev)
         local_pos, resp_ids = cp_local_response(pack, layout, rank)  # [R_r]
         logits = kept_logits(model, local_pos.to(dev), input_ids=tokens[None], position_ids=positions[None], rl_cp=ctx)
         targets = pack.tokens[layout.indices[rank][local_pos] + 1].to(dev, non_blocking=True)  # [R_r]
@@ -167,7 +167,7 @@ class FSDPBackend:
         if model not in ("actor", "ref"):
             raise ValueError(f"model={model!r}; use 'actor' or 'ref'")
         if model == "ref" and self.ref is None:
-            raise ValueError("model='ref' but no reference model was configured (set FSDPConfig.ref_model)")
+            raise ValueError("model='ref' but no reference model was configured (set TrainConfig.ref_model)")
         net = self.model if model == "actor" else self.ref
         self._check_same_count(len(packs))  # unequal counts would desynchronise the forwards' collectives
         outs = []
@@ -238,7 +238,7 @@ class FSDPBackend:
         sums: dict[str, torch.Tensor] = {}
         for i, (pack, inputs) in enumerate(zip(packs, loss_inputs)):
             raise_if_interrupted()  # a held Ctrl-C stops here, between micro-batches (grads cleared next call)
-            if self.cfg.no_sync_accumulation:
+            if self.cfg.fsdp.no_sync_accumulation:
                 self.model.set_requires_gradient_sync(i == len(packs) - 1)
             logp, ent = self.forward_pack(self.model, pack, self.cfg.with_entropy)
             loss, metrics = loss_fn(logp, ent, to_device(inputs, self.env.device))
@@ -260,7 +260,7 @@ class FSDPBackend:
         parameters. Afterwards `compute_log_prob(model="ref")` equals the actor's bit for bit.
         """
         if self.ref is None:
-            raise ValueError("update_ref() needs a reference model; set FSDPConfig.ref_model")
+            raise ValueError("update_ref() needs a reference model; set TrainConfig.ref_model")
         if self._parking.asleep:
             raise ValueError("the backend is asleep (its device memory is released); call wake_up() first")
         t0 = time.perf_counter()
@@ -315,7 +315,7 @@ class FSDPBackend:
     # ---------------------------------------------------------------- state
     def _checkpoint_root(self) -> str:
         if not self.cfg.checkpoint_dir:
-            raise ValueError("FSDPConfig.checkpoint_dir is not set; set it to save or load checkpoints")
+            raise ValueError("TrainConfig.checkpoint_dir is not set; set it to save or load checkpoints")
         return self.cfg.checkpoint_dir
 
     def save(self, step: int | None = None, extra: dict | None = None) -> str:
@@ -325,7 +325,7 @@ class FSDPBackend:
         args = (self.model, self.optimizer, self.scheduler, self.env)
         meta = {"model": self.cfg.model, "model_overrides": dict(self.cfg.model_overrides),
                 "optim_config": dataclasses.asdict(self.cfg.optim)}  # checked on load (resume.py)
-        return save_checkpoint(self._checkpoint_root(), step, *args, fmt=self.cfg.checkpoint_format, extra_meta=meta,
+        return save_checkpoint(self._checkpoint_root(), step, *args, fmt=self.cfg.fsdp.checkpoint_format, extra_meta=meta,
                                extra=extra)
 
     def load(self, step: int | None = None) -> int:
@@ -404,9 +404,9 @@ def _laid_out_for_cp(pack, cp: int, zigzag: bool) -> bool:
     return not bool((slots % (2 * cp)).any())
 
 
-def _check_kv_head_chunk(cfg: FSDPConfig, hf_config) -> None:
+def _check_kv_head_chunk(cfg: TrainConfig, hf_config) -> None:
     """`cp_kv_head_chunk` must divide the model's KV heads (checked at init, not at the first CP forward)."""
-    chunk = cfg.cp_kv_head_chunk
+    chunk = cfg.fsdp.cp_kv_head_chunk
     n_kv = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     if cfg.cp_size > 1 and chunk is not None and n_kv % chunk:
         raise ValueError(f"cp_kv_head_chunk={chunk} does not divide the model's {n_kv} KV heads; use a divisor of "

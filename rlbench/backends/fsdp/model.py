@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from rlbench.backends.hf_weights import load_hf_weights, model_config, random_init
-from rlbench.configs.backend import FSDPConfig
+from rlbench.configs.backend import TrainConfig
 from rlbench.distributed.mesh import DistEnv
 from rlbench.models.build import params_on_meta, restore_buffers
 
@@ -30,7 +30,7 @@ _RECOMPILE_LIMIT = 64  # compiled variants kept per decoder-layer code object (g
 _COMPILE_OPTIONS: dict = {"dynamic": False}
 
 
-def _compile_options(cfg: FSDPConfig) -> dict:
+def _compile_options(cfg: TrainConfig) -> dict:
     """`_COMPILE_OPTIONS`, with eager's rounding for the batch-invariant layers (the engine's bits)."""
     if not cfg.batch_invariant or _COMPILE_OPTIONS.get("backend", "inductor") != "inductor":
         return _COMPILE_OPTIONS
@@ -63,7 +63,7 @@ def _checkpoint_forward(layer: nn.Module) -> None:
 
 
 def build_sharded_model(
-    name: str, cfg: FSDPConfig, env: DistEnv, *, offload: bool = False
+    name: str, cfg: TrainConfig, env: DistEnv, *, offload: bool = False
 ) -> tuple[PreTrainedModel, PretrainedConfig]:
     """An FSDP2 model on `env.device` (sharded params on CPU when `offload`), weights loaded or random.
 
@@ -83,11 +83,11 @@ def build_sharded_model(
     if cfg.cp_size > 1:  # context parallel: every attention layer reads the forward's rl_cp= context
         from rlbench.distributed.cp_kernels import cp_kernel  # importing the kernel registers its attention
 
-        model.config._attn_implementation = cp_kernel(cfg.cp_attention).attn_name
+        model.config._attn_implementation = cp_kernel(cfg.fsdp.cp_attention).attn_name
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}  # FSDP does not manage buffers
     mp = MixedPrecisionPolicy(param_dtype=cfg.torch_param_dtype, reduce_dtype=torch.float32)
     policy = CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if offload else None
-    kwargs = dict(mesh=env.shard_mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+    kwargs = dict(mesh=env.shard_mesh, mp_policy=mp, reshard_after_forward=cfg.fsdp.reshard_after_forward)
     if policy is not None:
         kwargs["offload_policy"] = policy
     layers = decoder_layers(model)
@@ -98,13 +98,13 @@ def build_sharded_model(
         # falls back to eager.
         dynamo_config = torch._dynamo.config
         dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, _RECOMPILE_LIMIT)
-        if cfg.gradient_checkpointing and hasattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        if cfg.fsdp.gradient_checkpointing and hasattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
             # transformers >= 5.25 sets a context variable (its output capturing) inside every layer's forward;
             # under a checkpointed layer that side effect is a graph break and the whole layer ran eagerly.
             # The recompute in backward need not replay it: nothing of ours reads it.
             dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for i, layer in enumerate(layers):
-        if cfg.gradient_checkpointing and i % cfg.checkpoint_every == 0:
+        if cfg.fsdp.gradient_checkpointing and i % cfg.fsdp.checkpoint_every == 0:
             _checkpoint_forward(layer)
         if cfg.compiled:
             layer.compile(**_compile_options(cfg))

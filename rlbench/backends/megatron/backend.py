@@ -26,7 +26,7 @@ from rlbench.backends.export import buckets
 from rlbench.backends.megatron import convert
 from rlbench.backends.offload import Parking, to_device
 from rlbench.backends.optim import lr_at
-from rlbench.configs.backend import FSDPConfig
+from rlbench.configs.backend import TrainConfig
 from rlbench.configs.megatron import MegatronConfig
 from rlbench.distributed.mesh import DistEnv, barrier, init_distributed
 from rlbench.interrupts import defer_sigint, raise_if_interrupted
@@ -50,7 +50,7 @@ class MegatronBackend:
         temperature: the sampling temperature; log-probs / entropy are those of `softmax(logits / temperature)`.
     """
 
-    def __init__(self, cfg: FSDPConfig, mcfg: MegatronConfig | None = None, *, env: DistEnv | None = None,
+    def __init__(self, cfg: TrainConfig, mcfg: MegatronConfig | None = None, *, env: DistEnv | None = None,
                  loss_fn: LossFn | None = None, temperature: float = 1.0):
         if temperature <= 0:
             raise ValueError(f"temperature={temperature} must be > 0 (log-probs use the sampling temperature)")
@@ -203,7 +203,7 @@ class MegatronBackend:
         if model not in ("actor", "ref"):
             raise ValueError(f"model={model!r}; use 'actor' or 'ref'")
         if model == "ref" and self.ref is None:
-            raise ValueError("model='ref' but no reference model was configured (set FSDPConfig.ref_model)")
+            raise ValueError("model='ref' but no reference model was configured (set TrainConfig.ref_model)")
         net = self.model if model == "actor" else self.ref
         net.eval()
 
@@ -275,7 +275,7 @@ class MegatronBackend:
     def update_ref(self) -> dict:
         """Copy the actor's weights into the reference model (same layout: a local copy per rank)."""
         if self.ref is None:
-            raise ValueError("update_ref() needs a reference model; set FSDPConfig.ref_model")
+            raise ValueError("update_ref() needs a reference model; set TrainConfig.ref_model")
         t0 = time.perf_counter()
         actor = dict(self.model.module.named_parameters())
         for name, p in self.ref.named_parameters():
@@ -340,7 +340,7 @@ class MegatronBackend:
     # ---------------------------------------------------------------- checkpoints
     def _checkpoint_root(self) -> str:
         if not self.cfg.checkpoint_dir:
-            raise ValueError("FSDPConfig.checkpoint_dir is not set; set it to save or load checkpoints")
+            raise ValueError("TrainConfig.checkpoint_dir is not set; set it to save or load checkpoints")
         return self.cfg.checkpoint_dir
 
     def _layout_meta(self) -> dict:
@@ -441,16 +441,18 @@ def _stage_start(layout: convert.Layout, pp: int, rank: int) -> int:
     return convert.stage_layers(layout, pp)[rank].start
 
 
-def _check_supported(cfg: FSDPConfig, m: MegatronConfig) -> None:
+def _check_supported(cfg: TrainConfig, m: MegatronConfig) -> None:
     """FSDP-only settings, refused with the reason (rather than silently ignored)."""
-    refused = {
-        "cp_size": (cfg.cp_size != 1, "megatron's context parallelism needs TransformerEngine"),
-        "cpu_offload": (cfg.cpu_offload, "use sleep()/wake_up() (colocated offload) instead"),
-        "batch_invariant": (cfg.batch_invariant, "true on-policy mode uses rlbench's batch-invariant HF layers"),
-        "gradient_checkpointing": (cfg.gradient_checkpointing,
-                                   "use MegatronConfig.recompute_granularity (--recompute-granularity full)"),
-    }
-    bad = [f"{k} ({why})" for k, (on, why) in refused.items() if on]
+    hints = {"cpu_offload": "use sleep()/wake_up() (colocated offload) instead",
+             "gradient_checkpointing": "use MegatronConfig.recompute_granularity (--recompute-granularity full)",
+             "attn_implementation": "use MegatronConfig.attention (--megatron-attention)"}
+    honoured = {"compile": False}  # megatron runs eager: asking for no compile is what it does
+    bad = [f"fsdp.{k}" + (f" ({hints[k]})" if k in hints else "") for k in cfg.fsdp.changed()
+           if honoured.get(k, object()) != getattr(cfg.fsdp, k)]
+    if cfg.cp_size != 1:
+        bad.append("cp_size (megatron's context parallelism needs TransformerEngine)")
+    if cfg.batch_invariant:
+        bad.append("batch_invariant (true on-policy mode uses rlbench's batch-invariant HF layers)")
     if bad:
         raise ValueError(f"the megatron backend does not take these FSDP settings: {'; '.join(bad)}")
     if cfg.device == "cpu" and cfg.param_dtype != "fp32":

@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from rlbench.backends.megatron import convert
-from rlbench.configs.backend import FSDPConfig
+from rlbench.configs.backend import TrainConfig
 from rlbench.configs.megatron import MegatronConfig
 
 
-def transformer_config(hf: PretrainedConfig, mcfg: MegatronConfig, fcfg: FSDPConfig):
+def transformer_config(hf: PretrainedConfig, mcfg: MegatronConfig, fcfg: TrainConfig):
     """megatron's `TransformerConfig` for the HF architecture, the layout of `mcfg` and the dtype of `fcfg`."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -116,7 +116,7 @@ def build_gpt(hf: PretrainedConfig, config, device: torch.device):
     return model.to(device)
 
 
-def hf_state_dict(name: str, fcfg: FSDPConfig, device: torch.device) -> tuple[dict, PretrainedConfig]:
+def hf_state_dict(name: str, fcfg: TrainConfig, device: torch.device) -> tuple[dict, PretrainedConfig]:
     """The full HF state dict of a model directory, or a preset's random init drawn as the FSDP backend draws it
     (`rlbench.backends.hf_weights.random_init`, same seed), so both backends start from the same weights."""
     from rlbench.backends.hf_weights import load_hf_weights, model_config, random_init
