@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # the sibling modules; appended: never shadows a package
 from backend_features import megatron_accepts, package_version  # noqa: E402
 from stored_results import (  # noqa: E402
     CURVE_KEYS,

@@ -40,7 +40,7 @@ from rlbench.data import write_jsonl
 from rlbench.rewards import REWARDS
 from rlbench.trainer import Trainer
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # the sibling modules; appended: never shadows a package
 from stored_results import COST_KEYS as KEYS  # noqa: E402  (the cost-table columns notebook 03 reads back)
 from stored_results import MODES  # noqa: E402
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from dist_utils import free_port, spawn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from stored_results import cp_oom_rows  # noqa: E402  (the reader notebook 04's CP table uses)
 
 PLANTED = {1: 700, 2: 1400}  # cp -> longest response that "fits"

@@ -56,3 +56,9 @@ def test_the_anchor_rule_matches_a_known_heading():
     log = ROOT / "docs" / "log" / "2026-11.md"
     assert "2026-11-29--third-gpu-call-2h200-host-after-the-compile-fixes" in anchors(log)
     assert "2026-11-29--third-gpu-call" not in anchors(log)
+
+
+def test_readme_states_the_makefile_test_selection():
+    """README's `make test` row quotes the marker selection the Makefile runs (the Makefile is authoritative)."""
+    selection = re.search(r'pytest -q -m "([^"]+)" tests', (ROOT / "Makefile").read_text()).group(1)
+    assert f'pytest -m "{selection}"' in (ROOT / "README.md").read_text()

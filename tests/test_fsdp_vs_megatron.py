@@ -22,7 +22,7 @@ from dist_utils import megatron_world
 pytest.importorskip("megatron.core")
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmarks import each other by name, as notebooks do
+sys.path.append(str(ROOT / "benchmarks"))  # the benchmarks import each other by name, as notebooks do (appended: never shadows a package)
 import backend_features as bf  # noqa: E402
 import fsdp_vs_megatron as fvm  # noqa: E402
 import stored_results as sr  # noqa: E402

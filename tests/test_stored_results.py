@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # as notebooks and benchmarks import it
+sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))  # as notebooks and benchmarks import it
 from stored_results import (  # noqa: E402
     COST_COLUMNS,
     MISMATCH_COLUMNS,
