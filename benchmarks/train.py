@@ -8,7 +8,7 @@ count that grows with the layer count means per-layer recompiles).
 
     python benchmarks/train.py --preset qwen3-0.6b-shape --attn flex_attention          # 1 GPU
     torchrun --nproc_per_node 2 benchmarks/train.py --preset qwen3-4b-shape --attn flex_attention
-    python benchmarks/train.py --device cpu --preset tiny --tokens-per-gpu 256 --seq-len 64   # smoke
+    python benchmarks/train.py --device cpu --preset tiny --tokens-per-gpu 256 --seq-len 64 --attn sdpa   # smoke
 
 Every rank gets `--tokens-per-gpu` tokens per step, packed from sequences of `--seq-len` tokens
 (or random lengths with `--random-lengths`), in `--micro-batches` packs (gradient accumulation).
@@ -28,10 +28,20 @@ from rlbench.backends.attention import document_block_mask
 from rlbench.backends.fsdp.actor import FSDPBackend
 from rlbench.configs.backend import FSDPOptions, OptimConfig, TrainConfig
 from rlbench.packing.pack import pack_samples
+from rlbench.trainer import PEAK_FLOPS
 from rlbench.types import Sample
 
 _COMPILE_KEYS = ("_compile.compile_inner", "backward._backward_impl")  # dynamo+forward, lazy backward compile
-PEAK_FLOPS = {"cuda": 780e12, "cpu": 1e12}  # H200 dense bf16 (the issue's convention); CPU: nominal
+CPU_PEAK_FLOPS = 1e12  # nominal: a CPU smoke run prints a number, not an MFU
+
+
+def peak_flops(device: str) -> float | None:
+    """The MFU denominator: the GPU's dense bf16 peak from `rlbench.trainer.PEAK_FLOPS` (the one convention of
+    every MFU number: 989 TFLOP/s on H100 / H200), None for a GPU not listed there."""
+    if device == "cpu":
+        return CPU_PEAK_FLOPS
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
 
 def parse_args() -> argparse.Namespace:
@@ -183,7 +193,7 @@ def main() -> None:
         "seq_len": args.seq_len, "random_lengths": args.random_lengths, "n_params": n_params,
         "step_time_s": step_time, "logprob_time_s": sum(fwd_times) / len(fwd_times),
         "tokens_per_s_per_gpu": sum(p.num_tokens for p in packs) / step_time,
-        "mfu": flops / step_time / PEAK_FLOPS[args.device],
+        "mfu": flops / step_time / peak_f if (peak_f := peak_flops(args.device)) else None, "mfu_peak_flops": peak_f,
         "peak_mem_gib": peak / 2**30, "peak_reserved_gib": peak_reserved / 2**30,
         "sleep_cold_s": cold_sleep["perf/sleep_time"], "wake_up_cold_s": cold_wake["perf/wake_up_time"],
         "sleep_s": sleep["perf/sleep_time"], "sleep_freed_gib": sleep["memory/freed_bytes"] / 2**30,

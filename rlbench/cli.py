@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(flag, help=doc, **_argparse_kwargs(tp))
     sft = sub.add_parser("sft", help="SFT warm start (see python -m rlbench.sft --help)", add_help=False)
     sft.add_argument("rest", nargs=argparse.REMAINDER)
-    exp = sub.add_parser("experiment", help="an experiment (cp-oom; see rlbench experiment NAME --help)", add_help=False)
+    exp = sub.add_parser("experiment", help="an experiment (cp-oom, fsdp-vs-megatron; see rlbench experiment NAME --help)", add_help=False)
     exp.add_argument("rest", nargs=argparse.REMAINDER)
     parser.commands = sub.choices
     return parser
@@ -508,17 +508,9 @@ def run_command(args: argparse.Namespace) -> int:
 
 def run_bench_e2e(argv: list[str]) -> int:
     """`rlbench bench e2e ...`: `benchmarks/e2e.py` of this source checkout (benchmarks are not in the package)."""
-    import importlib.util
+    from rlbench.experiments import load_benchmark
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "e2e.py")
-    if not os.path.isfile(path):
-        raise SystemExit(f"rlbench bench e2e runs benchmarks/e2e.py of a source checkout, and {path} is missing; "
-                         "run it from a clone of the repository (pip install -e .)")
-    spec = importlib.util.spec_from_file_location("rlbench_bench_e2e", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module.main(argv)
+    return load_benchmark("benchmarks/e2e.py", "rlbench_bench_e2e").main(argv)
 
 
 def ensure_device_sft(args: argparse.Namespace, preset: str) -> str:

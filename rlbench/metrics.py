@@ -20,16 +20,6 @@ from typing import Protocol
 
 from rlbench.configs import LoggingConfig
 
-STEP_COST_KEYS = {"rollout_tokens_per_s": "perf/rollout_tokens_per_sec", "rollout_time_s": "perf/rollout_time",
-                  "logprob_time_s": "perf/log_probs_time", "train_time_s": "perf/train_time",
-                  "step_time_s": "perf/step_time",
-                  "train_rollout_logprob_abs_diff": "train/train_rollout_logprob_abs_diff",
-                  "ppo_kl_first_mb": "train/ppo_kl_first_mb"}
-"""Column -> step metric of the cost tables (`benchmarks/true_on_policy.py`, notebook 03)."""
-NUMERICS_MODES = ("default", "true_on_policy", "true_on_policy_rollout_logprobs")
-"""The cost tables' rows: default numerics; the true on-policy mode recomputing old log-probs; the mode with
-old = the rollout's log-probs (`use_rollout_logprobs`, no recompute: the same bits)."""
-
 # Keys the console sink prints (when present), in this order, with short labels.
 CONSOLE_KEYS: tuple[tuple[str, str], ...] = (
     ("rollout/raw_reward", "reward"),

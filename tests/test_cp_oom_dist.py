@@ -7,11 +7,14 @@ from __future__ import annotations
 import csv
 import math
 import os
+import sys
+from pathlib import Path
 
 import torch
 from dist_utils import free_port, spawn
 
-from rlbench.experiments.fsdp_vs_megatron import cp_oom_table
+sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from stored_results import cp_oom_rows  # noqa: E402  (the reader notebook 04's CP table uses)
 
 PLANTED = {1: 700, 2: 1400}  # cp -> longest response that "fits"
 
@@ -50,6 +53,6 @@ def test_cp_oom_on_two_ranks_finds_the_planted_limits(tmp_path):
     sweep = tmp_path / "results" / "cp_oom_2gpu"  # as stored under benchmarks/results/ for notebook 04's table
     sweep.mkdir(parents=True)
     (tmp_path / "cp_oom_cells.csv").rename(sweep / "cp_oom_cells.csv")
-    table = cp_oom_table(tmp_path / "results")
-    assert [(r["layout"], r["source"], r["longest"]) for r in table if r["layout"].startswith("FSDP")] == [
+    table = cp_oom_rows(tmp_path / "results")
+    assert [(r["layout"], r["source"], r["longest"]) for r in table] == [
         ("FSDP cp1", "measured, 2 GPUs", "640"), ("FSDP cp2", "measured, 2 GPUs", "1280")]

@@ -1,6 +1,8 @@
-"""rlbench.experiments.fsdp_vs_megatron: the feature table is probed (a refusal's own message is its cell), the
-stored CP-OOM and H200 results parse to their recorded values, and a 2-step CPU run on both backends agrees at
-step 0 (TP1 megatron == FSDP in fp32; measured: equal rewards, |Δ loss| 5e-10, |Δ grad norm| 9e-8).
+"""benchmarks/backend_features.py and benchmarks/fsdp_vs_megatron.py: a feature cell says "yes" only with named
+evidence that exists (a refusal's own message is a "no"; an accepted setting without evidence is "unverified"),
+the measured rows can say "no", the stored results' summaries are recomputed from their raw steps and quoted
+as such by docs/megatron.md, and a 2-step CPU run on both backends agrees at step 0 (TP1 megatron == FSDP in
+fp32; measured: equal rewards, |Δ loss| 5e-10, |Δ grad norm| 9e-8).
 
 All megatron work runs in this process over one world-of-1 gloo group, torn down at the end (as in
 tests/test_megatron_backend.py).
@@ -11,15 +13,24 @@ from __future__ import annotations
 import csv
 import json
 import re
+import sys
+from pathlib import Path
 
 import pytest
 from dist_utils import megatron_world
 
 pytest.importorskip("megatron.core")
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(ROOT / "benchmarks"))  # the benchmarks import each other by name, as notebooks do (appended: never shadows a package)
+import backend_features as bf  # noqa: E402
+import fsdp_vs_megatron as fvm  # noqa: E402
+import stored_results as sr  # noqa: E402
+
 from rlbench.configs.backend import TrainConfig  # noqa: E402
-from rlbench.experiments import EXPERIMENTS  # noqa: E402
-from rlbench.experiments import fsdp_vs_megatron as fvm  # noqa: E402
+from rlbench.experiments import EXPERIMENTS, load_benchmark, run_experiment  # noqa: E402
+
+UNVERIFIED = "accepted; no test or stored run exercises it)"
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +42,7 @@ def world1():
 
 @pytest.fixture(scope="module")
 def features(world1):
-    return {r["feature"]: r for r in fvm.feature_table(live=True)}
+    return {r["feature"]: r for r in bf.feature_table(live=True)}
 
 
 @pytest.fixture(scope="module")
@@ -50,30 +61,61 @@ def run(world1, tmp_path_factory):
 def test_feature_cells_are_the_backends_own_answers(features):
     from rlbench.backends.megatron.backend import MegatronBackend
 
-    assert list(next(iter(features.values()))) == list(fvm.FEATURE_COLUMNS)
+    assert list(next(iter(features.values()))) == list(bf.FEATURE_COLUMNS)
     with pytest.raises(ValueError) as refused:
         MegatronBackend(TrainConfig(device="cpu", cp_size=2))
     cp = features["context parallel (CP)"]
     assert cp["Megatron"].startswith(f"no ({refused.value})") and "TransformerEngine" in cp["Megatron"]
-    assert cp["FSDP"] == "yes (kernels: allgather, ring_flash_llama3)"
+    assert cp["FSDP"] == ("yes (cp=2; kernels: allgather, ring_flash_llama3; "
+                          "ran: tests/test_cp_train.py::test_params_match_cp1_and_cp_peers_agree)")
     assert features["tensor parallel (TP)"]["FSDP"] == "no (TrainConfig has no tensor_model_parallel_size field)"
-    assert features["tensor parallel (TP)"]["Megatron"] == "yes (TP=2 accepted)"
-    assert features["param dtypes on CPU"]["Megatron"].startswith("fp32; not bf16, fp16 (megatron on CPU runs fp32")
-    assert features["param dtypes on CUDA"]["Megatron"] == "bf16, fp16, fp32"
-    assert features["pipeline parallel (PP)"]["Megatron"].startswith("yes (1F1B) on CUDA; CPU: no (")
-    assert features["Ray cluster (several trainer ranks)"]["Megatron"] == "yes"
+    assert features["tensor parallel (TP)"]["Megatron"] == (
+        "yes (TP=2; ran: tests/test_megatron_backend.py::test_tensor_parallel_training_matches_tp1[tp2])")
+    assert features["param dtypes accepted on CPU"]["Megatron"].startswith(
+        "fp32; not bf16, fp16 (megatron on CPU runs fp32")
+    assert features["param dtypes accepted on CUDA"]["Megatron"] == "bf16, fp16, fp32"
+    # accepted by the constructor on CUDA, never run anywhere: unverified, not "yes"
+    assert features["pipeline parallel (PP)"]["Megatron"].startswith(
+        f"unverified (PP=2, 1F1B {UNVERIFIED} on CUDA; CPU: no (")
+    assert features["optimizer-state sharding (ZeRO-1)"]["Megatron"].startswith(
+        f"unverified (use_distributed_optimizer {UNVERIFIED} on CUDA; CPU: no (")
+    assert features["activation recompute"]["Megatron"].startswith("unverified (recompute_granularity: full, selective")
+    assert features["Ray cluster (several trainer ranks)"]["Megatron"] == (
+        "yes (ran: tests/test_ray.py::test_megatron_on_ray_matches_single_process)")
     assert "cluster.backend='ray'" in features["TP / PP through the Trainer (one process)"]["Megatron"]
-    assert features["rlbench train / Trainer (one process)"]["Megatron"] == "yes"
+    assert features["rlbench train / Trainer (one process)"]["Megatron"] == (
+        "yes (ran: tests/test_fsdp_vs_megatron.py::test_convergence_agrees_at_step_0, "
+        "benchmarks/results/fsdp_vs_megatron_2026-12-02_sft500.json)")
+
+
+def test_every_named_evidence_exists():
+    refs = [r for refs in bf.EVIDENCE.values() for r in refs]
+    assert refs and [r for r in refs if not bf.evidence_exists(r)] == []
+    assert not bf.evidence_exists("tests/test_ray.py::test_no_such_test")
+    assert not bf.evidence_exists("tests/test_megatron_backend.py::test_tensor_parallel_training_matches_tp1[pp2]")
+    assert not bf.evidence_exists("benchmarks/results/no_such_result.json")
+
+
+def test_no_yes_without_evidence(monkeypatch, world1):
+    """Without EVIDENCE, no probed cell says yes; a named id that does not exist is reported, not believed."""
+    monkeypatch.setattr(bf, "EVIDENCE", {})
+    verdicts = bf.cells_by_verdict(bf.feature_table())
+    assert "yes" not in verdicts and len(verdicts["unverified"]) >= 10
+    monkeypatch.setattr(bf, "EVIDENCE", {("tensor parallel (TP)", "megatron"): ("tests/test_gone.py::test_tp",)})
+    tp = {r["feature"]: r for r in bf.feature_table()}["tensor parallel (TP)"]["Megatron"]
+    assert tp == ("unverified (TP=2 accepted; no test or stored run exercises it; named evidence not found: "
+                  "tests/test_gone.py::test_tp)")
 
 
 def test_feature_cell_follows_the_probe(monkeypatch, world1):
-    """With the megatron constructor's refusals switched off, the CP cell says yes: nothing is typed in."""
+    """With the megatron constructor's refusals switched off, the CP cell is no longer a "no", and (nothing having
+    run it) not a "yes" either: nothing is typed in."""
     import rlbench.backends.megatron.backend as mbackend
 
     monkeypatch.setattr(mbackend, "_check_supported", lambda cfg, m: None)
-    rows = {r["feature"]: r for r in fvm.feature_table()}
-    assert rows["context parallel (CP)"]["Megatron"].startswith("yes")
-    assert rows["CPU offload of the training state (cpu_offload)"]["Megatron"] == "yes"
+    rows = {r["feature"]: r for r in bf.feature_table()}
+    assert rows["context parallel (CP)"]["Megatron"].startswith(f"unverified (cp=2 {UNVERIFIED}")
+    assert rows["CPU offload of the training state (cpu_offload)"]["Megatron"] == f"unverified ({UNVERIFIED}"
 
 
 def test_live_rows_measure_both_backends(features):
@@ -82,11 +124,21 @@ def test_live_rows_measure_both_backends(features):
     assert float(re.search(r"max \|Δ log-prob\| (\S+),", lp["evidence"]).group(1)) <= 1e-6  # measured 0.0
     step = features["one training step (measured)"]
     assert step["FSDP"] == step["Megatron"] == "yes"
-    assert float(re.search(r"\|Δ loss\| (\S+),", step["evidence"]).group(1)) <= 1e-6
+    assert float(re.search(r"\|Δ loss\| (\S+) ", step["evidence"]).group(1)) <= 1e-6
+    moved = re.search(r"moved by the step: max (\S+) \(FSDP\) / (\S+) \(Megatron\)", step["evidence"])
+    assert float(moved.group(1)) > 0 and float(moved.group(2)) > 0
     ckpt = features["checkpoint save -> train -> load (measured)"]
     assert ckpt["FSDP"].startswith("yes (") and "trainer_state.pt" in ckpt["FSDP"]
     assert ckpt["Megatron"] == "yes (rank0.pt, trainer_state.pt)"
     assert features["sleep -> wake_up after the load (measured)"]["FSDP"].startswith("yes (")
+
+
+def test_training_step_cell_can_say_no():
+    ok = {"train/skipped": 0.0}
+    assert bf.training_step_cell(ok, moved=1e-3, loss_gap=0.0, tol=1e-5) == "yes"
+    assert bf.training_step_cell({"train/skipped": 1.0}, 1e-3, 0.0, 1e-5) == "no (step skipped)"
+    assert bf.training_step_cell(ok, 0.0, 0.0, 1e-5).startswith("no (the weights did not move")
+    assert bf.training_step_cell(ok, 1e-3, 1e-2, 1e-5) == "no (|Δ loss| 1.0e-02 vs the other backend > 1e-05)"
 
 
 def test_cp_oom_table_from_the_stored_sweeps(world1):
@@ -122,23 +174,39 @@ def test_cp_oom_table_labels_a_measured_cp2(tmp_path, world1):
     assert mg["layout"] == "Megatron cp2"
 
 
-def test_stored_h200_result_loads(tmp_path):
-    res = fvm.stored_results()["2026-12-02"]
-    f, m = res["backends"]["fsdp"], res["backends"]["megatron"]
-    assert len(f["steps"]) == len(m["steps"]) == 8
-    assert f["steps"][0]["rollout/raw_reward"] == m["steps"][0]["rollout/raw_reward"] == 0.015625
-    assert res["checks"]["step0_reward_equal"] is True
-    assert round(f["summary"]["peak_memory_gb"], 1) == 32.7 and round(m["summary"]["peak_memory_gb"], 1) == 40.8
-    assert round(m["summary"]["step_time_s_median"], 2) == 7.92
-    rows = fvm.cost_rows({"2026-12-02": res})
+def test_stored_summaries_are_recomputed_from_the_raw_steps_and_quoted_by_the_docs():
+    """The stored comparison's summary and step-0 checks, recomputed by the reader from its per-step rows, equal
+    what the run wrote; docs/megatron.md quotes those numbers."""
+    res = sr.fsdp_vs_megatron_results()["2026-12-02_sft500"]
+    for name, run in res["backends"].items():
+        recomputed = sr.summarize(run["steps"])
+        assert recomputed == {k: run["summary"][k] for k in recomputed}, name
+    assert sr.checks(res["backends"]) == res["checks"]
+    assert res["warm_start"]["sft/step"] == 500  # the warm start notebook 04 and docs/megatron.md describe
+    f, m = (res["backends"][b]["summary"] for b in ("fsdp", "megatron"))
+    doc = (ROOT / "docs" / "megatron.md").read_text()
+    quoted = (f"median step {f['step_time_s_median']:.2f} s (FSDP) vs {m['step_time_s_median']:.2f} s (Megatron)",
+              f"peak {f['peak_memory_gb']:.1f} vs {m['peak_memory_gb']:.1f} GiB")
+    assert [q for q in quoted if q not in doc] == []
+
+
+def test_stored_directory_and_json_results_are_both_read(tmp_path):
+    res = sr.fsdp_vs_megatron_results()["2026-12-02"]  # a directory of per-backend jsonl: summaries computed here
+    steps = res["backends"]["megatron"]["steps"]
+    assert res["backends"]["megatron"]["summary"]["steps"] == len(steps) == 8
+    assert res["checks"]["step0_reward_equal"] == (steps[0]["rollout/raw_reward"]
+                                                   == res["backends"]["fsdp"]["steps"][0]["rollout/raw_reward"])
+    rows = sr.fvm_cost_rows({"2026-12-02": res})
     assert [(r["result"], r["backend"]) for r in rows] == [("2026-12-02", "fsdp"), ("2026-12-02", "megatron")]
-    assert set(fvm.curve_runs({"x": res})) == {"fsdp x", "megatron x"}
+    assert set(sr.curve_runs({"x": res})) == {"fsdp x", "megatron x"}
     (tmp_path / "fsdp_vs_megatron_d").mkdir()  # a bench directory and a JSON of one date: both kept
     (tmp_path / "fsdp_vs_megatron_d" / "fsdp.jsonl").write_text(json.dumps({"rollout/raw_reward": 0.5}) + "\n")
     (tmp_path / "fsdp_vs_megatron_d.json").write_text(json.dumps(res))
-    both = fvm.stored_results(tmp_path)
+    both = sr.fsdp_vs_megatron_results(tmp_path)
     assert list(both) == ["d", "d.json"] and both["d.json"] == res
     assert both["d"]["backends"]["fsdp"]["steps"] == [{"rollout/raw_reward": 0.5}] and both["d"]["checks"] == {}
+    with pytest.raises(ValueError, match="neither a result JSON nor a directory"):
+        sr.load_fvm_result(tmp_path)
 
 
 def test_convergence_agrees_at_step_0(run):
@@ -156,19 +224,21 @@ def test_convergence_agrees_at_step_0(run):
 
 
 def test_cli_writes_a_result_the_notebook_loads(run, tmp_path, capsys):
-    assert EXPERIMENTS["fsdp-vs-megatron"] == "rlbench.experiments.fsdp_vs_megatron"
+    assert EXPERIMENTS["fsdp-vs-megatron"] == "benchmarks/fsdp_vs_megatron.py"
+    assert load_benchmark("benchmarks/fsdp_vs_megatron.py") is fvm  # the CLI runs the module the notebook imports
     out = tmp_path / "fsdp_vs_megatron_test.json"
-    assert fvm.main(["--model", run["config"]["model"], "--steps", "1", "--out", str(out),
-                     "--workdir", str(tmp_path / "w")]) == 0
+    assert run_experiment(["fsdp-vs-megatron", "--model", run["config"]["model"], "--steps", "1", "--out", str(out),
+                           "--workdir", str(tmp_path / "w")]) == 0
     assert "[megatron] step 1: raw_reward" in capsys.readouterr().out
-    res = fvm.stored_results(tmp_path)["test"]
+    res = sr.fsdp_vs_megatron_results(tmp_path)["test"]
     assert res == json.loads(out.read_text())
     assert res["checks"]["step0_reward_equal"] is True
-    assert [r["backend"] for r in fvm.cost_rows({"test": res})] == ["fsdp", "megatron"]
+    assert [r["backend"] for r in sr.fvm_cost_rows({"test": res})] == ["fsdp", "megatron"]
 
 
-def test_two_gpu_layouts_run_on_ray():
-    """`--gpus 2`: colocated Ray actors; FSDP at DP 2, megatron at TP 2 (or PP 2 with --pp 2), issue 32's runs."""
+def test_two_gpu_run_config_layouts():
+    """Config only, nothing runs here: `--gpus 2` builds colocated Ray actors, FSDP at DP 2, megatron at TP 2 (or
+    PP 2 with --pp 2). The two-GPU runs themselves are `benchmarks/gpu_suite.sh fvm fvm2` (none stored yet)."""
     from rlbench.configs.cluster import check_batch_layout
 
     cfg = fvm.run_config("tiny", "/tmp/unused", gpus=2, sequence_parallel=True)

@@ -1,27 +1,25 @@
-"""True on-policy views: per-token rollout-vs-recompute log-prob diffs, runs side by side, the cost table.
+"""True on-policy views: per-token rollout-vs-recompute log-prob diffs, runs side by side, tables of plain rows.
 
     diffs = logprob_diffs(batch)                 # after trainer.compute_log_probs(batch): |old - rollout| per token
     diff_histogram({"default": d0, "mode": d1})  # decade bins with an exact-zero bin (a symlog histogram)
     group = TrainerGroup({"default": t0, "mode": t1})
     view = RunsView(keys=DIFF_KEYS)              # one metric at a time, a ToggleButtons picks it
     StepController(group, on_step=view.update_all)
-    cost_table(json.load(f))                     # benchmarks/results/true_on_policy_*.json -> rows with ratios
-    cost_table(e2e_cost_rows(json.load(f)))      # the same from `rlbench bench e2e --true-on-policy`
+    table_html(rows, [("mode", "mode"), ("step_time_s", "step s")])   # any list of row dicts
 
-The data functions (`logprob_diffs`, `diff_decades`, `step_series`, `mismatch_runs`, `mismatch_summary`,
-`history_row`, `e2e_cost_rows`, `cost_table`, `table_html`) are pure and tested without a browser; the figures return a `go.Figure`.
+Everything here takes plain data (metric dicts, rows, tensors); the schemas of the files in
+`benchmarks/results/` are read by `benchmarks/stored_results.py`, which hands rows to these functions.
+The data functions (`logprob_diffs`, `diff_decades`, `step_series`, `format_value`, `table_html`) are pure and
+tested without a browser; the figures return a `go.Figure`.
 """
 
 from __future__ import annotations
 
 import html
-import json
 import math
-import re
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import ipywidgets as widgets
@@ -29,26 +27,11 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from rlbench.metrics import NUMERICS_MODES, STEP_COST_KEYS
 from rlbench.viz._display import FigureView, WidgetMixin
 from rlbench.viz.dashboard import first_value
 
 DIFF_KEYS = ("train/train_rollout_logprob_abs_diff", "train/ppo_kl_first_mb", "train/mismatch_k3_kl", "train/ppo_kl")
 """The per-step mismatch metrics `RunsView` offers by default."""
-MODES = NUMERICS_MODES
-"""The `mode` names of `benchmarks/true_on_policy.py` rows."""
-PERF_KEYS = STEP_COST_KEYS
-"""Cost-table column -> the trainer's metric key (the same columns as `benchmarks/true_on_policy.py`)."""
-RATIO_KEYS = ("rollout_tokens_per_s", "rollout_time_s", "logprob_time_s", "train_time_s", "step_time_s")
-"""Columns `cost_table` divides by the baseline row's (`<key>_x`)."""
-COST_COLUMNS = (
-    ("preset", "preset"), ("mode", "mode"), ("steps", "steps"),
-    ("rollout_tokens_per_s", "rollout tok/s"), ("rollout_tokens_per_s_x", "tok/s × default"),
-    ("rollout_time_s", "rollout s"), ("logprob_time_s", "log-prob s"), ("train_time_s", "train s"),
-    ("step_time_s", "step s"), ("step_time_s_x", "step × default"),
-    ("train_rollout_logprob_abs_diff", "|rollout − recompute|"), ("ppo_kl_first_mb", "ppo_kl first mb"),
-)
-"""`(row key, header)` of the cost table, in order."""
 COLORS = ("#4c78a8", "#e45756", "#54a24b", "#f58518", "#b279a2", "#72b7b2", "#9d755d", "#bab0ac")
 
 
@@ -275,175 +258,7 @@ class RunsView(WidgetMixin):
         self.view.refresh()
 
 
-# ---------------------------------------------------------------------------------------------- results files
-def newest_result(directory: str | Path, prefix: str) -> Path | None:
-    """The newest `<prefix><YYYY-MM-DD>.json` in `directory` (what the benchmarks write by default), or None.
-
-    Variants with a suffix (`<prefix><date>_seed1.json`, written with `--out`) count only when there is no plain
-    dated file; among them the last by name wins.
-    """
-    files = sorted(Path(directory).glob(f"{prefix}*.json"))
-    dated = [f for f in files if re.fullmatch(rf"{re.escape(prefix)}\d{{4}}-\d{{2}}-\d{{2}}\.json", f.name)]
-    return (dated or files or [None])[-1]
-
-
-def mismatch_runs(result: Mapping[str, Any]) -> dict[str, list[dict]]:
-    """`{setting: per-step metric dicts}` from a `benchmarks/mismatch.py` result.
-
-    Accepts `{"settings": {name: {"steps": [...]}}}` (the script's layout), `{"settings": {name: [...]}}` and a
-    plain `{name: [...]}`; entries that are neither are skipped.
-    """
-    settings = result.get("settings", result)
-    out = {}
-    for name, value in settings.items():
-        steps = value.get("steps") if isinstance(value, Mapping) else value
-        if isinstance(steps, list) and all(isinstance(s, Mapping) for s in steps):
-            out[name] = [dict(s) for s in steps]
-    return out
-
-
-MISMATCH_COLUMNS = (
-    ("setting", "setting"), ("engine", "engine"), ("loss", "loss mode"), ("steps", "steps"),
-    ("reward_first", "reward (first steps)"), ("reward_last", "reward (last steps)"),
-    ("pass@1_first", "eval pass@1 (start)"), ("pass@1_last", "eval pass@1 (end)"),
-    ("abs_diff", "mean |rollout − recompute|"), ("k3_kl", "mean mismatch k3 KL"), ("ppo_kl", "mean ppo_kl"),
-    ("grad_norm", "mean grad norm"),
-)
-"""`(row key, header)` of `mismatch_summary`'s table."""
-
-
-def eval_by_step(runs: Mapping[str, Iterable[Mapping[str, Any]]], key: str = "eval/pass@1",
-                 seed_suffix: str = "_seed") -> tuple[list[dict], list[tuple[str, str]]]:
-    """`key` at every step a run logged it: one row per run, plus one "<setting> (mean)" row per setting that has
-    runs named `<setting><seed_suffix><k>` (the mean over its seeds at the steps all of them logged).
-    Returns (rows, `table_html` columns)."""
-    rows = [{"setting": name, **{f"step {int(x)}": y for x, y in zip(*step_series(list(h), key))}}
-            for name, h in runs.items()]
-    steps = sorted({int(k[5:]) for r in rows for k in r if k.startswith("step ")})
-    groups: dict[str, list[dict]] = {}
-    for r in rows:
-        if seed_suffix in r["setting"]:
-            groups.setdefault(r["setting"].rsplit(seed_suffix, 1)[0], []).append(r)
-    for setting, members in groups.items():
-        mean = {f"step {x}": sum(m[f"step {x}"] for m in members) / len(members)
-                for x in steps if all(f"step {x}" in m for m in members)}
-        rows.append({"setting": f"{setting} (mean of {len(members)})", **mean})
-    return rows, [("setting", "setting")] + [(f"step {x}", f"{key} @ {x}") for x in steps]
-
-
-GRADIENT_BIAS_COLUMNS = (
-    ("setting", "setting"), ("cos", "cos to g_true (one batch)"), ("cos_sd", "± sd"), ("norm", "grad norm"),
-    ("cos_expected", "cos of expected gradients"), ("norm_expected", "expected grad norm"),
-)
-"""`(row key, header)` of `gradient_bias_rows`'s table."""
-
-
-def gradient_bias_rows(result: Mapping[str, Any]) -> list[dict]:
-    """One row per setting of a `benchmarks/mismatch_grad.py` result: the cosine of one batch's gradient to the clean
-    policy's on-policy gradient (mean, sd over draws), its norm, and the cosine of the expected gradients."""
-    return [{"setting": name, "cos": s["cos_to_g_true"]["mean"], "cos_sd": s["cos_to_g_true"]["sd"],
-             "norm": s["norm"]["mean"], "cos_expected": s.get("cos_expected_to_g_true"),
-             "norm_expected": s.get("norm_expected")}
-            for name, s in result.get("summary", {}).items()]
-
-
-def _mean_of(rows: Sequence[Mapping[str, Any]], key: str) -> float | None:
-    values = step_series(rows, key)[1]
-    return sum(values) / len(values) if values else None
-
-
-def mismatch_summary(result: Mapping[str, Any], *, window: int | None = None) -> list[dict]:
-    """One row per setting of a `benchmarks/mismatch.py` result, computed from its per-step metrics.
-
-    Reward means over the first and last `window` steps (default: a quarter of the run, 1 to 10 steps), eval
-    pass@1 at the first and last eval (when the setting has an `eval` list), and the mean per step of the
-    mismatch diagnostics; the engine dtype and loss mode come from the setting's `config` when it has one.
-    """
-    settings = result.get("settings", result)
-    out = []
-    for name, steps in mismatch_runs(result).items():
-        meta = settings.get(name) if isinstance(settings.get(name), Mapping) else {}
-        config, evals = meta.get("config") or {}, [e for e in meta.get("eval") or [] if "eval/pass@1" in e]
-        w = window or max(1, min(10, len(steps) // 4))
-        out.append({
-            "setting": name, "engine": config.get("engine_dtype"), "loss": config.get("loss_mode"),
-            "steps": len(steps), "reward_first": _mean_of(steps[:w], "rollout/raw_reward"),
-            "reward_last": _mean_of(steps[-w:], "rollout/raw_reward"),
-            "pass@1_first": evals[0]["eval/pass@1"] if evals else None,
-            "pass@1_last": evals[-1]["eval/pass@1"] if evals else None,
-            "abs_diff": _mean_of(steps, "train/train_rollout_logprob_abs_diff"),
-            "k3_kl": _mean_of(steps, "train/mismatch_k3_kl"), "ppo_kl": _mean_of(steps, "train/ppo_kl"),
-            "grad_norm": _mean_of(steps, "train/grad_norm"),
-        })
-    return out
-
-
-# ---------------------------------------------------------------------------------------------- cost table
-def history_row(history: Sequence[Mapping[str, Any]], *, preset: str, mode: str, skip: int = 1) -> dict:
-    """A cost-table row (the `benchmarks/true_on_policy.py` columns) from a trainer's `history`.
-
-    Means over the steps after the first `skip` (warm-up); with no more steps than that, over all of them.
-    A metric no step logged (log-prob time without a recompute) is None.
-    """
-    steps = list(history[skip:]) if len(history) > skip else list(history)
-    row: dict[str, Any] = {"preset": preset, "mode": mode, "steps": len(steps)}
-    for col, key in PERF_KEYS.items():
-        values = [v for v in (first_value(m, (key,)) for m in steps) if v is not None]
-        row[col] = sum(values) / len(values) if values else None
-    return row
-
-
-E2E_MODES = {"rlbench": "default", "rlbench-top": "true_on_policy"}
-"""`rlbench bench e2e --true-on-policy` systems -> cost-table modes (old log-probs from the training forward in both)."""
-
-
-def newest_e2e_with_mode(directory: str | Path) -> Path | None:
-    """The newest `e2e_*.json` in `directory` (by its "date", then its name) that ran the true on-policy mode."""
-    found = []
-    for path in Path(directory).glob("e2e_*.json"):
-        result = json.loads(path.read_text())
-        if "rlbench-top" in result.get("rows", {}):
-            found.append((str(result.get("date", "")), path.name, path))
-    return max(found)[2] if found else None
-
-
-def e2e_cost_rows(result: Mapping[str, Any]) -> list[dict]:
-    """Cost-table rows (the `benchmarks/true_on_policy.py` columns) from an `rlbench bench e2e --true-on-policy`
-    result: its steady-state medians per system, the defaults and the mode side by side in one run."""
-    preset = result.get("workload", {}).get("model")
-    rows = []
-    for system, mode in E2E_MODES.items():
-        r = result.get("rows", {}).get(system)
-        if r is None:
-            continue
-        phases = r.get("phases_s", {})
-        rows.append({
-            "preset": preset, "mode": mode, "steps": r.get("measured_steps"),
-            "rollout_tokens_per_s": r.get("rollout_tokens_per_s"), "rollout_time_s": phases.get("rollout"),
-            "logprob_time_s": phases.get("log_probs"), "train_time_s": phases.get("train"),
-            "step_time_s": r.get("steady_step_s"), "train_rollout_logprob_abs_diff": r.get("max_logprob_abs_diff"),
-            "ppo_kl_first_mb": r.get("max_abs_ppo_kl_first_mb"),
-        })
-    return rows
-
-
-def cost_table(result: Mapping[str, Any] | Sequence[Mapping[str, Any]], *, baseline: str = "default",
-               ratio_keys: Sequence[str] = RATIO_KEYS) -> list[dict]:
-    """Rows with `<key>_x` = value / the value of the same preset's `baseline` row (None when either is missing,
-    or the preset has no baseline row); `result` is the JSON dict (its `rows`) or the rows themselves."""
-    rows = [dict(r) for r in (result["rows"] if isinstance(result, Mapping) else result)]
-    base = {}
-    for r in rows:
-        if r.get("mode") == baseline:
-            base.setdefault(r.get("preset"), r)
-    for r in rows:
-        ref = base.get(r.get("preset"))
-        for k in ratio_keys:
-            v, b = r.get(k), ref.get(k) if ref else None
-            r[f"{k}_x"] = v / b if isinstance(v, (int, float)) and isinstance(b, (int, float)) and b else None
-    return rows
-
-
+# ---------------------------------------------------------------------------------------------- tables
 def format_value(value: Any, key: str = "") -> str:
     """Table cell text: "–" for None, ×ratio for `*_x`, "0" for exact zero, 3 significant digits otherwise."""
     if value is None:
@@ -463,7 +278,7 @@ def format_value(value: Any, key: str = "") -> str:
     return f"{value:.3g}"
 
 
-def table_html(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str]] = COST_COLUMNS) -> str:
+def table_html(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str]]) -> str:
     """An HTML table of `rows` with the `(key, header)` columns; columns no row has are left out."""
     cols = [(k, h) for k, h in columns if any(k in r for r in rows)]
     head = "".join(f"<th style='text-align:right;padding:2px 8px'>{html.escape(h)}</th>" for _, h in cols)

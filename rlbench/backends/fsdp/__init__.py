@@ -1,12 +1,11 @@
-"""FSDP2 training backend: sharded HF model, packed training step, checkpoints, sleep/wake, weight export.
+"""FSDP2 training backend: sharded HF model, packed training step, sleep/wake, weight export (the shared parts,
+checkpoint layout, offload, optimizer, HF weights, live one level up in `rlbench.backends`).
 
-Light on import: `TrainConfig` / `OptimConfig` come from config.py (no torch import); `FSDPBackend` loads the
-actor (transformers, torch.distributed) on first access.
+Light on import: `FSDPBackend` loads the actor (transformers, torch.distributed) on first access; its config is
+`rlbench.configs.TrainConfig` with the FSDP-only `FSDPOptions` nested.
 """
 
-from rlbench.configs.backend import OptimConfig, TrainConfig
-
-__all__ = ["FSDPBackend", "TrainConfig", "OptimConfig"]
+__all__ = ["FSDPBackend"]
 
 
 def __getattr__(name: str):
