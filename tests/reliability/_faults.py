@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses as dc
+import errno
 import json
 import os
 
@@ -70,3 +71,25 @@ def assert_same(a: dict, b: dict) -> None:
         assert not bad, f"{key} differ: {bad[:5]}"
     assert len(a["opt"]) == len(b["opt"])
     assert all(torch.equal(x, y) if torch.is_tensor(x) else x == y for x, y in zip(a["opt"], b["opt"]))
+
+
+class FullDisk:
+    """Wraps an open binary file as a disk that fills up: the next write stores only half of its bytes (a short
+    write, as write(2) does at the last free block), every write after it raises ENOSPC; `free()` makes space."""
+
+    def __init__(self, f) -> None:
+        self.f, self.full, self.room = f, True, True
+
+    def write(self, data) -> int:
+        if self.full and not self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        if self.full:
+            self.room = False
+            return self.f.write(bytes(data)[: max(1, len(data) // 2)])
+        return self.f.write(data)
+
+    def free(self) -> None:
+        self.full = False
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
