@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses as dc
 import errno
+import io
 import json
 import os
+import resource
+import signal
+from unittest import mock
 
 import torch
 
@@ -93,3 +98,79 @@ class FullDisk:
 
     def __getattr__(self, name):
         return getattr(self.f, name)
+
+
+@contextlib.contextmanager
+def write_faults(root: str, fail_at: int | None = None):
+    """Files opened for writing under `root` through `open` / `io.open` (what torch.save through a file object,
+    DCP and the checkpoint code use) count their write calls; the `fail_at`-th one overall raises ENOSPC, as
+    write(2) does on a full disk (None: only count). Yields `{"writes": n, "files": paths opened for writing}`."""
+    real_open, root = io.open, os.path.abspath(root) + os.sep
+    seen = {"writes": 0, "files": set()}
+
+    class Faulty:
+        def __init__(self, f) -> None:
+            self.f = f
+
+        def write(self, data):
+            seen["writes"] += 1
+            if seen["writes"] == fail_at:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(data)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.f.close()
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    def faulty_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        path = os.path.abspath(os.fspath(file)) if isinstance(file, (str, os.PathLike)) else ""
+        if path.startswith(root) and any(c in mode for c in "wax+"):
+            seen["files"].add(path)
+            return Faulty(f)
+        return f
+
+    with mock.patch("builtins.open", faulty_open), mock.patch("io.open", faulty_open):
+        yield seen
+
+
+@contextlib.contextmanager
+def durability_log():
+    """Records, in order, `("fsync", path)` (the fd's path at the call) and `("rename", src, dst)` (os.replace and
+    os.rename, which pathlib uses) made inside the block: what a power cut could lose is what no fsync covered."""
+    events: list[tuple] = []
+    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def renamer(real):
+        def rename(src, dst, *args, **kwargs):
+            out = real(src, dst, *args, **kwargs)
+            events.append(("rename", os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))))
+            return out
+        return rename
+
+    with mock.patch("os.fsync", fsync), mock.patch("os.replace", renamer(real_replace)), \
+            mock.patch("os.rename", renamer(real_rename)):
+        yield events
+
+
+@contextlib.contextmanager
+def file_size_limit(nbytes: int):
+    """A real write failure from the kernel: RLIMIT_FSIZE makes every write(2) past `nbytes` of a file fail (EFBIG;
+    SIGXFSZ ignored), in C++ writers as in Python ones, as a full disk makes them fail with ENOSPC."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)

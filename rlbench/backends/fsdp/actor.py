@@ -440,14 +440,16 @@ def reset_fsdp_iteration(root) -> None:
     group is resharded (the module's parameters are the optimizer's again) and the next pass starts clean; the
     failed pass's gradients are discarded (`_clear_grads` drops the accumulators).
     """
+    state = root._get_fsdp_state()
+    if getattr(state, "_is_root", None) is None:  # no forward ran yet (FSDP2 initialises lazily): nothing to reset
+        return
     reset = getattr(root, "reset_iter_state", None)
     if reset is not None:  # torch >= 2.13: FSDP2's own recovery
         reset()
         return
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
-    state = root._get_fsdp_state()  # older torch: the same fields by hand
-    ctx = state._state_ctx
+    ctx = state._state_ctx  # older torch: the same fields by hand
     for s in ctx.all_states:
         s._training_state = TrainingState.IDLE
         for group in _param_groups(s):
