@@ -10,6 +10,8 @@ import json
 import os
 import resource
 import signal
+import threading
+import time
 from unittest import mock
 
 import torch
@@ -174,3 +176,38 @@ def file_size_limit(nbytes: int):
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, previous)
+
+
+def hang_if_flagged(response: str, label) -> float:
+    """`text_reward`, except that while the file `$RLBENCH_TEST_HANG` exists a call hangs (10 minutes), after
+    creating `$RLBENCH_TEST_HANG.started`; importable by name in reward worker processes."""
+    flag = os.environ["RLBENCH_TEST_HANG"]
+    if os.path.exists(flag):
+        open(flag + ".started", "w").close()
+        time.sleep(600)
+    return text_reward(response, label)
+
+
+@contextlib.contextmanager
+def sigint_when(ready, timeout: float = 60.0):
+    """Send SIGINT to the main thread (a real Ctrl-C) once `ready()` is true, from a helper thread; Python's own
+    handler is installed for the block (a background CI shell may start the process with SIGINT ignored)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    main, stop = threading.main_thread().ident, threading.Event()
+
+    def watch():
+        deadline = time.monotonic() + timeout
+        while not stop.is_set() and time.monotonic() < deadline:
+            if ready():
+                signal.pthread_kill(main, signal.SIGINT)
+                return
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        signal.signal(signal.SIGINT, previous)
