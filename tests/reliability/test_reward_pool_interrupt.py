@@ -10,7 +10,7 @@ import time
 import pytest
 from test_trainer_rollout import ScriptedEngine
 
-from rlbench.config import RolloutConfig
+from rlbench.configs import RolloutConfig
 from rlbench.data import DataConfig, PromptDataset, build_tokenizer, make_arithmetic, write_jsonl
 from rlbench.rollout.manager import RolloutManager
 
