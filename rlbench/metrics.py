@@ -78,22 +78,28 @@ def format_line(metrics: dict[str, float], step: int, keys: Sequence[tuple[str, 
 
 
 class JsonlSink:
-    """Appends `{"step": s, **metrics}` as one line per step (the file is flushed every write)."""
+    """Appends `{"step": s, **metrics}` as one line per step, written straight to the file (unbuffered).
+
+    A write that fails (a full disk: a short write, then ENOSPC) is cut back to the file's previous end, so the
+    file never holds a partial line and writing the same line again later (`MetricsLogger`) adds it once."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self.file = open(path, "a")  # noqa: SIM115 -- closed by close()
+            self.file = open(path, "ab", buffering=0)  # noqa: SIM115 -- closed by close()
         except OSError as exc:
             raise OSError(exc.errno, f"cannot open the metrics file {self.path!r}: {exc.strerror}; "
                           "choose another logging.jsonl_path or free the disk") from exc
 
     def write(self, metrics: dict[str, float], step: int) -> None:
+        line = memoryview((json.dumps({"step": step, **metrics}) + "\n").encode())
+        end = os.fstat(self.file.fileno()).st_size
         try:
-            self.file.write(json.dumps({"step": step, **metrics}) + "\n")
-            self.file.flush()
+            while line:
+                line = line[self.file.write(line):]
         except OSError as exc:
+            os.ftruncate(self.file.fileno(), end)  # no partial line (shrinking a file needs no space)
             raise OSError(exc.errno, f"cannot append step {step} to the metrics file {self.path!r}: {exc.strerror}; "
                           "free disk space or choose another logging.jsonl_path") from exc
 
@@ -157,20 +163,41 @@ def build_sinks(cfg: LoggingConfig, run_config: dict | None = None) -> list[Sink
 
 
 class MetricsLogger:
-    """Fans one flat metric dict out to every sink; checks keys are namespaced and values finite floats."""
+    """Fans one flat metric dict out to every sink; checks keys are namespaced.
+
+    A sink whose write fails (a full disk) keeps that line and every later one pending: the next `log()` (or
+    `close()`) writes them first, in order, so once the fault is gone each sink holds every step exactly once. The
+    failure is raised after the other sinks got the line; the caller's own record is complete by then."""
 
     def __init__(self, sinks: Iterable[Sink] = ()) -> None:
         self.sinks = list(sinks)
+        self._pending: dict[Sink, list[tuple[dict[str, float], int]]] = {}
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for key in metrics:
             assert "/" in key, f"metric key {key!r} has no namespace (expected e.g. 'train/{key}')"
-        for sink in self.sinks:
-            sink.write(metrics, step)
+        self._deliver([(metrics, step)])
 
     def close(self) -> None:
+        try:
+            self._deliver([])  # what a failed write left pending
+        finally:
+            for sink in self.sinks:
+                sink.close()
+
+    def _deliver(self, lines: list[tuple[dict[str, float], int]]) -> None:
+        error = None
         for sink in self.sinks:
-            sink.close()
+            todo = self._pending.pop(sink, []) + lines
+            for i, (metrics, step) in enumerate(todo):
+                try:
+                    sink.write(metrics, step)
+                except BaseException as exc:  # kept for the next call, then re-raised below
+                    self._pending[sink] = todo[i:]
+                    error = error or exc
+                    break
+        if error is not None:
+            raise error
 
 
 def summarize(values: Sequence[float], prefix: str) -> dict[str, float]:

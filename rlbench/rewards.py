@@ -229,10 +229,14 @@ def _call(fn: RewardFn, response: str, label: Any, timeout: float | None) -> Any
     out: list = []
     done = threading.Event()
     worker.jobs.put((fn, (response, label), out, done))
-    if not done.wait(timeout):
-        with _worker_lock:
-            if _worker is worker:
-                _worker = None  # the stuck thread keeps its job; the next call gets a fresh worker
+    try:
+        finished = done.wait(timeout)
+    finally:
+        if not done.is_set():  # timed out, or Ctrl-C while waiting: the thread may be stuck in the reward
+            with _worker_lock:
+                if _worker is worker:
+                    _worker = None  # the stuck thread keeps its job; the next call gets a fresh worker at once
+    if not finished:
         raise _Timeout
     ok, value = out[0]
     if not ok:

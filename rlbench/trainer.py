@@ -166,8 +166,8 @@ class Trainer:
                     self.rollout_id += 1
                     m |= self._perf(fl.batch, m, time.perf_counter() - fl.start)
                     self.history.append(m)
-                    self.logger.log(m, step=self.rollout_id)
-                    fl.stage = "save"
+                    fl.stage = "save"  # recorded: a failing sink below (disk full) must not make a rerun count it twice
+                    self.logger.log(m, step=self.rollout_id)  # a line it cannot write stays pending in the logger
                 continue
             elif stage == "save":
                 if self._save_due():

@@ -170,12 +170,18 @@ def gae(
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """`[R]`: (x − masked mean) / sqrt(masked unbiased var + eps); pass ALL tokens of the global batch."""
+    """`[R]`: (x − masked mean) / sqrt(masked unbiased var + eps); pass ALL tokens of the global batch.
+
+    With fewer than 2 trained tokens there is no variance to scale by (x / sqrt(eps) would blow a value up by
+    1e4): the result is 0 everywhere (+ the masked mean with `shift_mean=False`: x itself at a single trained
+    token, 0 with none). verl's `masked_whiten` raises there; returning the centred value keeps a step whose
+    other samples are all masked (truncation, dynamic sampling) trainable, and those tokens carry no loss."""
     m = mask.to(x.dtype)
-    n = m.sum().clamp_min(1.0)
+    count = m.sum()
+    n = count.clamp_min(1.0)
     mean = zero_masked(x * m, m).sum() / n  # a NaN/Inf on a masked token does not enter the statistics
     var = zero_masked((x - mean) ** 2 * m, m).sum() / (n - 1).clamp_min(1.0)
-    out = (x - mean) * torch.rsqrt(var + eps)
+    out = torch.where(count >= 2, (x - mean) * torch.rsqrt(var + eps), torch.zeros((), dtype=x.dtype, device=x.device))
     return out if shift_mean else out + mean
 
 

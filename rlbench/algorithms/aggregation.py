@@ -41,7 +41,8 @@ class GlobalNorm:
     """Per-sample divisor of `seq_sum_constant` (Dr.GRPO), e.g. the max response length."""
     n_nonempty: int | None = None
     """Samples with at least one trained token (the denominator of per-sequence metrics); a caller that
-    all-reduces the counts by hand must all-reduce this one too. None: not counted, taken as n_samples."""
+    all-reduces the counts by hand must all-reduce this one too. None: not counted (loss weights only: asking
+    for per-sequence metric weights is then an error, never a mean that counts the empty rows)."""
 
     def __post_init__(self) -> None:
         if self.n_samples < 1:
@@ -53,8 +54,14 @@ class GlobalNorm:
 
     @property
     def sequences(self) -> int:
-        """The denominator of per-sequence metrics: n_nonempty, or n_samples when it was not counted."""
-        return self.n_samples if self.n_nonempty is None else self.n_nonempty
+        """The denominator of per-sequence metrics: the samples with a trained token (`n_nonempty`)."""
+        if self.n_nonempty is None:
+            raise ValueError(
+                f"GlobalNorm(n_samples={self.n_samples}, ...) has no n_nonempty, the denominator of per-sequence "
+                "metrics (samples with a trained token; n_samples would count the empty rows and deflate them): "
+                "build it with GlobalNorm.from_masks / global_norm, or pass n_nonempty (all-reduced like the others)"
+            )
+        return self.n_nonempty
 
     @classmethod
     def from_masks(

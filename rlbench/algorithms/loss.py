@@ -61,7 +61,8 @@ class LossInputs:
     """`[R]` weights for metrics when they differ from token_weights (seq_sum_constant); None: same."""
     seq_metric_weights: torch.Tensor | None = None
     """`[R]` weights of the per-sequence metrics (`SEQUENCE_METRICS`) of token_metrics: `sequence_metric_weights`
-    (mean over the sequences with a trained token; NaN if none). None: metric_weights."""
+    (mean over the sequences with a trained token; NaN if none). Required when there are such metrics (the
+    loss weights would count the empty rows); `build_loss_inputs` sets it."""
     old_from_forward: bool = False
     """π_old is this micro-batch's own training forward (`log_probs.detach()`): the policy has not changed since
     the rollout (the first optimizer step of a rollout), so no separate old-log-prob pass ran; IS weights and
@@ -123,7 +124,7 @@ class PolicyLoss:
         dt = log_probs.dtype
         w = x.token_weights.to(dt)
         mw = w.detach() if x.metric_weights is None else x.metric_weights.to(dt)
-        sw = mw if x.seq_metric_weights is None else x.seq_metric_weights.to(dt)
+        sw = None if x.seq_metric_weights is None else x.seq_metric_weights.to(dt)
         mask = x.loss_mask.to(dt)
 
         def z(t):  # untrained tokens -> 0 before any arithmetic (where: no NaN into values or gradients)
@@ -160,6 +161,9 @@ class PolicyLoss:
         out = {"loss": loss.detach()}
         for name, v in (*tok.items(), *precomputed.items()):
             weights = sw if name in SEQUENCE_METRICS else mw
+            if weights is None:
+                raise ValueError(f"per-sequence metric {name!r} but LossInputs.seq_metric_weights is None: pass "
+                                 "sequence_metric_weights(loss_mask, lengths, norm) (build_loss_inputs does)")
             out[name] = (weights * zero_masked(v.to(mw.dtype), mask)).sum()
         out["ppo_kl_abs"] = (mw * tok["ppo_kl"].abs()).sum()
         return out

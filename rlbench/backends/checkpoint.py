@@ -11,7 +11,10 @@ Layout under `root/`:
 
 Atomicity: everything (extras included) is written to `iter_XXXXXXX.tmp/`; only after every rank finished
 does rank 0 rename it to `iter_XXXXXXX/` and then atomically replace the tracker file. A crash at any earlier
-point leaves the previous checkpoint and tracker untouched. Re-saving an existing step first moves the old
+point leaves the previous checkpoint and tracker untouched. Durability (a power cut, not only a killed process):
+every file is fsynced by its writer, and before the rename rank 0 fsyncs every file and directory of the `.tmp`
+tree; the root is fsynced after the rename (before the tracker names it) and after the tracker's replace, so the
+tracker never names a checkpoint whose bytes or directory entries are still only in the page cache. Re-saving an existing step first moves the old
 directory to `iter_XXXXXXX.old/` (the loader falls back to it until the new one is in place). A save starts
 by removing every stale `iter_*.tmp/` (never committed: nothing is lost) and resolving `iter_*.old/`. A failed
 write (disk full: ENOSPC) removes its `.tmp` dir and raises an OSError naming the path; the previous
@@ -20,6 +23,7 @@ checkpoint stays the loadable latest.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -37,8 +41,10 @@ from rlbench.backends.resume import (
     model_config_dict,
 )
 from rlbench.distributed.mesh import DistEnv, barrier
+from rlbench.interrupts import defer_sigint
 
 TRACKER = "latest_checkpointed_iteration.txt"
+LOW_SPACE_BYTES = 1 << 20  # a torch write failure with less free space than this is reported as a full disk
 
 
 def iter_dir(root: str, step: int) -> str:
@@ -108,15 +114,78 @@ def _rng_state() -> dict:
     return state
 
 
+def save_synced(obj, path: str) -> None:
+    """`torch.save(obj)` into `path` through an open file, flushed and fsynced before it returns.
+
+    Through a Python file object a failed write (a full disk: ENOSPC) reaches Python as the OSError it is; a path
+    given to torch.save goes through torch's C++ writer, which reports it only as `RuntimeError: [enforce fail at
+    inline_container.cc]`. Raises OSError naming `path` (its errno and strerror, "No space left on device")."""
+    with _as_os_error(path), open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def _as_os_error(path: str):
+    """A write that failed inside the block raised as its OSError, naming `path` when the error names no file.
+
+    torch's zip writer turns a failed `file.write` into `RuntimeError: [enforce fail at inline_container.cc]` with
+    the OSError only as its context; a RuntimeError of that writer without one is diagnosed from the free space."""
+    try:
+        yield
+    except (OSError, RuntimeError) as exc:
+        cause = _os_error(exc)
+        if cause is not None:
+            raise OSError(cause.errno, cause.strerror or str(cause), cause.filename or path) from exc
+        if "inline_container" not in str(exc):
+            raise
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+        code = errno.ENOSPC if free < LOW_SPACE_BYTES else errno.EIO
+        raise OSError(code, f"{os.strerror(code)} ({free} bytes free; torch: {exc})", path) from exc
+
+
+class _DCPWriter(dcp.FileSystemWriter):
+    """DCP's file writer (same files and defaults) whose failed writes raise their OSError: DCP gathers a rank's
+    failure by pickling it, which would drop the OSError behind torch's zip-writer RuntimeError."""
+
+    def write_data(self, plan, planner):
+        with _as_os_error(os.fspath(self.path)):
+            return super().write_data(plan, planner)
+
+    def finish(self, metadata, results) -> None:
+        with _as_os_error(os.fspath(self.path)):
+            super().finish(metadata, results)
+
+
+def fsync_path(path: str) -> None:
+    """fsync one file or directory (a directory's fsync makes its entries durable: created, renamed files)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, path) from exc
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str) -> None:
+    """fsync every file and directory under `root`, each directory after its entries."""
+    for dirpath, _, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            fsync_path(os.path.join(dirpath, name))
+        fsync_path(dirpath)
+
+
 def _write_state(path: str, fmt: str, model: nn.Module, optimizer, env: DistEnv) -> None:
     if fmt == "sharded":
         msd, osd = get_state_dict(model, optimizer)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(path, "dcp"))
+        dcp.save({"model": msd, "optim": osd}, storage_writer=_DCPWriter(os.path.join(path, "dcp")))
         return
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     msd, osd = get_state_dict(model, optimizer, options=options)
     if env.is_main:
-        torch.save({"model": msd, "optim": osd}, os.path.join(path, "full.pt"))
+        save_synced({"model": msd, "optim": osd}, os.path.join(path, "full.pt"))
 
 
 def save_checkpoint(
@@ -141,16 +210,18 @@ def save_checkpoint(
             os.makedirs(tmp)
         barrier(env)
         _write_state(tmp, fmt, model, optimizer, env)
-        torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{env.rank}.pt"))
+        save_synced(_rng_state(), os.path.join(tmp, f"rng_rank{env.rank}.pt"))
         if env.is_main:
             meta = {"scheduler": scheduler.state_dict(), "step": step, "world_size": env.world_size, "format": fmt}
             meta |= {"model_config": model_config_dict(model)} | (extra_meta or {})
-            torch.save(meta, os.path.join(tmp, "trainer_state.pt"))
+            save_synced(meta, os.path.join(tmp, "trainer_state.pt"))
             for name, obj in (extra or {}).items():
-                torch.save(obj, os.path.join(tmp, name))
+                save_synced(obj, os.path.join(tmp, name))
         barrier(env)
         if env.is_main:
             _commit(root, tmp, final, step)
+    except NotDurableError:  # committed: nothing to remove, and the error says so
+        raise
     except BaseException as exc:  # DCP's CheckpointException is a BaseException wrapping each rank's error
         os_error = _os_error(exc)
         if os_error is None:
@@ -182,28 +253,61 @@ def _save_error(exc: OSError, root: str, tmp: str, final: str, env: DistEnv) -> 
     where = exc.filename or tmp
     prev = latest_step(root) if os.path.isfile(os.path.join(root, TRACKER)) else None
     kept = f"step {prev} ({committed_dir(root, prev)})" if prev is not None else "none"
+    fix = "; free space on that disk or save elsewhere (--save DIR)" if exc.errno == errno.ENOSPC else ""
     return OSError(exc.errno or errno.EIO, f"saving checkpoint {final!r} failed writing {where!r}: "
-                   f"{exc.strerror or exc}; nothing was committed, the previous checkpoint ({kept}) stays the latest",
-                   where)
+                   f"{exc.strerror or exc}; nothing was committed, the previous checkpoint ({kept}) stays the latest"
+                   + fix, where)
 
 
 def _commit(root: str, tmp: str, final: str, step: int) -> None:
-    """Rename tmp -> final, then point the tracker at it (each an atomic filesystem operation).
+    """Make tmp durable, rename tmp -> final, then point the tracker at it (each an atomic filesystem operation).
 
     An existing `final` (a re-save of the same step) is renamed to `final.old` first, never deleted before the
-    new one is in place: at every instant the tracker's step has a finished directory (`committed_dir`)."""
+    new one is in place: at every instant the tracker's step has a finished directory (`committed_dir`). Each
+    step is fsynced before the next one depends on it (module docstring: durability). A failure before the tracker
+    names the new directory undoes the rename (the caller removes tmp): nothing is committed. A failure of the
+    last fsync, once the tracker names it, raises `NotDurableError`: committed, durability unknown."""
+    fsync_tree(tmp)  # every rank's files (one host) and every directory entry, before anything names them
     old = final + ".old"
-    if os.path.isdir(final):
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    tracker_tmp = os.path.join(root, TRACKER + ".tmp")
-    with open(tracker_tmp, "w") as f:
-        f.write(str(step))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tracker_tmp, os.path.join(root, TRACKER))
+    resave = os.path.isdir(final)
+    with defer_sigint():  # published and named, or (undone) neither
+        if resave:
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        try:
+            fsync_path(root)  # the rename, before the tracker names it
+            _write_tracker(root, step)
+        except BaseException:
+            os.replace(final, tmp)
+            if resave:
+                os.replace(old, final)
+            raise
     shutil.rmtree(old, ignore_errors=True)
+    try:
+        fsync_path(root)  # the tracker's new entry
+    except OSError as exc:
+        raise NotDurableError(exc.errno, f"checkpoint {final!r} was committed (the tracker names step {step}), but "
+                              f"fsync of {root!r} failed: {exc.strerror}; it may not survive a power cut, save "
+                              "again once the disk is healthy", root) from exc
+
+
+def _write_tracker(root: str, step: int) -> None:
+    """Atomically replace the tracker file with `step` (written and fsynced under a temporary name first)."""
+    tracker_tmp = os.path.join(root, TRACKER + ".tmp")
+    try:
+        with open(tracker_tmp, "w") as f:
+            f.write(str(step))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        os.remove(tracker_tmp)
+        raise OSError(exc.errno, exc.strerror, tracker_tmp) from exc
+    os.replace(tracker_tmp, os.path.join(root, TRACKER))
+
+
+class NotDurableError(OSError):
+    """A checkpoint was committed (the tracker names it), but fsyncing its root directory failed afterwards."""
 
 
 def commit(root: str, tmp: str, final: str, step: int) -> None:

@@ -130,7 +130,18 @@ class RolloutManager:
         return RolloutBatch(samples=samples, metrics=metrics, rollout_id=rollout_id)
 
     def _sample_groups(self, items, n: int, seeds: list[int], **sampling) -> list[list[Sample]]:
-        """Generate n samples for each prompt item and score them; one group (list of n Samples) per item."""
+        """Generate n samples for each prompt item and score them; one group (list of n Samples) per item.
+
+        Stopped (Ctrl-C, an error) while rewards are still being scored, the pool's workers holding those jobs are
+        replaced: nobody waits for them, and one stuck in a hung reward would hold the next rollout's jobs."""
+        try:
+            return self._generate_and_score(items, n, seeds, **sampling)
+        except BaseException:
+            if self.reward_pool is not None:
+                self.reward_pool.restart_busy()
+            raise
+
+    def _generate_and_score(self, items, n: int, seeds: list[int], **sampling) -> list[list[Sample]]:
         prompts = [it.prompt_token_ids for it in items]
         if any(p is None for p in prompts):
             raise ValueError("prompt items have no prompt_token_ids; build the PromptDataset with a tokenizer")

@@ -137,6 +137,11 @@ class _Worker:
                 "above says why. Set rollout.reward_workers=0 (--reward-workers 0) to score in this process"))
         self.on_dead(self)
 
+    def kill(self) -> None:
+        """Stop the worker now; its reader thread fails the jobs in flight, naming it."""
+        self.proc.kill()
+        self.jobs.put(None)  # ends the writer thread
+
     def close(self, timeout: float = 10.0) -> None:
         """Let the worker finish its queued jobs and exit; kill it if it is still busy after `timeout` seconds
         (a reward without a time limit can hang)."""
@@ -186,6 +191,19 @@ class RewardPool:
         for i, future in enumerate(futures):
             out[i::k] = future.result()
         return out
+
+    def restart_busy(self) -> int:
+        """Replace every worker with jobs in flight by a fresh process; those jobs' futures fail naming the worker.
+
+        For a caller that stopped waiting (a rollout interrupted by Ctrl-C): a worker stuck in a hung reward
+        would otherwise hold every later job until its `timeout` (forever without one). Returns how many."""
+        with self._lock:
+            busy = [w for w in self._workers if w.inflight]
+            for w in busy:
+                self._workers[self._workers.index(w)] = _Worker(w.rank, self._worker_died)
+        for w in busy:
+            w.kill()  # no longer in `_workers`: its exit is not a dead-pool error
+        return len(busy)
 
     def _worker_died(self, worker: _Worker) -> None:
         with self._lock:

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses as dc
+import errno
+import io
 import json
 import os
+import resource
+import signal
+import threading
+import time
+from unittest import mock
 
 import torch
 
@@ -70,3 +78,136 @@ def assert_same(a: dict, b: dict) -> None:
         assert not bad, f"{key} differ: {bad[:5]}"
     assert len(a["opt"]) == len(b["opt"])
     assert all(torch.equal(x, y) if torch.is_tensor(x) else x == y for x, y in zip(a["opt"], b["opt"]))
+
+
+class FullDisk:
+    """Wraps an open binary file as a disk that fills up: the next write stores only half of its bytes (a short
+    write, as write(2) does at the last free block), every write after it raises ENOSPC; `free()` makes space."""
+
+    def __init__(self, f) -> None:
+        self.f, self.full, self.room = f, True, True
+
+    def write(self, data) -> int:
+        if self.full and not self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        if self.full:
+            self.room = False
+            return self.f.write(bytes(data)[: max(1, len(data) // 2)])
+        return self.f.write(data)
+
+    def free(self) -> None:
+        self.full = False
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+@contextlib.contextmanager
+def write_faults(root: str, fail_at: int | None = None):
+    """Files opened for writing under `root` through `open` / `io.open` (what torch.save through a file object,
+    DCP and the checkpoint code use) count their write calls; the `fail_at`-th one overall raises ENOSPC, as
+    write(2) does on a full disk (None: only count). Yields `{"writes": n, "files": paths opened for writing}`."""
+    real_open, root = io.open, os.path.abspath(root) + os.sep
+    seen = {"writes": 0, "files": set()}
+
+    class Faulty:
+        def __init__(self, f) -> None:
+            self.f = f
+
+        def write(self, data):
+            seen["writes"] += 1
+            if seen["writes"] == fail_at:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(data)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.f.close()
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    def faulty_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        path = os.path.abspath(os.fspath(file)) if isinstance(file, (str, os.PathLike)) else ""
+        if path.startswith(root) and any(c in mode for c in "wax+"):
+            seen["files"].add(path)
+            return Faulty(f)
+        return f
+
+    with mock.patch("builtins.open", faulty_open), mock.patch("io.open", faulty_open):
+        yield seen
+
+
+@contextlib.contextmanager
+def durability_log():
+    """Records, in order, `("fsync", path)` (the fd's path at the call) and `("rename", src, dst)` (os.replace and
+    os.rename, which pathlib uses) made inside the block: what a power cut could lose is what no fsync covered."""
+    events: list[tuple] = []
+    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def renamer(real):
+        def rename(src, dst, *args, **kwargs):
+            out = real(src, dst, *args, **kwargs)
+            events.append(("rename", os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))))
+            return out
+        return rename
+
+    with mock.patch("os.fsync", fsync), mock.patch("os.replace", renamer(real_replace)), \
+            mock.patch("os.rename", renamer(real_rename)):
+        yield events
+
+
+@contextlib.contextmanager
+def file_size_limit(nbytes: int):
+    """A real write failure from the kernel: RLIMIT_FSIZE makes every write(2) past `nbytes` of a file fail (EFBIG;
+    SIGXFSZ ignored), in C++ writers as in Python ones, as a full disk makes them fail with ENOSPC."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+
+
+def hang_if_flagged(response: str, label) -> float:
+    """`text_reward`, except that while the file `$RLBENCH_TEST_HANG` exists a call hangs (10 minutes), after
+    creating `$RLBENCH_TEST_HANG.started`; importable by name in reward worker processes."""
+    flag = os.environ["RLBENCH_TEST_HANG"]
+    if os.path.exists(flag):
+        open(flag + ".started", "w").close()
+        time.sleep(600)
+    return text_reward(response, label)
+
+
+@contextlib.contextmanager
+def sigint_when(ready, timeout: float = 60.0):
+    """Send SIGINT to the main thread (a real Ctrl-C) once `ready()` is true, from a helper thread; Python's own
+    handler is installed for the block (a background CI shell may start the process with SIGINT ignored)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    main, stop = threading.main_thread().ident, threading.Event()
+
+    def watch():
+        deadline = time.monotonic() + timeout
+        while not stop.is_set() and time.monotonic() < deadline:
+            if ready():
+                signal.pthread_kill(main, signal.SIGINT)
+                return
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        signal.signal(signal.SIGINT, previous)

@@ -152,3 +152,43 @@ def test_notebook_interrupt_kernel_then_step_button(run):
     controller.step()
     assert controller.steps_done == STEPS
     assert_same(state(trainer), reference)
+
+
+def _raise_in_backward(trainer, exc, nth):
+    """The `nth` backward through the first decoder layer raises `exc` (after the head's and the later layers'
+    backward ran: FSDP2 is mid-backward, some gradients reduce-scattered, others not)."""
+    calls = [0]
+
+    def hook(module, grad_input, grad_output):
+        calls[0] += 1
+        if calls[0] == nth:
+            raise exc
+
+    return trainer.backend.model.model.layers[0].register_full_backward_hook(hook).remove
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt(), torch.OutOfMemoryError("CUDA out of memory. Tried to allocate "
+                                                                             "2.00 GiB")], ids=["ctrl-c", "cuda-oom"])
+@pytest.mark.parametrize("nth", [2, 5], ids=["1st optimizer step", "2nd optimizer step"])
+def test_exception_inside_backward_then_step_again_is_the_uninterrupted_step(run, exc, nth):
+    """An exception raised inside backward leaves FSDP2 mid-backward; the backend resets it, so every parameter is
+    the optimizer's again and the next step() trains bit for bit like the uninterrupted run (rolled back in the
+    1st optimizer step, finished by the next step() in the 2nd)."""
+    trainer, start, reference = run
+    trainer.load(start)
+    trainer.step()
+    before = state(trainer)
+    undo = _raise_in_backward(trainer, exc, nth)
+    try:
+        with pytest.raises(type(exc)):
+            trainer.step()
+    finally:
+        undo()
+    model, optimizer = trainer.backend.model, trainer.backend.optimizer
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert [n for n, p in model.named_parameters() if id(p) not in held] == []  # the optimizer's parameters
+    assert (trainer._inflight is None) == (nth == 2)
+    trainer.step()
+    after = state(trainer)
+    assert all(not torch.equal(before["params"][n], after["params"][n]) for n in before["params"])  # weights moved
+    assert_same(after, reference)

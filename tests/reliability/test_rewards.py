@@ -8,6 +8,7 @@ import dataclasses as dc
 import math
 import sys
 import threading
+import time
 import types
 
 import pytest
@@ -19,6 +20,7 @@ from rlbench.rewards import RewardError, score_batch
 from rlbench.trainer import Trainer
 from rlbench.types import Sample
 
+from ._faults import sigint_when
 from ._small import small_cfg
 
 MOD = "_rlbench_reliability_rm"
@@ -121,3 +123,29 @@ def test_skipped_steps_are_on_the_console_and_warned_about(trainer, reward_modul
     monkeypatch.undo()
     m = trainer.step()
     assert m["train/skipped"] == 0 and trainer.skipped_streak == 0 and "skipped" not in trainer.console_lines[-1]
+
+
+def test_ctrl_c_during_a_hanging_reward_then_the_fixed_reward_trains_at_once(trainer, reward_module, monkeypatch):
+    """Ctrl-C while a user reward hangs (in its worker thread): the stuck thread is abandoned there and then, so
+    the next step() scores with the fixed reward at once instead of queueing behind it until the timeout."""
+    monkeypatch.setattr(trainer.rollouts, "cfg", dc.replace(trainer.rollouts.cfg, reward_timeout=60.0))
+    release, started = threading.Event(), threading.Event()
+
+    def hang(response, label):
+        started.set()
+        release.wait(120)
+        return 0.0
+
+    reward_module.impl = hang
+    rollout_id = trainer.rollout_id
+    try:
+        with sigint_when(started.is_set), pytest.raises(KeyboardInterrupt):
+            trainer.step()
+        assert trainer.rollout_id == rollout_id  # rolled back
+        reward_module.impl = lambda response, label: float(len(response) % 2)  # the reward is fixed
+        start = time.monotonic()
+        m = trainer.step()
+        assert time.monotonic() - start < 30  # not behind the stuck call (60 s timeout, then "timed out")
+        assert trainer.rollout_id == rollout_id + 1 and m["train/skipped"] == 0
+    finally:
+        release.set()  # let the abandoned thread finish

@@ -7,6 +7,7 @@ One code path for every world size and device. Micro-batches are packs (`tokens 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Iterator, Sequence
@@ -172,7 +173,7 @@ class FSDPBackend:
         self._check_same_count(len(packs))  # unequal counts would desynchronise the forwards' collectives
         outs = []
         for pack in packs:
-            with self._pass_grad_mode():
+            with self._pass_grad_mode(), _reset_on_error(net):
                 logp, ent = self.forward_pack(net, pack, with_entropy)
                 logp, ent = logp.detach(), (ent.detach() if ent is not None else None)
             outs.append(PackOutputs(logp.cpu(), ent.cpu() if ent is not None else None, list(pack.response_lengths)))
@@ -240,9 +241,10 @@ class FSDPBackend:
             raise_if_interrupted()  # a held Ctrl-C stops here, between micro-batches (grads cleared next call)
             if self.cfg.fsdp.no_sync_accumulation:
                 self.model.set_requires_gradient_sync(i == len(packs) - 1)
-            logp, ent = self.forward_pack(self.model, pack, self.cfg.with_entropy)
-            loss, metrics = loss_fn(logp, ent, to_device(inputs, self.env.device))
-            (loss * scale).backward()
+            with _reset_on_error(self.model):  # a CUDA OOM or a Ctrl-C in a backward hook stops mid-pass
+                logp, ent = self.forward_pack(self.model, pack, self.cfg.with_entropy)
+                loss, metrics = loss_fn(logp, ent, to_device(inputs, self.env.device))
+                (loss * scale).backward()
             loss_sum += loss.detach().double()
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0) + torch.as_tensor(v, device=self.env.device).detach().double()
@@ -284,10 +286,10 @@ class FSDPBackend:
         them, but the next reduce-scatter would add them in)."""
         from torch.distributed.fsdp import FSDPModule
 
+        reset_fsdp_iteration(self.model)  # idle and resharded, whatever an earlier failed pass left
         for module in self.model.modules():
             if not isinstance(module, FSDPModule):
                 continue
-            module.reshard()  # an interrupted forward may leave the unsharded params registered
             for group in _param_groups(module._get_fsdp_state()):
                 for fsdp_param in group.fsdp_params:
                     fsdp_param.unsharded_accumulated_grad = None
@@ -425,6 +427,50 @@ def _engine_lse():
     from rlbench import numerics
 
     return numerics.logsumexp_rows
+
+
+def reset_fsdp_iteration(root) -> None:
+    """Bring FSDP2's per-iteration state back to idle after a forward or backward raised (`root`: the module the
+    top-level `fully_shard` was applied to).
+
+    An exception inside backward (a CUDA OOM, a KeyboardInterrupt from a hook) skips FSDP2's post-backward final
+    callback: the states whose pre-backward ran stay in their pre-backward phase and the callback stays marked
+    queued. Every later forward then keeps the unsharded parameters registered and never reduce-scatters, so the
+    gradients land on tensors the optimizer does not hold and no step moves a weight. After this call every
+    group is resharded (the module's parameters are the optimizer's again) and the next pass starts clean; the
+    failed pass's gradients are discarded (`_clear_grads` drops the accumulators).
+    """
+    state = root._get_fsdp_state()
+    if getattr(state, "_is_root", None) is None:  # no forward ran yet (FSDP2 initialises lazily): nothing to reset
+        return
+    reset = getattr(root, "reset_iter_state", None)
+    if reset is not None:  # torch >= 2.13: FSDP2's own recovery
+        reset()
+        return
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    ctx = state._state_ctx  # older torch: the same fields by hand
+    for s in ctx.all_states:
+        s._training_state = TrainingState.IDLE
+        for group in _param_groups(s):
+            group._training_state = TrainingState.IDLE
+            group.reshard()
+    ctx.iter_forward_root = None
+    ctx.post_backward_final_callback_queued = False
+    post_forward_order = getattr(state._comm_ctx, "post_forward_order", None)
+    if post_forward_order is not None:
+        post_forward_order.clear()
+
+
+@contextlib.contextmanager
+def _reset_on_error(root):
+    """Run a forward / backward; if it raises (anything, Ctrl-C included), reset FSDP2's state before the error
+    propagates (`reset_fsdp_iteration`), so the backend is usable by the next call."""
+    try:
+        yield
+    except BaseException:
+        reset_fsdp_iteration(root)
+        raise
 
 
 def _param_groups(state) -> list:

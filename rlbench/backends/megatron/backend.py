@@ -352,7 +352,7 @@ class MegatronBackend:
     def save(self, step: int | None = None, extra: dict | None = None) -> str:
         """Atomic checkpoint under `cfg.checkpoint_dir`: each rank's model and optimizer shard (rank{r}.pt), the
         layout (resumed only on the same tp/pp/world), `extra` files from rank 0; the FSDP backend's commit."""
-        from rlbench.backends.checkpoint import clean_stale, commit, iter_dir
+        from rlbench.backends.checkpoint import clean_stale, commit, iter_dir, save_synced
 
         root, step = self._checkpoint_root(), self.step if step is None else step
         final, tmp = iter_dir(root, step), iter_dir(root, step) + ".tmp"
@@ -365,14 +365,14 @@ class MegatronBackend:
             r = self.env.rank
             state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                      "rng": torch.get_rng_state()}
-            torch.save(state, os.path.join(tmp, f"rank{r}.pt"))
-            if self.mcfg.use_distributed_optimizer:
+            save_synced(state, os.path.join(tmp, f"rank{r}.pt"))
+            if self.mcfg.use_distributed_optimizer:  # megatron's torch.save; fsynced by the commit (fsync_tree)
                 self.optimizer.save_parameter_state(os.path.join(tmp, "distopt.pt"))
             if self.env.is_main:
-                torch.save({"step": step, "format": "megatron"} | self._layout_meta(),
-                           os.path.join(tmp, "trainer_state.pt"))
+                save_synced({"step": step, "format": "megatron"} | self._layout_meta(),
+                            os.path.join(tmp, "trainer_state.pt"))
                 for name, obj in (extra or {}).items():
-                    torch.save(obj, os.path.join(tmp, name))
+                    save_synced(obj, os.path.join(tmp, name))
             barrier(self.env)
             if self.env.is_main:
                 commit(root, tmp, final, step)
