@@ -7,16 +7,16 @@ megatron-core is a CUDA library: about a hundred of its modules allocate with `d
 
 `run_on_cpu()` rebinds the name `torch` in every loaded `megatron.core` module to `CPUTorch`, a view of torch whose
 tensor factories map a CUDA device to the CPU and whose `torch.cuda` answers with the CPU's generator, no-op
-syncs and streams. torch itself, rlbench and every other library are untouched. The backend calls it only for
+syncs and streams. torch itself, rlbench and every other library are untouched (but see below). The backend calls it only for
 `device="cpu"`; on a GPU nothing is rebound. Once run, megatron in this process runs on the CPU (a process uses
 one device).
 
 A rebound module name cannot reach a tensor's own methods: the tied-embedding sync of pipeline parallelism
 (`weight.data.cuda()`, `language_module.py`) and the distributed optimizer's constructor (`param.type() ==
-"torch.cuda.FloatTensor"` when it builds its shards). Those few megatron methods (`_TENSOR_METHOD_CALLS`) run inside `cuda_tensor_methods()`: for the
-duration of the call `Tensor.cuda()` of a CPU tensor is the tensor and `Tensor.type()` names a CPU float tensor
-as its CUDA type. bf16/fp16 stay refused on CPU: megatron's mixed-precision path would then take the CPU
-tensors for CUDA ones everywhere, not in a few calls.
+"torch.cuda.FloatTensor"` when it builds its shards). Those megatron methods (`_TENSOR_METHOD_CALLS`) run inside
+`cuda_tensor_methods()`: for the duration of the call (and only then) `Tensor.cuda()` of a CPU tensor is the
+tensor and `Tensor.type()` names a CPU tensor's CUDA type. bf16/fp16 stay refused on CPU: megatron's
+mixed-precision path would take CPU tensors for CUDA ones throughout, not in a few calls.
 """
 
 from __future__ import annotations
