@@ -284,6 +284,11 @@ def test_cpu_redirect_is_confined_to_megatron(tp1):
     assert torch.device("cuda").type == "cuda"
     with pytest.raises((RuntimeError, AssertionError)):
         torch.zeros(1, device="cuda")
+    # the tensor methods megatron's PP / distributed-optimizer calls see as CUDA ones are back (cpu.py)
+    assert "cuda" not in torch.Tensor.__dict__ and "type" not in torch.Tensor.__dict__
+    assert torch.zeros(1).type() == "torch.FloatTensor"
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.zeros(1).cuda()
 
 
 # ---------------------------------------------------------------------------------------------- two processes

@@ -128,11 +128,16 @@ def cuda_tensor_methods():
         name = type_of(t)
         return name.replace("torch.", "torch.cuda.", 1) if t.device.type == "cpu" else name
 
+    own = {name: torch.Tensor.__dict__[name] for name in ("cuda", "type") if name in torch.Tensor.__dict__}
     torch.Tensor.cuda, torch.Tensor.type = on_cpu, cuda_name
     try:
         yield
     finally:
-        torch.Tensor.cuda, torch.Tensor.type = cuda, type_of
+        for name in ("cuda", "type"):  # back to exactly what was there (inherited from TensorBase, or own)
+            if name in own:
+                setattr(torch.Tensor, name, own[name])
+            else:
+                delattr(torch.Tensor, name)
 
 
 def _within_cuda_tensor_methods(fn):
