@@ -6,7 +6,7 @@ Whatever a test, a fixture or a test module's import changed is put back before 
 test passes because an earlier one left torch at one thread (or fp64, or deterministic). Module-scoped
 fixtures may still set state for their own computation; the tests that use them run from the baseline too.
 The reward registry and os.environ are put back at the end of each test module (module fixtures register
-rewards and set variables for the whole module).
+rewards and set variables for the whole module), and a default process group the module left is destroyed.
 
 `--reverse-order` (or RLBENCH_TEST_ORDER=reverse) runs the collected modules in the opposite order, each
 module's tests in their usual order (module fixtures are built once either way): `make test` runs the unit
@@ -63,11 +63,17 @@ def _baseline_torch_state():
 
 @pytest.fixture(scope="module", autouse=True)
 def _module_registries():
-    """The reward registry and os.environ as they were before the module, put back after it."""
+    """The reward registry and os.environ as they were before the module, put back after it; a default process
+    group the module started (a Trainer's world of one) is destroyed after it."""
+    import torch.distributed as dist
+
     from rlbench.rewards import REWARDS
 
     rewards, environ = dict(REWARDS), dict(os.environ)
+    had_group = dist.is_available() and dist.is_initialized()
     yield
+    if not had_group and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
     REWARDS.clear()
     REWARDS.update(rewards)
     for key in set(os.environ) - set(environ):
