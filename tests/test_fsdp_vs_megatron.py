@@ -93,7 +93,7 @@ def test_every_named_evidence_exists():
     refs = [r for refs in bf.EVIDENCE.values() for r in refs]
     assert refs and [r for r in refs if not bf.evidence_exists(r)] == []
     assert not bf.evidence_exists("tests/test_ray.py::test_no_such_test")
-    assert not bf.evidence_exists("tests/test_megatron_backend.py::test_tensor_parallel_training_matches_tp1[pp2]")
+    assert not bf.evidence_exists("tests/test_megatron_backend.py::test_tensor_parallel_training_matches_tp1[tp4]")
     assert not bf.evidence_exists("benchmarks/results/no_such_result.json")
 
 
