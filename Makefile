@@ -31,7 +31,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(VPY) -m ruff check rlbench tests benchmarks tools
-	$(VPY) -m pytest -q -m "not gpu and not browser and not interpreted" tests
+	$(VPY) -m pytest -q -m "not gpu and not browser and not interpreted" --reverse-order tests
 	$(VPY) -m pytest -q --nbval-lax notebooks
 	$(VPY) -m pytest -q -rs -m browser tests/test_browser.py
 	@[ -x "$${PLAYWRIGHT_CHROMIUM_EXECUTABLE:-$$(command -v chromium || echo /usr/bin/chromium)}" ] || \

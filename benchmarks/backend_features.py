@@ -55,10 +55,10 @@ EVIDENCE: dict[tuple[str, str], tuple[str, ...]] = {
     # (feature, backend) -> tests (CPU: `make test` runs them) or stored GPU results that exercised the feature.
     ("tensor parallel (TP)", "megatron"): (f"{_MB}::test_tensor_parallel_training_matches_tp1[tp2]",),
     ("sequence parallel (SP)", "megatron"): (f"{_MB}::test_tensor_parallel_training_matches_tp1[tp2_sp]",),
-    # pipeline parallel (1F1B) and the distributed optimizer: no test or stored run has exercised them (the CPU
-    # mode refuses both; the GPU test is TP1 without them). Add the test id here once one runs them.
-    ("pipeline parallel (PP)", "megatron"): (),
-    ("optimizer-state sharding (ZeRO-1)", "megatron"): (),
+    # pipeline parallel (1F1B) and the distributed optimizer: run on 2 gloo CPU ranks in fp32 (not yet on GPUs,
+    # bf16: the GPU test is TP1 without them)
+    ("pipeline parallel (PP)", "megatron"): (f"{_MB}::test_pipeline_parallel_pp2_matches_tp1",),
+    ("optimizer-state sharding (ZeRO-1)", "megatron"): (f"{_MB}::test_distributed_optimizer_matches_the_plain_optimizer",),
     ("optimizer-state sharding (ZeRO-1)", "fsdp"): ("tests/test_fsdp_dist.py::test_fsdp_step_matches_single_process",),
     ("parameter + gradient sharding (ZeRO-3)", "fsdp"): (
         "tests/test_fsdp_dist.py::test_fsdp_step_matches_single_process",),

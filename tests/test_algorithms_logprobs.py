@@ -5,7 +5,7 @@ import torch
 
 from rlbench.algorithms import linear_token_logprobs, token_logprobs
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small ops; as a module-level call it set the whole session
 
 
 def _ref(logits, targets, temperature):

@@ -74,11 +74,12 @@ def test_feature_cells_are_the_backends_own_answers(features):
     assert features["param dtypes accepted on CPU"]["Megatron"].startswith(
         "fp32; not bf16, fp16 (megatron on CPU runs fp32")
     assert features["param dtypes accepted on CUDA"]["Megatron"] == "bf16, fp16, fp32"
-    # accepted by the constructor on CUDA, never run anywhere: unverified, not "yes"
-    assert features["pipeline parallel (PP)"]["Megatron"].startswith(
-        f"unverified (PP=2, 1F1B {UNVERIFIED} on CUDA; CPU: no (")
-    assert features["optimizer-state sharding (ZeRO-1)"]["Megatron"].startswith(
-        f"unverified (use_distributed_optimizer {UNVERIFIED} on CUDA; CPU: no (")
+    # run on 2 gloo CPU ranks (fp32), accepted on CUDA and CPU
+    assert features["pipeline parallel (PP)"]["Megatron"] == (
+        "yes (PP=2, 1F1B; ran: tests/test_megatron_backend.py::test_pipeline_parallel_pp2_matches_tp1)")
+    assert features["optimizer-state sharding (ZeRO-1)"]["Megatron"] == (
+        "yes (use_distributed_optimizer; ran: "
+        "tests/test_megatron_backend.py::test_distributed_optimizer_matches_the_plain_optimizer)")
     assert features["activation recompute"]["Megatron"].startswith("unverified (recompute_granularity: full, selective")
     assert features["Ray cluster (several trainer ranks)"]["Megatron"] == (
         "yes (ran: tests/test_ray.py::test_megatron_on_ray_matches_single_process)")
@@ -92,7 +93,7 @@ def test_every_named_evidence_exists():
     refs = [r for refs in bf.EVIDENCE.values() for r in refs]
     assert refs and [r for r in refs if not bf.evidence_exists(r)] == []
     assert not bf.evidence_exists("tests/test_ray.py::test_no_such_test")
-    assert not bf.evidence_exists("tests/test_megatron_backend.py::test_tensor_parallel_training_matches_tp1[pp2]")
+    assert not bf.evidence_exists("tests/test_megatron_backend.py::test_tensor_parallel_training_matches_tp1[tp4]")
     assert not bf.evidence_exists("benchmarks/results/no_such_result.json")
 
 

@@ -21,8 +21,6 @@ from mk_check import (
     case_name,
     compare_to_f64,
     compile_for_hopper,
-    compile_gluon_attention,
-    compile_gluon_stage,
     distinct_outputs,
     sync_outputs,
 )
@@ -167,15 +165,37 @@ def test_mma_tile_split_takes_two_power_of_two_buffers():
     assert [mma_tile_split(n) for n in (64, 96, 48, 24, 80, 112, 7)] == [64, 64, 32, 16, 64, None, None]
 
 
+GLUON_PRESETS = ("qwen3-0.6b-shape", "qwen3-4b-shape")
+
+
+@pytest.fixture(scope="module")
+def gluon_compiles():
+    """mk_check's Gluon compiles for sm_90 (the 0.6B shape's GEMV stages, each preset's attention stage), in one
+    fresh process: Triton's interpreter, once it has run kernels in a process (tests/test_numerics_triton.py runs
+    its kernels interpreted in the pytest process), leaves its patches of triton.language behind, and a Gluon
+    compile in that process then fails ("Did you forget to add @triton.gluon.jit ?"): the result would depend
+    on the test order."""
+    code = ("import json, sys; sys.path.insert(0, 'tests'); import mk_check as m; "
+            "r = {f'stage{s}': m.compile_gluon_stage('qwen3-0.6b-shape', s) for s in (0, 2, 3, 4)}; "
+            f"r.update({{p: m.compile_gluon_attention(p) for p in {GLUON_PRESETS!r}}}); print(json.dumps(r))")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(root), capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @needs_gluon
 @pytest.mark.parametrize("stage", [0, 2, 3, 4])
-def test_gluon_stage_compiles_for_hopper_small_enough_to_share_an_sm(stage):
+def test_gluon_stage_compiles_for_hopper_small_enough_to_share_an_sm(gluon_compiles, stage):
     """Each Gluon GEMV stage of the 0.6B shape, compiled offline for sm_90 as the megakernel launches it (on the
     tensor cores): only its norm weights are read and nothing is written before the PDL wait, one TMA copy per
     box, no spills, and few enough registers and shared memory that the next GEMV stage's program fits on the same
     SM (65,536 registers, 227 KB): the point of the design."""
-    r = compile_gluon_stage("qwen3-0.6b-shape", stage)
-    nxt = compile_gluon_stage("qwen3-0.6b-shape", {0: 2, 2: 3, 3: 4, 4: 0}[stage])
+    r = gluon_compiles[f"stage{stage}"]
+    nxt = gluon_compiles[f"stage{ {0: 2, 2: 3, 3: 4, 4: 0}[stage]}"]
     assert r["waits"] == 1 and r["stores_before_wait"] == 0
     assert r["loads_before_wait"] == (8 if stage in (0, 3) else 0)  # the RMSNorm weights, [16, 64] bf16
     assert r["tma_copies"] == r["boxes"] and r["spill_bytes"] == 0
@@ -184,8 +204,8 @@ def test_gluon_stage_compiles_for_hopper_small_enough_to_share_an_sm(stage):
 
 
 @needs_gluon
-@pytest.mark.parametrize("preset", ["qwen3-0.6b-shape", "qwen3-4b-shape"])
-def test_gluon_attention_compiles_for_hopper_and_shares_an_sm_with_qkv(preset):
+@pytest.mark.parametrize("preset", GLUON_PRESETS)
+def test_gluon_attention_compiles_for_hopper_and_shares_an_sm_with_qkv(gluon_compiles, preset):
     """The Gluon attention stage compiled offline for sm_90 as the megakernel launches it (the 4B shape's KV group
     of 4 compiles too, though its step keeps the Triton stages): before the PDL wait it reads only the position,
     the q/k norm weights and the RoPE row (6 16-byte loads per thread) and starts cp.async copies of the cached
@@ -194,8 +214,8 @@ def test_gluon_attention_compiles_for_hopper_and_shares_an_sm_with_qkv(preset):
     Triton stage had 19: q/k norms, the softmax of each block, operand conversions), 32 batched m16n8k16 mma per
     block (16 for the scores, 16 for p @ V; in the block loop and twice in the two-block step), and registers and
     shared memory that fit on an SM beside the QKV stage's program, which launched it."""
-    r = compile_gluon_attention(preset)
-    qkv = compile_gluon_stage("qwen3-0.6b-shape", 0)
+    r = gluon_compiles[preset]
+    qkv = gluon_compiles["stage0"]
     assert r["loads_before_wait"] == 7 and r["stores_before_wait"] == 0
     assert r["copies_before_wait"] == 32 and r["copies"] == 80 and r["mma"] == 32 + 64
     assert r["barriers_after_wait"] <= 9

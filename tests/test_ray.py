@@ -128,16 +128,22 @@ def test_missing_ray_names_the_extra(monkeypatch):
         import_ray()
 
 
+@pytest.fixture(scope="module")
+def ray_digits():
+    """`rm_type="ray_digits"` (tiny_cfg's reward) registered for the tests that build a config from it."""
+    REWARDS["ray_digits"] = digit_reward
+    yield
+    REWARDS.pop("ray_digits", None)
+
+
 # ---------------------------------------------------------------------------------------------- on Ray
 @pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
+def ray_cluster(ray_digits, tmp_path_factory):
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'rlbench[dist]')")
-    REWARDS["ray_digits"] = digit_reward
     stub = tmp_path_factory.mktemp("raystub")
     write_sglang_package(stub)  # the actors' `import sglang` finds fake_sglang.Engine (the driver's does not)
     with local_ray(stub) as ray:
         yield ray
-    REWARDS.pop("ray_digits", None)
 
 
 @pytest.fixture(scope="module")
@@ -308,7 +314,7 @@ def test_not_enough_gpus_names_the_fix(ray_cluster):
         create_placement(plan, "cuda", timeout_s=5)
 
 
-def test_build_trainer_picks_the_class_of_the_cluster_backend(tmp_path):
+def test_build_trainer_picks_the_class_of_the_cluster_backend(ray_digits, tmp_path):
     import rlbench
     from rlbench.configs.cluster import BACKENDS
     from rlbench.orchestration import TRAINERS, build_trainer, trainer_class

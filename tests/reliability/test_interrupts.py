@@ -88,9 +88,14 @@ def sigint_raises():
     signal.signal(signal.SIGINT, previous)
 
 
+# The reference run (module fixture) and every test's steps must run at one thread count: "the same step" is
+# compared bit for bit, and another thread count sums in another order.
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # as the tests (one_thread): the fixture is built before their function fixtures
     work = tmp_path_factory.mktemp("interrupts")
     trainer = Trainer(tiny_config(str(work), save_dir=str(work / "ckpt"), save_interval=1, ref=True,
                                   eval_interval=STEPS))

@@ -366,8 +366,8 @@ class MegatronBackend:
             state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                      "rng": torch.get_rng_state()}
             save_synced(state, os.path.join(tmp, f"rank{r}.pt"))
-            if self.mcfg.use_distributed_optimizer:  # megatron's torch.save; fsynced by the commit (fsync_tree)
-                self.optimizer.save_parameter_state(os.path.join(tmp, "distopt.pt"))
+            if self.mcfg.use_distributed_optimizer:
+                save_synced(_optimizer_shards(self.optimizer), os.path.join(tmp, f"distopt_rank{r}.pt"))
             if self.env.is_main:
                 save_synced({"step": step, "format": "megatron"} | self._layout_meta(),
                             os.path.join(tmp, "trainer_state.pt"))
@@ -406,7 +406,9 @@ class MegatronBackend:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.mcfg.use_distributed_optimizer:
-            self.optimizer.load_parameter_state(os.path.join(path, "distopt.pt"))
+            shards = torch.load(os.path.join(path, f"distopt_rank{self.env.rank}.pt"), weights_only=False,
+                                map_location=self.env.device)
+            _load_optimizer_shards(self.optimizer, shards)
         torch.set_rng_state(state["rng"])
         self.step = int(meta["step"])
         return self.step
@@ -437,6 +439,39 @@ def _finalize_without_token_scaling(finalize, model, num_tokens=None, **kwargs):
     return finalize(model, None, **kwargs)
 
 
+def _optimizer_shards(optimizer) -> list[dict]:
+    """This rank's part of the distributed optimizer: its fp32 main-param shards and their Adam state.
+
+    Used instead of megatron's `save_parameter_state` (a gather of every shard to DP rank 0): checkpoints resume
+    only on the same layout, so each rank keeps its own shard; and megatron 0.16's loader of that gathered
+    state copies into every optimizer-state key, which fails (KeyError 'step') with torch's Adam, the optimizer
+    megatron falls back to without TransformerEngine / apex."""
+    out = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        params = [p for g in opt.optimizer.param_groups for p in g["params"]]
+        out.append({"params": [p.detach().clone() for p in params],
+                    "state": [{k: v.clone() if isinstance(v, torch.Tensor) else v
+                               for k, v in opt.optimizer.state.get(p, {}).items()} for p in params]})
+    return out
+
+
+@torch.no_grad()  # with fp32 params the main-param shards are views of the model's parameters
+def _load_optimizer_shards(optimizer, shards: list[dict]) -> None:
+    """Restore what `_optimizer_shards` saved, into the same layout's optimizer."""
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(opts) != len(shards):
+        raise ValueError(f"the checkpoint holds {len(shards)} optimizer shards, this optimizer {len(opts)}; "
+                         "resume with the same layout and model")
+    for opt, saved in zip(opts, shards):
+        params = [p for g in opt.optimizer.param_groups for p in g["params"]]
+        if [tuple(p.shape) for p in params] != [tuple(p.shape) for p in saved["params"]]:
+            raise ValueError("the checkpoint's optimizer shards have other shapes than this rank's; resume with "
+                             "the same layout and model")
+        for p, value, state in zip(params, saved["params"], saved["state"]):
+            p.copy_(value)
+            opt.optimizer.state[p] = state
+
+
 def _stage_start(layout: convert.Layout, pp: int, rank: int) -> int:
     return convert.stage_layers(layout, pp)[rank].start
 
@@ -458,9 +493,3 @@ def _check_supported(cfg: TrainConfig, m: MegatronConfig) -> None:
     if cfg.device == "cpu" and cfg.param_dtype != "fp32":
         raise ValueError(f"megatron on CPU runs fp32 only (its mixed-precision optimizer checks for CUDA tensors); "
                          f"got param_dtype={cfg.param_dtype!r}: set param_dtype='fp32' or use device='cuda'")
-    if cfg.device == "cpu" and m.pipeline_model_parallel_size > 1:
-        raise ValueError("megatron pipeline parallelism on CPU is not supported (its tied-embedding sync calls "
-                         "tensor.cuda()); use device='cuda' for pipeline_model_parallel_size > 1")
-    if cfg.device == "cpu" and m.use_distributed_optimizer:
-        raise ValueError("megatron's distributed optimizer on CPU is not supported (DistributedOptimizer accepts "
-                         "torch.cuda.*Tensor parameters only); use device='cuda' or use_distributed_optimizer=False")

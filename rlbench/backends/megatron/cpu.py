@@ -7,16 +7,23 @@ megatron-core is a CUDA library: about a hundred of its modules allocate with `d
 
 `run_on_cpu()` rebinds the name `torch` in every loaded `megatron.core` module to `CPUTorch`, a view of torch whose
 tensor factories map a CUDA device to the CPU and whose `torch.cuda` answers with the CPU's generator, no-op
-syncs and streams. torch itself, rlbench and every other library are untouched. The backend calls it only for
+syncs and streams. torch itself, rlbench and every other library are untouched (but see below). The backend calls it only for
 `device="cpu"`; on a GPU nothing is rebound. Once run, megatron in this process runs on the CPU (a process uses
-one device). Two things it cannot reach are refused by the backend on CPU: bf16/fp16 (megatron's mixed-precision
-optimizer checks `param.type() == "torch.cuda.BFloat16Tensor"`) and pipeline parallelism with tied embeddings
-(`weight.data.cuda()` in `language_module.py`).
+one device).
+
+A rebound module name cannot reach a tensor's own methods: the tied-embedding sync of pipeline parallelism
+(`weight.data.cuda()`, `language_module.py`) and the distributed optimizer's constructor (`param.type() ==
+"torch.cuda.FloatTensor"` when it builds its shards). Those megatron methods (`_TENSOR_METHOD_CALLS`) run inside
+`cuda_tensor_methods()`: for the duration of the call (and only then) `Tensor.cuda()` of a CPU tensor is the
+tensor and `Tensor.type()` names a CPU tensor's CUDA type. bf16/fp16 stay refused on CPU: megatron's
+mixed-precision path would take CPU tensors for CUDA ones throughout, not in a few calls.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import sys
 import types
 
@@ -105,6 +112,51 @@ class CPUTorch(types.ModuleType):
         return _on_cpu(value) if name in _FACTORIES else value
 
 
+@contextlib.contextmanager
+def cuda_tensor_methods():
+    """For the block: `Tensor.cuda()` of a CPU tensor returns it, `Tensor.type()` (no argument) of a CPU tensor
+    names the CUDA type ('torch.cuda.FloatTensor'). Not thread-safe: the backend's megatron calls run on one
+    thread, and the originals are back when the block ends, raised or not."""
+    cuda, type_of = torch.Tensor.cuda, torch.Tensor.type
+
+    def on_cpu(t, *args, **kwargs):
+        return t if t.device.type == "cpu" else cuda(t, *args, **kwargs)
+
+    def cuda_name(t, dtype=None, non_blocking=False, **kwargs):
+        if dtype is not None or kwargs:
+            return type_of(t, dtype, non_blocking, **kwargs)
+        name = type_of(t)
+        return name.replace("torch.", "torch.cuda.", 1) if t.device.type == "cpu" else name
+
+    own = {name: torch.Tensor.__dict__[name] for name in ("cuda", "type") if name in torch.Tensor.__dict__}
+    torch.Tensor.cuda, torch.Tensor.type = on_cpu, cuda_name
+    try:
+        yield
+    finally:
+        for name in ("cuda", "type"):  # back to exactly what was there (inherited from TensorBase, or own)
+            if name in own:
+                setattr(torch.Tensor, name, own[name])
+            else:
+                delattr(torch.Tensor, name)
+
+
+def _within_cuda_tensor_methods(fn):
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with cuda_tensor_methods():
+            return fn(*args, **kwargs)
+
+    call.rlbench_cpu = True
+    return call
+
+
+_TENSOR_METHOD_CALLS = (
+    ("megatron.core.models.common.language_module.language_module", "LanguageModule",
+     "setup_embeddings_and_output_layer"),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer", "__init__"),
+)
+"""(module, class, method) of megatron that call a tensor's `.cuda()` or compare its `.type()` to a CUDA name."""
+
 _INSTALLED: set[str] = set()
 
 
@@ -122,3 +174,8 @@ def run_on_cpu() -> None:
     # the RNG tracker reads and writes generator states through these two helpers (default argument "cuda")
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    for module_name, cls_name, method in _TENSOR_METHOD_CALLS:
+        cls = getattr(importlib.import_module(module_name), cls_name)
+        fn = cls.__dict__[method]
+        if not getattr(fn, "rlbench_cpu", False):
+            setattr(cls, method, _within_cuda_tensor_methods(fn))

@@ -41,6 +41,9 @@ def transformer_config(hf: PretrainedConfig, mcfg: MegatronConfig, fcfg: TrainCo
         tensor_model_parallel_size=mcfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=mcfg.pipeline_model_parallel_size,
         sequence_parallel=mcfg.sequence_parallel, variable_seq_lengths=mcfg.pipeline_model_parallel_size > 1,
+        # a dense model dispatches no MoE tokens, but megatron's config check refuses variable sequence lengths
+        # (PP with packs of different lengths) under its default "allgather" dispatcher
+        moe_token_dispatcher_type="alltoall",
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         pipeline_dtype=dtype, autocast_dtype=dtype,
         # losses are global weighted sums (rlbench.algorithms): no division by micro-batch or token counts, and
