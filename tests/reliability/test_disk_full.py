@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from rlbench.trainer import Trainer
+from rlbench import Trainer
 
 from ._faults import assert_same, state, tiny_config
 
