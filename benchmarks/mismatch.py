@@ -52,12 +52,11 @@ import zlib
 
 import torch
 
-from rlbench import presets
+from rlbench import Trainer, presets
 from rlbench.algorithms import MISConfig
 from rlbench.configs import LoggingConfig
 from rlbench.configs.engine import WEIGHT_FORMATS
 from rlbench.sft import SFTConfig, run_sft
-from rlbench.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -63,10 +63,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mismatch as mm  # noqa: E402  (benchmarks/mismatch.py: config, perturbed engine, provenance)
 
+from rlbench import Trainer  # noqa: E402
 from rlbench.algorithms import LossConfig, MISConfig  # noqa: E402
 from rlbench.algorithms.loss import build_loss  # noqa: E402
 from rlbench.rollout.manager import RolloutBatch, prompt_seeds  # noqa: E402
-from rlbench.trainer import Trainer  # noqa: E402
 from rlbench.types import Status  # noqa: E402
 
 ROOT = mm.ROOT

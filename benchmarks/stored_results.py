@@ -73,7 +73,7 @@ COST_KEYS = {"rollout_tokens_per_s": "perf/rollout_tokens_per_sec", "rollout_tim
              "logprob_time_s": "perf/log_probs_time", "train_time_s": "perf/train_time",
              "step_time_s": "perf/step_time",
              "train_rollout_logprob_abs_diff": "train/train_rollout_logprob_abs_diff",
-             "ppo_kl_first_mb": "train/ppo_kl_first_mb"}
+             "first_mb_kl_vs_rollout": "train/first_mb_kl_vs_rollout"}
 """Cost-table column -> the trainer's step metric (`benchmarks/true_on_policy.py` rows, `history_row`)."""
 RATIO_KEYS = ("rollout_tokens_per_s", "rollout_time_s", "logprob_time_s", "train_time_s", "step_time_s")
 """Columns `cost_table` divides by the baseline row's (`<key>_x`)."""
@@ -82,7 +82,8 @@ COST_COLUMNS = (
     ("rollout_tokens_per_s", "rollout tok/s"), ("rollout_tokens_per_s_x", "tok/s × default"),
     ("rollout_time_s", "rollout s"), ("logprob_time_s", "log-prob s"), ("train_time_s", "train s"),
     ("step_time_s", "step s"), ("step_time_s_x", "step × default"),
-    ("train_rollout_logprob_abs_diff", "|rollout − recompute|"), ("ppo_kl_first_mb", "ppo_kl first mb"),
+    ("train_rollout_logprob_abs_diff", "|rollout − recompute|"),
+    ("first_mb_kl_vs_rollout", "|rollout − 1st train fwd|"),
 )
 """`(row key, header)` of the cost table, in order."""
 E2E_MODES = {"rlbench": "default", "rlbench-top": "true_on_policy"}
@@ -125,7 +126,7 @@ def e2e_cost_rows(result: Mapping[str, Any]) -> list[dict]:
             "rollout_tokens_per_s": r.get("rollout_tokens_per_s"), "rollout_time_s": phases.get("rollout"),
             "logprob_time_s": phases.get("log_probs"), "train_time_s": phases.get("train"),
             "step_time_s": r.get("steady_step_s"), "train_rollout_logprob_abs_diff": r.get("max_logprob_abs_diff"),
-            "ppo_kl_first_mb": r.get("max_abs_ppo_kl_first_mb"),
+            "first_mb_kl_vs_rollout": r.get("max_first_mb_kl_vs_rollout"),
         })
     return rows
 
@@ -248,7 +249,7 @@ CURVE_KEYS = ("rollout/raw_reward", "train/kl_loss", "train/train_rollout_logpro
 """The per-step curves overlaid: reward, KL to the reference (the loss term), |train − rollout| log-prob per
 token, the global grad norm."""
 STEP_KEYS = CURVE_KEYS + (
-    "train/loss", "train/pg_loss", "train/ppo_kl", "train/ppo_kl_first_mb", "train/skipped", "rollout/id",
+    "train/loss", "train/pg_loss", "train/ppo_kl", "train/first_mb_kl_vs_rollout", "train/skipped", "rollout/id",
     "rollout/response_len/mean", "perf/step_time", "perf/rollout_time", "perf/log_probs_time", "perf/train_time",
     "perf/update_weights_time", "perf/peak_memory_gb",
 )

@@ -3,7 +3,7 @@
 Per preset and mode it builds a `Trainer` (colocated engine + FSDP2 trainer), runs one warm-up step (compile,
 CUDA-graph capture) and `--steps` measured ones, and records the trainer's own timings (`perf/rollout_time`,
 `perf/log_probs_time`, `perf/train_time`, `perf/step_time`, `perf/rollout_tokens_per_sec`) and the mismatch
-it logs (`train/train_rollout_logprob_abs_diff`, `train/ppo_kl_first_mb`). Modes:
+it logs (`train/train_rollout_logprob_abs_diff`, `train/first_mb_kl_vs_rollout`). Modes:
 
 - default: the run's defaults (on CUDA: the compiled engine with the shared-prompt layout, flex_attention and
   compiled layers in the trainer; the memory plan decides offload);
@@ -34,11 +34,10 @@ import time
 
 import torch
 
-from rlbench import presets
+from rlbench import Trainer, presets
 from rlbench.configs import EvalConfig, LoggingConfig
 from rlbench.data import write_jsonl
 from rlbench.rewards import REWARDS
-from rlbench.trainer import Trainer
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # the sibling modules; appended: never shadows a package
 from stored_results import COST_KEYS as KEYS  # noqa: E402  (the cost-table columns notebook 03 reads back)

@@ -1,11 +1,13 @@
 """rlbench: a notebook-first workbench for RL post-training of language models.
 
     import rlbench
-    trainer = rlbench.Trainer(rlbench.presets.cpu_demo())
+    trainer = rlbench.Trainer(rlbench.presets.cpu_demo())   # builds the parts, then the one-process Trainer
     trainer.step()
     trainer = rlbench.build_trainer(cfg)     # Trainer or RayTrainer, from cfg.cluster.backend
 
-`import rlbench` stays light: `Trainer`, `build_trainer`, `RunConfig` and `presets` load on first access.
+`rlbench.Trainer` is `rlbench.orchestration.local.LocalTrainer` (the loop itself, `rlbench.trainer.Trainer`, takes
+built components). `import rlbench` stays light: `Trainer`, `build_trainer`, `RunConfig` and `presets` load on
+first access.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import importlib
 
 __all__ = ["RunConfig", "Trainer", "build_trainer", "presets"]
 
-_LAZY = {"Trainer": ("rlbench.trainer", "Trainer"), "RunConfig": ("rlbench.configs", "RunConfig"),
+_LAZY = {"Trainer": ("rlbench.orchestration.local", "LocalTrainer"), "RunConfig": ("rlbench.configs", "RunConfig"),
          "build_trainer": ("rlbench.orchestration", "build_trainer"), "presets": ("rlbench.presets", None)}
 
 

@@ -3,20 +3,29 @@
     step = RankStep(cfg.batch, cfg.loss, backend, cp_size=cfg.backend.cp_size, pad_token_id=tokenizer.pad_token_id)
     packs = step.pack(steps)                            # [optimizer step][micro-batch] -> Pack
     old, ref, metrics = step.compute_log_probs(packs)   # [step][micro-batch] -> [R] (None: not computed)
-    metrics = step.train(packs, old, ref)               # one optimizer step per global batch
+    adv, metrics = step.compute_advantages(packs, old, ref)  # token-level advantages, [step][micro-batch] -> [R]
+    metrics = step.train(packs, old, ref, adv)          # one optimizer step per global batch
+
+The packs carry each sample's scalar from scoring (`Pack.advantages`: group statistics broadcast over its
+tokens); `compute_advantages` runs the token-level half of the estimator after the model passes
+(`rlbench.algorithms.token_advantages`: REINFORCE++ returns, KL-in-reward, GAE with values) and whitens over
+the global batch through the reductions below.
 
 In the loop, `compute_log_probs(packs, first_from_forward=True)` skips the old-log-prob pass of the first
 optimizer step when the loss allows it (`old_from_forward_ok`): the policy has not changed since the rollout,
-so that step's training forward IS π_old (`old = logp.detach()`, TRL's and verl's on-policy shortcut). Its
-first-micro-batch PPO KL is then exactly 0 whatever kernels the training forward runs, and a one-step-per-rollout
-run needs no old-log-prob pass at all; `train` fills those entries of `old` with the forward's values.
+so that step's training forward IS π_old (`old = logp.detach()`, TRL's and verl's on-policy shortcut); a
+one-step-per-rollout run needs no old-log-prob pass at all; `train` fills those entries of `old` with the
+forward's values. The PPO KL of that first micro-batch is then 0 by construction, so the step reports instead
+`train/first_mb_kl_vs_rollout`: the first micro-batch's training forward against the ENGINE's log-probs of the
+same tokens, before any update (0.0 only when trainer and engine agree bitwise: true on-policy mode).
 
 The only thing that differs between one process and DP ranks is the reductions, taken from one small object
 (torchtitan's single `train_step`, nanochat's `if ddp:`): `SingleRank()` is the identity (the local Trainer),
 `DPAllReduce(group)` all-reduces over the data-parallel group (the Ray ranks). Through it the micro-batch count
-is the DP-wide MAX, the loss normaliser counts the whole global batch, the MIS batch stats are DP sums, and the
-summaries (`rollout/*log_probs`, `train/ppo_kl_first_mb`) are global on every rank. CP peers hold the same
-samples, so they are not in the DP group; a CP group shares the token budget of one micro-batch.
+is the DP-wide MAX, the loss normaliser counts the whole global batch, the MIS batch stats and the whitening
+statistics are DP sums, and the summaries (`rollout/*log_probs`, `rollout/advantages`,
+`train/first_mb_kl_vs_rollout`) are global on every rank. CP peers hold the same samples, so they are not in the
+DP group; a CP group shares the token budget of one micro-batch.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from rlbench.algorithms import (
     global_norm,
     is_batch_stats,
     old_from_forward_ok,
+    token_advantages,
 )
 from rlbench.interrupts import defer_sigint
 from rlbench.packing import num_micro_batches
@@ -90,8 +100,9 @@ class TrainProgress:
 
     per_step: list[dict[str, float]] = field(default_factory=list)
     """`backend.train` metrics of each finished optimizer step (applied, or skipped as non-finite)."""
-    first_kl: float | None = None
-    """`ppo_kl_abs` of this rank's very first micro-batch (set when the first optimizer step finished)."""
+    first_mb: tuple[float, float, float] | None = None
+    """This rank's very first micro-batch: (Σ |log π_θ − log π_rollout| over its trained tokens, their count,
+    1.0 when the samples have no rollout log-probs), set when the first optimizer step finished."""
     old_from_forward: bool = False
     """The first optimizer step took π_old from its training forward (`train` then reports `rollout/log_probs`)."""
 
@@ -207,14 +218,56 @@ class RankStep:
         total, count, missing = self.reduce.sum([float(np.sum(means)) if means else 0.0, len(means), missing])
         return float("nan") if missing or not count else total / count
 
+    # ------------------------------------------------------------------ advantages
+    def compute_advantages(self, packs: list[list[Pack]], old: StepTensors | None = None,
+                           ref: StepTensors | None = None) -> tuple[StepTensors, dict[str, float]]:
+        """Token-level advantages of every pack, after the model passes (`token_advantages`).
+
+        The rank's samples are laid end to end in (optimizer step, sample id) order, the order of the batch
+        (so one rank computes exactly what the whole batch gives in one call), the estimator's token half runs
+        per sample, whitening spans the global batch (`self.reduce`). `old` / `ref` are read only when the
+        estimator needs them (KL-in-reward). Returns `[step][micro-batch] -> [R]` float32 and the global
+        `rollout/advantages` (mean over trained tokens).
+        """
+        seqs = []  # (step, sample id) -> (micro-batch i, sequence j within it, response length)
+        for s, step in enumerate(packs):
+            for i, p in enumerate(step):
+                seqs += [((s, sid), i, j, n) for j, (sid, n) in enumerate(zip(p.sample_ids, p.response_lengths))]
+        seqs.sort(key=lambda x: x[0])
+
+        def laid_out(values: StepTensors) -> torch.Tensor:  # [R] of this rank, in batch order
+            split = [[list(torch.split(v, p.response_lengths)) for v, p in zip(vs, step)]
+                     for vs, step in zip(values, packs)]
+            parts = [split[s][i][j] for (s, _), i, j, _ in seqs]
+            return torch.cat(parts) if parts else torch.zeros(0)
+
+        lengths = [n for *_, n in seqs]
+        mask = laid_out([[p.loss_mask for p in step] for step in packs])
+        needs_kl = self.loss_cfg.kl_coef != 0
+        if needs_kl and (old is None or ref is None or any(o is None for o in old)):
+            raise ValueError("KL-in-reward needs the old and ref log-probs of every step before the advantages; "
+                             "run compute_log_probs(packs) (without first_from_forward) first")
+        adv = token_advantages(
+            self.loss_cfg, laid_out([[p.advantages for p in step] for step in packs]), lengths, mask,
+            old_log_probs=laid_out(old) if needs_kl else None, ref_log_probs=laid_out(ref) if needs_kl else None,
+            reduce_sum=self.reduce.sum)
+        total, count = self.reduce.sum([float((adv * mask).sum()), float(mask.sum())])
+        mean = float(torch.tensor(total, dtype=adv.dtype) / torch.tensor(count, dtype=adv.dtype).clamp(min=1))
+        per_seq = dict(zip([(s, i, j) for (s, _), i, j, _ in seqs], torch.split(adv, lengths)))
+        out = [[torch.cat([per_seq[(s, i, j)] for j in range(p.num_sequences)]) if p.num_sequences
+                else p.advantages.clone() for i, p in enumerate(step)] for s, step in enumerate(packs)]
+        return out, {"rollout/advantages": mean}
+
     # ------------------------------------------------------------------ train
     def loss_inputs(self, packs: list[Pack], old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None,
-                    *, old_from_forward: bool = False) -> list:
+                    adv: list[torch.Tensor] | None = None, *, old_from_forward: bool = False) -> list:
         """Loss inputs of one optimizer step's micro-batches, normalised by the counts of the whole global batch
-        (all ranks) and with DP-summed IS batch stats; `old_from_forward`: π_old = the training forward."""
+        (all ranks) and with DP-summed IS batch stats; `adv` per micro-batch (None: the packs' `advantages`);
+        `old_from_forward`: π_old = the training forward."""
         mbs = [
             ResponseBatch(
-                loss_mask=p.loss_mask, advantages=p.advantages, response_lengths=list(p.response_lengths),
+                loss_mask=p.loss_mask, advantages=p.advantages if adv is None else adv[i],
+                response_lengths=list(p.response_lengths),
                 old_log_probs=old[i] if old is not None else None, rollout_log_probs=p.rollout_log_probs,
                 ref_log_probs=ref[i] if ref is not None else None,
             )
@@ -231,12 +284,17 @@ class RankStep:
         return build_loss_inputs(self.loss_cfg, mbs, norm=norm, batch_stats=stats)
 
     def train(self, packs: list[list[Pack]], old: StepTensors | None, ref: StepTensors | None,
-              progress: TrainProgress | None = None) -> dict[str, float]:
+              adv: StepTensors | None = None, progress: TrainProgress | None = None) -> dict[str, float]:
         """`backend.train` once per optimizer step; `train/*` averaged over the steps (the backend's are global).
 
-        `train/ppo_kl_first_mb` is |old − new| summed over every rank's very first micro-batch: exactly 0.0
-        while the policy is unchanged (old log-probs recomputed by the same weights and kernels). `perf/compiles`:
-        graphs torch.compile built in this process since the previous call (since construction for the first).
+        `adv`: the token-level advantages of `compute_advantages`; None trains on the packs' `advantages` as
+        they are (packs built with final per-token advantages).
+
+        `train/first_mb_kl_vs_rollout` is mean |log π_θ − log π_rollout| over the trained tokens of every rank's
+        very first micro-batch, from the first optimizer step's training forward (before any update) against the
+        engine's log-probs of the same tokens: 0.0 exactly when the trainer reproduces the engine bitwise (true
+        on-policy mode), NaN when the samples carry no rollout log-probs. `perf/compiles`: graphs torch.compile
+        built in this process since the previous call (since construction for the first).
 
         `progress` (resumable): the optimizer steps already finished are skipped, each finished one is recorded
         as it completes; a `backend.train` call and its record run with SIGINT held back except between
@@ -246,23 +304,23 @@ class RankStep:
         values are written into `old[0]` (when `old` is a list) and `rollout/log_probs` is reported from them.
         """
         progress = TrainProgress() if progress is None else progress
-        micro: list[dict[str, float]] = []
+        first_mb: list[torch.Tensor] = []  # [Σ|log π_θ − log π_rollout|, trained tokens] of the first micro-batch
         forward_old: list[torch.Tensor] = []
         if old is None and not self.loss_cfg.use_rollout_logprobs and self.old_from_forward and len(packs) == 1:
             old = [None]
         if old is not None and old[0] is None and not self.old_from_forward:
             raise ValueError("old log-probs of the first step are missing and this loss needs them before "
-                             "training (bypass or batch-normalised MIS): run compute_log_probs(packs) first")
+                             "training (bypass, batch-normalised MIS or KL-in-reward): run compute_log_probs(packs) "
+                             "first")
 
         def loss_fn(logp, entropy, inputs):
             # Kept on the device and read after the optimizer step: a host read here would make the host wait for
             # every micro-batch's forward before it could queue the backward.
             if inputs.old_from_forward:
                 forward_old.append(logp.detach())
-            value, metrics = self.loss(logp, entropy, inputs)
-            if not micro:  # the first micro-batch's metrics (bare keys), for the first-mb KL
-                micro.append({k: v.detach() if torch.is_tensor(v) else v for k, v in metrics.items()})
-            return value, metrics
+            if not per_step and not first_mb and inputs.rollout_log_probs is not None:
+                first_mb.extend(rollout_gap(logp.detach(), inputs.rollout_log_probs, inputs.loss_mask))
+            return self.loss(logp, entropy, inputs)
 
         per_step = progress.per_step
         for s in range(len(per_step), len(packs)):
@@ -273,12 +331,13 @@ class RankStep:
                 raise ValueError(f"old log-probs of optimizer step {s} are missing after the policy changed; "
                                  "run compute_log_probs(packs) before train")
             inputs = self.loss_inputs(step_packs, step_old, ref[s] if ref is not None else None,
-                                      old_from_forward=from_forward)
-            del micro[:], forward_old[:]
+                                      adv[s] if adv is not None else None, old_from_forward=from_forward)
+            del first_mb[:], forward_old[:]
             with defer_sigint():  # an interrupt lands between micro-batches (raise_if_interrupted) or after the record
                 done = self.backend.train(step_packs, inputs, loss_fn=loss_fn)
-                if s == 0:
-                    progress.first_kl = float(micro[0].get("ppo_kl_abs", 0.0)) if micro else 0.0
+                if s == 0:  # no rollout log-probs: a custom rollout's samples (an empty pack has no samples)
+                    missing = any(p.num_sequences and p.rollout_log_probs is None for p in step_packs)
+                    progress.first_mb = (*(float(v) for v in first_mb), float(missing)) if first_mb else (0, 0, float(missing))
                 if from_forward:
                     old[s], progress.old_from_forward = [t.cpu() for t in forward_old], True
                 per_step.append(done)
@@ -286,12 +345,29 @@ class RankStep:
         metrics["train/step"] = per_step[-1]["train/step"]
         metrics["perf/train_time"] = float(sum(m["perf/train_time"] for m in per_step))
         metrics["train/optimizer_steps"] = float(len(per_step))
-        metrics["train/ppo_kl_first_mb"] = self.reduce.sum([progress.first_kl or 0.0])[0]
+        gap, tokens, missing = self.reduce.sum(progress.first_mb or (0.0, 0.0, 1.0))
+        metrics["train/first_mb_kl_vs_rollout"] = float("nan") if missing else gap / max(tokens, 1.0)
         graphs = _dynamo_graphs()  # 0 in a steady state: nothing recompiles (bucketed pack lengths)
         metrics["perf/compiles"], self._graphs = float(max(0, graphs - self._graphs)), graphs
         if progress.old_from_forward:  # what compute_log_probs did not report (every rank takes this branch)
             metrics["rollout/log_probs"] = self._sample_mean(old, packs)
         return metrics
+
+
+def token_mean(values: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> float:
+    """Mean of per-sample `[R_i]` values over their trained tokens, laid end to end in the given order (one
+    float32 sum, what `compute_advantages` reports at one rank): for a driver that gathered the samples' values
+    from N ranks and reports the one-process number."""
+    x, m = (torch.cat(list(v)) if len(v) else torch.zeros(0) for v in (values, masks))
+    return float((x * m).sum() / m.sum().clamp(min=1))
+
+
+def rollout_gap(logp: torch.Tensor, rollout: torch.Tensor, loss_mask: torch.Tensor) -> list[torch.Tensor]:
+    """`[Σ |logp − rollout| over the trained tokens, their count]` (0-dim, on `logp`'s device): the masked tokens'
+    values (a −inf log-prob of a pad) never enter."""
+    on = loss_mask != 0
+    gap = torch.where(on, (logp - rollout.to(logp.dtype)).abs(), torch.zeros((), dtype=logp.dtype, device=logp.device))
+    return [gap.sum(), on.sum().to(logp.dtype)]
 
 
 def _dynamo_graphs() -> int:

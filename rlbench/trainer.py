@@ -1,19 +1,25 @@
-"""The RL loop: `Trainer(cfg).step()` = rollout -> score -> pack -> log-probs -> train -> sync weights.
+"""The RL loop: `Trainer.step()` = rollout -> score -> pack -> model passes -> advantages -> train -> sync weights.
 
-    trainer = Trainer(rlbench.presets.cpu_demo())
+    trainer = rlbench.Trainer(rlbench.presets.cpu_demo())  # the parts built by rlbench.orchestration.local
     batch = trainer.rollout()            # RolloutBatch: samples with rewards, rollout/* metrics
-    trainer.score(batch)                 # advantages (group-normalised for GRPO)
+    trainer.score(batch)                 # rewards, and one scalar per sample (group statistics for GRPO)
     packs = trainer.pack(batch)          # [optimizer step][micro-batch] -> Pack
-    trainer.compute_log_probs(batch)     # old (and ref) log-probs per pack
+    trainer.compute_log_probs(batch)     # the model passes: old (and ref) log-probs per pack
+    trainer.compute_advantages(batch)    # token-level advantages (REINFORCE++ returns, whitening) per pack
     trainer.train_step(batch)            # one optimizer step per global batch
     trainer.sync_weights()               # trainer -> engine, new policy version
     trainer.step()                       # all of the above + eval/save when due, logged to history
 
-Every sub-step can be called alone and returns something inspectable. The backend and the engine are
-used only through their protocols (built by `rlbench.orchestration.local`); the Trainer never asks
-what kind they are. pack / log-probs / train are `rlbench.rank_step.RankStep` at one rank (the Ray ranks
-run the same class, with all-reduces instead of the identity). Colocated with `offload`, the trainer state and the engine's KV cache take turns
-on the device: `_enter("rollout")` / `_enter("train")` switch between them.
+Every sub-step can be called alone and returns something inspectable. The Trainer takes its parts built
+(`Components`: a builder in `rlbench.orchestration` makes them) and uses the backend, the engine, the rollout
+manager and the weight sync only through their protocols; it never asks what kind they are, and it reaches
+checkpoints only through the backend (`committed_steps`, `latest_step`, `committed_file`). pack / model passes
+/ advantages / train are `rlbench.rank_step.RankStep` at one rank (the Ray ranks run the same class, with
+all-reduces instead of the identity). Colocated with `offload`, the trainer state and the engine's KV cache take
+turns on the device: `_enter("rollout")` / `_enter("train")` switch between them.
+
+`step()` runs `Trainer.stages()` in order, each a method of the Trainer: a new stage (a critic's values after the
+log-probs, a critic update before the actor's) is one more entry in the table.
 """
 
 from __future__ import annotations
@@ -23,13 +29,14 @@ import os
 import random
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
-from rlbench.algorithms import compute_advantages
-from rlbench.backends.checkpoint import TRACKER, committed_dir, committed_steps, latest_step
+from rlbench.algorithms import sample_advantages
 from rlbench.compile_cache import compile_seconds, use_compile_cache
 from rlbench.configs import RunConfig
 from rlbench.interrupts import defer_sigint
@@ -37,45 +44,62 @@ from rlbench.memory_plan import memory_plan
 from rlbench.metrics import MetricsLogger, build_sinks, to_floats
 from rlbench.rank_step import RankStep, TrainProgress
 from rlbench.rewards import check_reward, describe_sample, get_reward_fn, score_batch
-from rlbench.rollout.manager import RolloutBatch, RolloutManager
-from rlbench.rollout.reward_pool import default_workers as default_reward_workers
-from rlbench.weights import WeightSync
+from rlbench.rollout.manager import RolloutBatch
 
 # bf16 dense peak FLOP/s per GPU, for perf/mfu (absent on other devices).
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12}
 
 
+@dataclass
+class Components:
+    """The built parts a `Trainer` runs (each implements its protocol; any of them can be swapped for a fake)."""
+
+    tokenizer: Any
+    """Tokenizer of the policy (eos = stop token, pad = pack padding)."""
+    dataset: Any
+    """Training prompts (`next_batch(n)`, `state_dict()`, `load_state_dict()`)."""
+    eval_items: list
+    """Held-out `PromptItem`s (empty when eval is off)."""
+    backend: Any
+    """A TrainBackend, already `init()`-ed."""
+    engine: Any
+    """A RolloutEngine (its weights are overwritten by the first sync)."""
+    rollouts: Any
+    """The `RolloutManager` over `engine` and `dataset` (`generate`, `evaluate`, `state_dict`)."""
+    weight_sync: Any
+    """Pushes the backend's weights into the engine(s): `push(version) -> weights/* metrics`."""
+    device: torch.device
+    """The device both sides run on (the driver's CPU for Ray)."""
+    num_params: int
+    """Policy parameter count (for perf/mfu)."""
+
+
+def prepare_run(cfg: RunConfig) -> None:
+    """What a builder does before it builds a model: seed the RNGs (the model's initialisation draws from them),
+    use the compile cache, and resolve `rm_type` (a bad "module:function" fails here, not after the build)."""
+    seed_everything(cfg.seed)
+    use_compile_cache()
+    get_reward_fn(cfg.rollout.rm_type)
+
+
 class Trainer:
-    """One colocated RL run (see the module docstring).
+    """One RL run over built components (see the module docstring).
 
     Args:
-        cfg: the run config (`cfg.cluster.backend == "local"`; `rlbench.build_trainer(cfg)` builds any backend).
-        components: pre-built parts (tokenizer, dataset, eval items, backend, engine); None builds them
-            with `rlbench.orchestration.local.build_components(cfg)`.
+        cfg: the run config.
+        components: the built parts (`rlbench.orchestration.local.build_components(cfg)`, or the Ray actors'
+            stand-ins); `rlbench.Trainer(cfg)` / `rlbench.build_trainer(cfg)` build them and this Trainer.
         sinks: metric sinks; None builds them from `cfg.logging`.
     """
 
-    def __init__(self, cfg: RunConfig, *, components=None, sinks=None) -> None:
-        if type(self) is Trainer and cfg.cluster.backend != "local":
-            raise ValueError(
-                f"Trainer runs cluster.backend='local', got {cfg.cluster.backend!r}; build the trainer with "
-                "rlbench.build_trainer(cfg), which picks the class of cfg.cluster.backend"
-            )
-        seed_everything(cfg.seed)
-        use_compile_cache()
-        get_reward_fn(cfg.rollout.rm_type)  # a bad "module:function" fails here, before the model is built
-        if components is None:
-            from rlbench.orchestration.local import build_components
-
-            components = build_components(cfg)
+    def __init__(self, cfg: RunConfig, components: Components, *, sinks=None) -> None:
+        if not isinstance(components, Components):
+            raise TypeError(f"Trainer(cfg, components) takes built Components, got {type(components).__name__}; "
+                            "rlbench.Trainer(cfg) or rlbench.build_trainer(cfg) builds them from the config")
         self.cfg = cfg
         self.tokenizer, self.backend, self.engine = components.tokenizer, components.backend, components.engine
         self.dataset, self.eval_items = components.dataset, components.eval_items
-        _check_row_rewards(getattr(self.dataset, "items", []) + list(self.eval_items or []))
-        workers = cfg.rollout.reward_workers
-        self.rollouts = RolloutManager(cfg.rollout, self.engine, self.dataset, self.tokenizer, reward_workers=(
-            default_reward_workers(cfg.backend.device) if workers is None else workers))
-        self.weight_sync = WeightSync(cfg.weights, self.backend, self.engine)
+        self.rollouts, self.weight_sync = components.rollouts, components.weight_sync
         self.rank_step = RankStep(cfg.batch, cfg.loss, self.backend, cp_size=cfg.backend.cp_size,
                                   pad_token_id=self.tokenizer.pad_token_id)
         self.logger = MetricsLogger(build_sinks(cfg.logging, cfg.to_dict()) if sinks is None else sinks)
@@ -129,56 +153,87 @@ class Trainer:
 
     def _run(self, fl: _InFlight) -> dict:
         """The stages of one step from `fl.stage` on (each recorded when done, so a resumed step skips it)."""
-        m = fl.metrics
-        for stage in _STAGES[_STAGES.index(fl.stage):]:
-            fl.stage = stage
-            if stage == "eval0":
-                if self.rollout_id == 0 and self._eval_on and not self.cfg.eval.skip_before_train and not self.eval_history:
-                    self.evaluate()  # the starting policy, kept in eval_history
-            elif stage == "rollout":
-                fl.batch = self.rollout()
-                m |= fl.batch.metrics | self._phase_peak("rollout")
-                m |= self.score(fl.batch)
-                self.pack(fl.batch)
-                m |= self.compute_log_probs(fl.batch, first_from_forward=True)
-                m |= self._phase_peak("log_probs")
-            elif stage == "train":
-                m |= self.train_step(fl.batch, progress=fl.progress)
-                m |= self._phase_peak("train")
-            elif stage == "ref":
-                m |= self.update_ref()
-            elif stage == "sync":
-                m |= self.sync_weights()
-                m |= self._phase_peak("update_weights")
-            elif stage == "eval":
-                if self._eval_on and (self.rollout_id + 1) % self.cfg.eval.interval == 0:
-                    if fl.eval_mark is None:
-                        fl.eval_mark = len(self.eval_history)
-                    if len(self.eval_history) == fl.eval_mark:
-                        self._eval_rollout_id = self.rollout_id + 1  # the policy after this step
-                        try:
-                            self.evaluate()  # appends to eval_history last: a rerun is never doubled
-                        finally:
-                            self._eval_rollout_id = None
-                    m |= {k: v for k, v in self.eval_history[fl.eval_mark].items() if k.startswith(("eval/", "perf/"))}
-            elif stage == "record":  # rollout_id and history change together
-                with defer_sigint():
-                    self.rollout_id += 1
-                    m |= self._perf(fl.batch, m, time.perf_counter() - fl.start)
-                    self.history.append(m)
-                    fl.stage = "save"  # recorded: a failing sink below (disk full) must not make a rerun count it twice
-                    self.logger.log(m, step=self.rollout_id)  # a line it cannot write stays pending in the logger
-                continue
-            elif stage == "save":
-                if self._save_due():
-                    self._inflight = None  # the loop state is complete: save() may write it
-                    try:
-                        self.save()
-                    except BaseException:
-                        self._inflight = fl
-                        raise
+        stages = self.stages()
+        start = 0 if fl.stage is None else [name for name, _ in stages].index(fl.stage)
+        for name, run in stages[start:]:
+            fl.stage = name
+            run(fl)
         self._inflight = None
-        return m
+        return fl.metrics
+
+    def stages(self) -> list[tuple[str, Callable[[_InFlight], None]]]:
+        """`step()`'s stages in order: (name, bound method); each adds its metrics to `fl.metrics`.
+
+        rollout = generate + rewards + one scalar per sample (group statistics); model_passes = pack + old/ref
+        log-probs (a critic's values would follow here); advantages = the token-level half on the ranks, from
+        the scalars and the passes. Interrupts (docs/reliability.md): a step stopped before its first optimizer
+        step finished is rolled back whole, whatever stage it was in; a later one resumes at the stage it was in.
+        """
+        return [("eval0", self._stage_eval0), ("rollout", self._stage_rollout),
+                ("model_passes", self._stage_model_passes), ("advantages", self._stage_advantages),
+                ("train", self._stage_train), ("ref", self._stage_ref), ("sync", self._stage_sync),
+                ("eval", self._stage_eval), ("record", self._stage_record), ("save", self._stage_save)]
+
+    def _stage_eval0(self, fl: _InFlight) -> None:
+        if self.rollout_id == 0 and self._eval_on and not self.cfg.eval.skip_before_train and not self.eval_history:
+            self.evaluate()  # the starting policy, kept in eval_history
+
+    def _stage_rollout(self, fl: _InFlight) -> None:
+        fl.batch = self.rollout()
+        fl.metrics |= fl.batch.metrics | self._phase_peak("rollout")
+        fl.metrics |= self.score(fl.batch)
+
+    def _stage_model_passes(self, fl: _InFlight) -> None:
+        self.pack(fl.batch)
+        fl.metrics |= self.compute_log_probs(fl.batch, first_from_forward=True)
+        fl.metrics |= self._phase_peak("log_probs")
+
+    def _stage_advantages(self, fl: _InFlight) -> None:
+        fl.metrics |= self.compute_advantages(fl.batch)
+
+    def _stage_train(self, fl: _InFlight) -> None:
+        fl.metrics |= self.train_step(fl.batch, progress=fl.progress)
+        fl.metrics |= self._phase_peak("train")
+
+    def _stage_ref(self, fl: _InFlight) -> None:
+        fl.metrics |= self.update_ref()
+
+    def _stage_sync(self, fl: _InFlight) -> None:
+        fl.metrics |= self.sync_weights()
+        fl.metrics |= self._phase_peak("update_weights")
+
+    def _stage_eval(self, fl: _InFlight) -> None:
+        m = fl.metrics
+        if self._eval_on and (self.rollout_id + 1) % self.cfg.eval.interval == 0:
+            if fl.eval_mark is None:
+                fl.eval_mark = len(self.eval_history)
+            if len(self.eval_history) == fl.eval_mark:
+                self._eval_rollout_id = self.rollout_id + 1  # the policy after this step
+                try:
+                    self.evaluate()  # appends to eval_history last: a rerun is never doubled
+                finally:
+                    self._eval_rollout_id = None
+            m |= {k: v for k, v in self.eval_history[fl.eval_mark].items() if k.startswith(("eval/", "perf/"))}
+
+    def _stage_record(self, fl: _InFlight) -> None:  # rollout_id and history change together
+        m = fl.metrics
+        with defer_sigint():
+            self.rollout_id += 1
+            m |= self._perf(fl.batch, m, time.perf_counter() - fl.start)
+            self.history.append(m)
+            # recorded before the sinks write: a failing sink (disk full) or the deferred SIGINT must not make a
+            # resumed step record twice; a line the logger cannot write stays pending in it
+            fl.stage = "save"
+            self.logger.log(m, step=self.rollout_id)
+
+    def _stage_save(self, fl: _InFlight) -> None:
+        if self._save_due():
+            self._inflight = None  # the loop state is complete: save() may write it
+            try:
+                self.save()
+            except BaseException:
+                self._inflight = fl
+                raise
 
     def fit(self, num_rollout: int | None = None) -> list[dict]:
         """Run `step()` until `num_rollout` RL steps are done (default `cfg.batch.num_rollout`)."""
@@ -205,9 +260,10 @@ class Trainer:
         return batch
 
     def score(self, batch: RolloutBatch) -> dict[str, float]:
-        """Rewards (for samples that have none) and advantages; sets `Sample.token_advantages`.
-
-        Returns `rollout/advantages` (mean over trained tokens) and `rollout/raw_reward`.
+        """Rewards (for samples that have none), then one scalar per sample into `Sample.advantage`: the group
+        statistics of the estimator (GRPO's normalised reward, RLOO's leave-one-out, ...; the raw reward for
+        REINFORCE++), `rlbench.algorithms.sample_advantages`. The token-level advantages come after the model
+        passes (`compute_advantages`). Returns `rollout/raw_reward`.
         """
         missing = [i for i, s in enumerate(batch.samples) if s.reward is None]
         scored = score_batch([batch.samples[i] for i in missing], rm_type=self.cfg.rollout.rm_type,
@@ -218,15 +274,11 @@ class Trainer:
         for i, s in enumerate(batch.samples):  # rewards set elsewhere (a custom rollout) are checked too
             if i not in scored_here:
                 s.reward = check_reward(s.reward, f"the reward of {describe_sample(s, i)} (rm_type={self.cfg.rollout.rm_type!r})")
-        lengths = [s.response_length for s in batch.samples]
-        mask = torch.tensor([m for s in batch.samples for m in s.loss_mask], dtype=torch.float32)  # [R]
         rewards = torch.tensor(batch.rewards, dtype=torch.float32)  # [N]
-        adv = compute_advantages(self.cfg.loss, rewards, lengths, mask, group_size=self.cfg.rollout.n_samples_per_prompt)
-        for s, a in zip(batch.samples, torch.split(adv, lengths)):
-            s.token_advantages = a.tolist()
-            s.advantage = float(a[0]) if len(a) else 0.0
-        mean_adv = float((adv * mask).sum() / mask.sum().clamp(min=1))
-        return {"rollout/advantages": mean_adv, "rollout/raw_reward": float(rewards.mean())}
+        scalars = sample_advantages(self.cfg.loss, rewards, self.cfg.rollout.n_samples_per_prompt)  # [N]
+        for s, a in zip(batch.samples, scalars.tolist()):
+            s.advantage, s.token_advantages = a, None  # packing broadcasts the scalar over the response
+        return {"rollout/raw_reward": float(rewards.mean())}
 
     def pack(self, batch: RolloutBatch) -> list[list]:
         """Cut the batch into optimizer steps of `global_batch_size` samples and pack each into micro-batches.
@@ -236,7 +288,7 @@ class Trainer:
         """
         gbs = self.cfg.batch.global_batch_size
         steps = [batch.samples[start : start + gbs] for start in range(0, len(batch.samples), gbs)]
-        batch.packs = self.rank_step.pack(steps)
+        batch.packs, batch.advantages = self.rank_step.pack(steps), None
         return batch.packs
 
     def compute_log_probs(self, batch: RolloutBatch, *, first_from_forward: bool = False) -> dict[str, float]:
@@ -254,22 +306,38 @@ class Trainer:
             batch.packs, first_from_forward=first_from_forward)
         return metrics
 
+    def compute_advantages(self, batch: RolloutBatch) -> dict[str, float]:
+        """The token-level advantages of every pack, from the scored scalars and the model passes
+        (`RankStep.compute_advantages`: REINFORCE++ returns, KL-in-reward, whitening over the global batch).
+
+        Sets `batch.advantages` (`[step][micro-batch] -> [R]`); returns `rollout/advantages` (mean over trained
+        tokens).
+        """
+        self._enter("train")
+        if batch.packs is None:
+            self.pack(batch)
+        batch.advantages, metrics = self.rank_step.compute_advantages(batch.packs, batch.old_log_probs,
+                                                                      batch.ref_log_probs)
+        return metrics
+
     def train_step(self, batch: RolloutBatch, progress: TrainProgress | None = None) -> dict[str, float]:
         """One optimizer step per packed global batch; returns `train/*` averaged over the steps.
 
+        Runs the model passes and the advantages first when they have not run for these packs.
         `policy_version` goes up by one per optimizer step applied (a skipped non-finite step changes no
-        weight and no version). `progress` resumes an interrupted call (`RankStep.train`).
-
-        `train/ppo_kl_first_mb` is the weighted |old - new| sum of the very first micro-batch (exactly 0
-        when the old log-probs were recomputed by the same policy and kernels).
+        weight and no version). `progress` resumes an interrupted call (`RankStep.train`, which also says what
+        `train/first_mb_kl_vs_rollout` measures).
         """
         self._enter("train")
         if self.rank_step.needs_log_probs(batch.old_log_probs, batch.ref_log_probs):
             self.compute_log_probs(batch)
+        if batch.advantages is None:
+            self.compute_advantages(batch)
         progress = TrainProgress() if progress is None else progress
         version = self.policy_version - progress.applied  # the version before this call's first update
         try:
-            metrics = self.rank_step.train(batch.packs, batch.old_log_probs, batch.ref_log_probs, progress)
+            metrics = self.rank_step.train(batch.packs, batch.old_log_probs, batch.ref_log_probs, batch.advantages,
+                                           progress)
         finally:  # interrupted too: one version per optimizer step actually applied
             self.policy_version = version + progress.applied
         self._count_skipped(metrics)
@@ -323,9 +391,11 @@ class Trainer:
     def load(self, path: str, rollout_id: int | None = None) -> int:
         """Resume from `save(path)`: the checkpoint the tracker names, or the committed one holding
         `rollout_id`; the engine gets the restored weights. Returns the restored `rollout_id`."""
-        step, state = find_checkpoint(path, rollout_id)
-        self._enter("train")
+        if not os.path.isdir(path):
+            raise ValueError(f"checkpoint directory {path!r} does not exist; pass the directory given to save()")
         _point_backend_at(self.backend, path)
+        step, state = find_checkpoint(self.backend, path, rollout_id)
+        self._enter("train")
         self.backend.load(step)
         self.load_state_dict(state)
         self._inflight = None
@@ -465,9 +535,6 @@ def _point_backend_at(backend, path: str) -> None:
 LOOP_STATE = "loop_state.pt"
 """The Trainer's file inside each checkpoint directory (`backend.save(extra=...)`): data position, RNG, history."""
 
-# step()'s stages in order; an interrupted step resumes at the one it was in (`_InFlight.stage`)
-_STAGES = ("eval0", "rollout", "train", "ref", "sync", "eval", "record", "save")
-
 
 @dataclass
 class _InFlight:
@@ -478,35 +545,33 @@ class _InFlight:
     metrics: dict
     batch: RolloutBatch | None = None
     progress: TrainProgress = field(default_factory=TrainProgress)
-    stage: str = _STAGES[0]
+    stage: str | None = None  # the stage it is in (None: not started)
     eval_mark: int | None = None  # len(eval_history) before this step's eval
 
 
-def find_checkpoint(path: str, rollout_id: int | None = None) -> tuple[int, dict]:
-    """`(backend step, loop state)` of the checkpoint the tracker names (None) or the committed one holding
-    `rollout_id`. Checkpoints of the previous layout (`trainer_XXXXXXX.pt` beside the `iter_*` dirs) load too."""
-    if not os.path.isdir(path):
-        raise ValueError(f"checkpoint directory {path!r} does not exist; pass the directory given to save()")
+def find_checkpoint(backend, path: str, rollout_id: int | None = None) -> tuple[int, dict]:
+    """`(backend step, loop state)` of the latest committed checkpoint under `path` (None) or of the committed
+    one holding `rollout_id`, read through the backend (`latest_step`, `committed_steps`, `committed_file`),
+    which must point at `path`. Checkpoints of the previous layout (the Trainer's own `trainer_XXXXXXX.pt`
+    beside the backend's checkpoints) load too."""
     legacy = {int(f[8:-3]): os.path.join(path, f) for f in os.listdir(path)
               if f.startswith("trainer_") and f.endswith(".pt") and f[8:-3].isdigit()}
     if rollout_id is None:
-        step = latest_step(path)
+        step = backend.latest_step()
         if step is None:
-            raise ValueError(f"{path!r} has no committed checkpoint (no {TRACKER}); pass the directory given to save()")
-        where = committed_dir(path, step)
-        if where is None:
-            raise ValueError(f"{path!r}: the tracker names step {step} but there is no iter_{step:07d}/ directory")
-        if os.path.isfile(os.path.join(where, LOOP_STATE)):
-            return step, _read(os.path.join(where, LOOP_STATE))
+            raise ValueError(f"{path!r} has no committed checkpoint; pass the directory given to save()")
+        file = backend.committed_file(step, LOOP_STATE)
+        if file is not None:
+            return step, _read(file)
         for rid in sorted(legacy, reverse=True):  # previous layout: the newest trainer file of this backend step
             state = _read(legacy[rid])
             if state.get("backend_step") == step:
                 return step, state
-        raise ValueError(f"checkpoint {where!r} has no {LOOP_STATE} (written by backend.save alone?); "
-                         "save with Trainer.save")
-    for step in reversed(committed_steps(path)):
-        file = os.path.join(committed_dir(path, step), LOOP_STATE)
-        if os.path.isfile(file):
+        raise ValueError(f"the latest checkpoint under {path!r} (step {step}) has no {LOOP_STATE} (written by "
+                         "backend.save alone?); save with Trainer.save")
+    for step in reversed(backend.committed_steps()):
+        file = backend.committed_file(step, LOOP_STATE)
+        if file is not None:
             state = _read(file)
             if state["rollout_id"] == rollout_id:
                 return step, state
@@ -533,16 +598,6 @@ def _set_rng_state(rng: dict) -> None:
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])
-
-
-def _check_row_rewards(items) -> None:
-    """Resolve every per-row `metadata["rm_type"]` of the data now, not at the first rollout."""
-    names = {it.metadata.get("rm_type") for it in items if isinstance(getattr(it, "metadata", None), dict)}
-    for name in sorted(n for n in names if n):
-        try:
-            get_reward_fn(name)
-        except ValueError as exc:
-            raise ValueError(f"the data's metadata rm_type={name!r}: {exc}") from exc
 
 
 def seed_everything(seed: int) -> None:

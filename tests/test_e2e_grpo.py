@@ -13,10 +13,9 @@ import os
 import pytest
 import torch
 
-from rlbench import presets
+from rlbench import Trainer, presets
 from rlbench.configs.backend import OptimConfig
 from rlbench.sft import SFTConfig, run_sft
-from rlbench.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +54,9 @@ def test_grpo_improves_held_out_pass_at_1(sft_dir, tmp_path):
     assert start["rollout/id"] == 0 and end["rollout/id"] == STEPS
     assert end["eval/pass@1"] - start["eval/pass@1"] >= PASS1_MARGIN, (start, end)
     assert end["eval/pass@8"] > start["eval/pass@8"]
-    assert all(h["train/ppo_kl_first_mb"] == 0.0 for h in history)
+    # the first training forward against the fp32 engine's log-probs: round-off, not zero (not the true on-policy mode)
+    gaps = [h["train/first_mb_kl_vs_rollout"] for h in history]
+    assert all(g < 1e-4 for g in gaps) and any(g > 0 for g in gaps)
     applied = [round(h["train/optimizer_steps"] * (1 - h["train/skipped"])) for h in history]  # one version each
     assert [h["rollout/weight_version"] for h in history] == [sum(applied[:i]) for i in range(STEPS)]
 

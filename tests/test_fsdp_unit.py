@@ -223,8 +223,7 @@ def test_trainer_copies_actor_into_ref_every_n_rollouts(tmp_path):
 
     import torch.distributed as dist
 
-    from rlbench import presets
-    from rlbench.trainer import Trainer
+    from rlbench import Trainer, presets
 
     cfg = presets.cpu_test(model="tiny", workdir=str(tmp_path), level=1, n_eval=16)
     cfg = cfg.replace(

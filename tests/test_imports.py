@@ -110,6 +110,8 @@ RULES = [
     ("rlbench.engine.megakernel.layout", ["rlbench"], []),
     ("rlbench.numerics", ["rlbench"], ["rlbench.numerics", "rlbench.models"]),
     ("rlbench.configs", ["rlbench"], ["rlbench.configs"]),
+    # the loop takes built components and reaches checkpoints through the TrainBackend protocol
+    ("rlbench.trainer", ["rlbench.orchestration", "rlbench.backends", "rlbench.engine"], []),
 ]
 COMPOSERS = ("rlbench.trainer", "rlbench.orchestration", "rlbench.cli", "rlbench", "rlbench.experiments")
 LIBRARY_USERS = ("rlbench.viz", "rlbench.experiments")

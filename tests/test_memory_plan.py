@@ -54,7 +54,7 @@ def test_offload_decision_follows_the_free_memory(monkeypatch, free_gib, offload
 
 def test_cpu_trainer_reports_its_plan(tmp_path):
     torch.set_num_threads(1)
-    from rlbench.trainer import Trainer
+    from rlbench import Trainer
 
     t = Trainer(presets.cpu_test(model="tiny", workdir=str(tmp_path)))
     plan = t.memory_plan
@@ -78,7 +78,7 @@ def test_offload_time_is_its_own_metric(tmp_path):
     """With offload on, the sleep / wake_up turns of a step are timed as `perf/offload_time`, apart from the
     phases (they were hidden in the step time); without offload there is no such metric."""
     torch.set_num_threads(1)
-    from rlbench.trainer import Trainer
+    from rlbench import Trainer
 
     cfg = presets.cpu_test(model="tiny", workdir=str(tmp_path))
     m = Trainer(cfg.replace(offload=True)).step()

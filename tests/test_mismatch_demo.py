@@ -18,8 +18,7 @@ import sys
 import pytest
 import torch
 
-from rlbench import presets
-from rlbench.trainer import Trainer
+from rlbench import Trainer, presets
 
 
 def _one_step(tmp_path, engine_dtype: str | None, use_tis: bool) -> dict:

@@ -1,5 +1,6 @@
 """RankStep, the one implementation of a rank's RL step: with identity reductions at one rank, and over gloo with
-2 CPU processes (DPAllReduce) it gives the one-rank loss weights, IS weights and summaries for the same global batch.
+2 CPU processes (DPAllReduce) it gives the one-rank loss weights, IS weights, whitened advantages and summaries
+for the same global batch.
 
 The backend is a fake (deterministic log-probs, `train` records its loss inputs), so only the step is tested.
 """
@@ -57,11 +58,27 @@ class FakeBackend:
         return {"train/loss": 0.0, "train/step": float(len(self.inputs)), "perf/train_time": 0.0}
 
 
+# REINFORCE++ (discounted returns over the trained tokens, whitened over the global batch): its token-level half
+# runs on the ranks, whitening statistics through the reductions
+RPP = LossConfig(advantage_estimator="reinforce_plus_plus", normalize_advantages=True, gamma=0.9)
+
+
+def by_sample(packs, values, steps) -> dict[int, torch.Tensor]:
+    """`[step][micro-batch] -> [R]` values split per sample, keyed by `Sample.index`."""
+    out = {}
+    for s, (step_packs, step_values) in enumerate(zip(packs, values)):
+        for pack, v in zip(step_packs, step_values):
+            out |= {steps[s][i].index: x for i, x in zip(pack.sample_ids, torch.split(v, pack.response_lengths))}
+    return out
+
+
 def run_step(step: RankStep, steps: list[list[Sample]]) -> dict:
-    """Pack, log-probs, train; per sample (by index) its token weights and IS weights, plus the metrics."""
+    """Pack, log-probs, advantages, train; per sample (by index) its token weights, IS weights and REINFORCE++
+    advantages, plus the metrics and this rank's first micro-batch's mean |log π − log π_rollout| by hand."""
     packs = step.pack(steps)
     old, ref, lp_metrics = step.compute_log_probs(packs)
-    metrics = step.train(packs, old, ref)
+    adv, adv_metrics = step.compute_advantages(packs, old, ref)
+    metrics = step.train(packs, old, ref, adv)
     per_sample = {}
     for s, step_inputs in enumerate(step.backend.inputs):
         for pack, inputs in zip(packs[s], step_inputs):
@@ -69,7 +86,13 @@ def run_step(step: RankStep, steps: list[list[Sample]]) -> dict:
             is_weights = torch.split(inputs.is_weights, pack.response_lengths)
             for i, w, is_w in zip(pack.sample_ids, weights, is_weights):
                 per_sample[steps[s][i].index] = (w, is_w)
-    return {"per_sample": per_sample, "metrics": lp_metrics | metrics, "n_packs": [len(p) for p in packs]}
+    rpp_adv, rpp_metrics = RankStep(BATCH, RPP, step.backend, reduce=step.reduce).compute_advantages(packs)
+    first = packs[0][0]
+    on = first.loss_mask != 0
+    gap = (FakeBackend._logp(first) - first.rollout_log_probs).abs()[on]
+    return {"per_sample": per_sample, "metrics": lp_metrics | adv_metrics | metrics, "n_packs": [len(p) for p in packs],
+            "adv": by_sample(packs, adv, steps), "rpp": by_sample(packs, rpp_adv, steps),
+            "rpp_mean": rpp_metrics["rollout/advantages"], "first_mb": (float(gap.double().sum()), int(on.sum()))}
 
 
 def single_rank() -> dict:
@@ -128,10 +151,41 @@ def test_two_ranks_match_one_rank(two_ranks):
     for i, (w, is_w) in ref["per_sample"].items():
         torch.testing.assert_close(merged[i][0], w, rtol=1e-6, atol=1e-9)  # global token_mean normaliser
         torch.testing.assert_close(merged[i][1], is_w, rtol=1e-6, atol=1e-9)  # DP-summed MIS batch stats
-    for key in ("rollout/log_probs", "rollout/rollout_log_probs", "train/ppo_kl_first_mb"):
+    for key in ("rollout/log_probs", "rollout/rollout_log_probs", "rollout/advantages"):
         assert two_ranks[0]["metrics"][key] == two_ranks[1]["metrics"][key]  # global on every rank
-        assert two_ranks[0]["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-9, abs=1e-12), key
-    assert ref["metrics"]["train/ppo_kl_first_mb"] == 0.0  # old == new log-probs
+        assert two_ranks[0]["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-6, abs=1e-7), key
+    # the first micro-batch's training forward against the rollout's log-probs: every rank's first one, pooled
+    key = "train/first_mb_kl_vs_rollout"
+    assert two_ranks[0]["metrics"][key] == two_ranks[1]["metrics"][key]
+    (gap, n), pooled = ref["first_mb"], [r["first_mb"] for r in two_ranks]
+    assert ref["metrics"][key] == pytest.approx(gap / n, rel=1e-6) and gap > 0  # old == new, not the rollout
+    assert two_ranks[0]["metrics"][key] == pytest.approx(sum(g for g, _ in pooled) / sum(c for _, c in pooled), rel=1e-6)
+
+
+def test_one_rank_advantages_are_the_whole_batch_ones():
+    """The token-level half on the ranks: GRPO's passes the packs' values through; REINFORCE++ returns whitened over
+    the global batch are, at one rank, bit for bit `token_advantages` of the whole batch in one call."""
+    from rlbench.algorithms import token_advantages
+
+    ref = single_rank()
+    samples = make_samples()
+    for i, s in enumerate(samples):
+        assert torch.equal(ref["adv"][i], torch.tensor(s.token_advantages, dtype=torch.float32))
+    base = torch.cat([torch.tensor(s.token_advantages, dtype=torch.float32) for s in samples])
+    mask = torch.cat([torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples])
+    want = token_advantages(RPP, base, [s.response_length for s in samples], mask)
+    got = torch.cat([ref["rpp"][i] for i in range(len(samples))])
+    assert torch.equal(got, want)
+    assert ref["rpp_mean"] == float((want * mask).sum() / mask.sum())
+
+
+def test_two_ranks_whiten_over_the_global_batch(two_ranks):
+    ref = single_rank()
+    merged = two_ranks[0]["rpp"] | two_ranks[1]["rpp"]
+    assert sorted(merged) == list(range(16))
+    for i, want in ref["rpp"].items():
+        torch.testing.assert_close(merged[i], want, rtol=1e-5, atol=1e-6)
+    assert two_ranks[0]["rpp_mean"] == two_ranks[1]["rpp_mean"] == pytest.approx(ref["rpp_mean"], abs=1e-6)
 
 
 # Lengths where CP's slot alignment (2*cp = 4) changes the count: rank 0's 5+5+5 raw tokens fit one 16-token

@@ -156,7 +156,7 @@ def local_history(ray_cluster, workdir):
     """The single-process reference curve (same config and seed)."""
     import torch.distributed as dist
 
-    from rlbench.trainer import Trainer
+    from rlbench import Trainer
 
     was_init = dist.is_initialized()
     trainer = Trainer(tiny_cfg(workdir))
@@ -318,12 +318,15 @@ def test_build_trainer_picks_the_class_of_the_cluster_backend(ray_digits, tmp_pa
     import rlbench
     from rlbench.configs.cluster import BACKENDS
     from rlbench.orchestration import TRAINERS, build_trainer, trainer_class
+    from rlbench.orchestration.local import LocalTrainer
     from rlbench.orchestration.ray_trainer import RayTrainer
-    from rlbench.trainer import Trainer
+    from rlbench.trainer import Trainer as Loop
 
     assert sorted(TRAINERS) == sorted(BACKENDS) and rlbench.build_trainer is build_trainer
     cfg = tiny_cfg(str(tmp_path))
-    assert trainer_class(cfg.cluster.backend) is Trainer
+    assert trainer_class(cfg.cluster.backend) is LocalTrainer is rlbench.Trainer
+    assert issubclass(LocalTrainer, Loop) and issubclass(RayTrainer, Loop)  # one loop over built components
+    Trainer = rlbench.Trainer
     ray_cfg = cfg.replace(cluster=ClusterConfig(backend="ray", actor_num_gpus_per_node=2))
     assert trainer_class(ray_cfg.cluster.backend) is RayTrainer  # building it would start the actors
     with pytest.raises(ValueError, match=r"rlbench.build_trainer\(cfg\)"):
@@ -350,7 +353,7 @@ def megatron_local_history(ray_cluster, tmp_path_factory):
 
     workdir = str(tmp_path_factory.mktemp("megatron_local"))
     code = ("import json, sys; sys.path.insert(0, 'tests'); import test_ray as t; from rlbench.rewards import REWARDS; "
-            "from rlbench.trainer import Trainer; REWARDS['ray_digits'] = t.digit_reward; "
+            "from rlbench import Trainer; REWARDS['ray_digits'] = t.digit_reward; "
             f"tr = Trainer(t.megatron_cfg({workdir!r})); print('HISTORY', json.dumps(tr.fit()))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

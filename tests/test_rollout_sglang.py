@@ -501,10 +501,9 @@ def test_the_local_trainer_steps_with_sglang_colocated(tmp_path, monkeypatch):
 
     from fake_sglang import write_sglang_package
 
-    from rlbench import presets
+    from rlbench import Trainer, presets
     from rlbench.configs import EvalConfig, LoggingConfig
     from rlbench.models import build_model
-    from rlbench.trainer import Trainer
 
     model = build_model("tiny")
     with torch.no_grad():

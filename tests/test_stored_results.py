@@ -33,13 +33,13 @@ GPU_JSON = {
     "rows": [
         {"preset": "p", "mode": "default", "rollout_tokens_per_s": 1000.0, "rollout_time_s": 2.0,
          "logprob_time_s": 0.5, "train_time_s": 1.0, "step_time_s": 4.0, "train_rollout_logprob_abs_diff": 7e-3,
-         "ppo_kl_first_mb": 0.0, "steps": 2},
+         "first_mb_kl_vs_rollout": 5e-3, "steps": 2},
         {"preset": "p", "mode": "true_on_policy", "rollout_tokens_per_s": 500.0, "rollout_time_s": 4.0,
          "logprob_time_s": 1.0, "train_time_s": 1.5, "step_time_s": 8.0, "train_rollout_logprob_abs_diff": 0.0,
-         "ppo_kl_first_mb": 0.0, "steps": 2},
+         "first_mb_kl_vs_rollout": 0.0, "steps": 2},
         {"preset": "p", "mode": "true_on_policy_rollout_logprobs", "rollout_tokens_per_s": 500.0,
          "rollout_time_s": 4.0, "logprob_time_s": None, "train_time_s": 1.5, "step_time_s": 6.0,
-         "train_rollout_logprob_abs_diff": None, "ppo_kl_first_mb": 0.0, "steps": 2},
+         "train_rollout_logprob_abs_diff": None, "first_mb_kl_vs_rollout": 0.0, "steps": 2},
         {"preset": "q", "mode": "true_on_policy", "rollout_tokens_per_s": 10.0, "step_time_s": 1.0},
     ],
 }
@@ -78,7 +78,7 @@ def test_cost_table_ratios_against_the_default_row_of_each_preset():
 def _e2e(date: str, systems: dict) -> dict:
     rows = {name: {"measured_steps": 3, "steady_step_s": step, "rollout_tokens_per_s": 1000 / step,
                    "phases_s": {"rollout": step / 2, "log_probs": 0.0, "train": step / 4},
-                   "max_logprob_abs_diff": diff, "max_abs_ppo_kl_first_mb": 0.0}
+                   "max_logprob_abs_diff": diff, "max_first_mb_kl_vs_rollout": 0.0}
             for name, (step, diff) in systems.items()}
     return {"date": date, "workload": {"model": "qwen3-0.6b-shape"}, "rows": rows}
 
@@ -141,11 +141,11 @@ def test_gradient_bias_rows_read_the_summary():
 
 
 def test_history_row_skips_the_warmup_and_the_cost_table_renders():
-    hist = [{"perf/step_time": 9.0, "perf/rollout_tokens_per_sec": 1.0, "train/ppo_kl_first_mb": 0.0},
+    hist = [{"perf/step_time": 9.0, "perf/rollout_tokens_per_sec": 1.0, "train/first_mb_kl_vs_rollout": 0.0},
             {"perf/step_time": 2.0, "perf/rollout_tokens_per_sec": 100.0, "perf/log_probs_time": 0.5,
-             "train/train_rollout_logprob_abs_diff": 0.0, "train/ppo_kl_first_mb": 0.0},
+             "train/train_rollout_logprob_abs_diff": 0.0, "train/first_mb_kl_vs_rollout": 0.0},
             {"perf/step_time": 4.0, "perf/rollout_tokens_per_sec": 300.0, "perf/log_probs_time": 0.7,
-             "train/train_rollout_logprob_abs_diff": 0.0, "train/ppo_kl_first_mb": 0.0}]
+             "train/train_rollout_logprob_abs_diff": 0.0, "train/first_mb_kl_vs_rollout": 0.0}]
     row = history_row(hist, preset="tiny", mode="true_on_policy")
     assert row["steps"] == 2 and row["step_time_s"] == 3.0 and row["rollout_tokens_per_s"] == 200.0
     assert row["logprob_time_s"] == pytest.approx(0.6) and row["train_time_s"] is None

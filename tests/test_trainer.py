@@ -1,5 +1,5 @@
-"""Trainer sub-steps on the real components (tiny random model, CPU): shapes, versions, exact zero PPO KL,
-weight sync, and one clear error per kind of bad data."""
+"""Trainer sub-steps on the real components (tiny random model, CPU): shapes, versions, the first micro-batch's gap to
+the engine's log-probs, weight sync, and one clear error per kind of bad data."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ import json
 import pytest
 import torch
 
-from rlbench import presets
+from rlbench import Trainer, presets
 from rlbench.rewards import RewardError
-from rlbench.trainer import Trainer
 from rlbench.types import Status
 
 
@@ -28,16 +27,21 @@ def trainer(tmp_path_factory):
     return Trainer(cfg)
 
 
+def first_mb_gap(batch) -> float:
+    """mean |log π_old − log π_rollout| over the trained tokens of the very first micro-batch, by hand."""
+    pack, old = batch.packs[0][0], batch.old_log_probs[0][0]
+    on = pack.loss_mask != 0
+    return float((old - pack.rollout_log_probs).abs()[on].double().mean())
+
+
 def test_sub_steps_are_inspectable(trainer):
     batch = trainer.rollout()
     assert len(batch.samples) == 16 and len(batch.groups) == 4
     assert all(s.reward is not None and s.weight_version == 0 for s in batch.samples)
     score = trainer.score(batch)
-    for group in batch.groups:  # GRPO: advantages sum to zero within a group, constant along a response
-        advs = [s.token_advantages[0] for s in group]
-        assert abs(sum(advs)) < 1e-5
-        assert all(len(set(s.token_advantages)) <= 1 for s in group)
-    assert "rollout/advantages" in score
+    for group in batch.groups:  # GRPO: one scalar per sample, summing to zero within a group
+        assert abs(sum(s.advantage for s in group)) < 1e-5 and all(s.token_advantages is None for s in group)
+    assert set(score) == {"rollout/raw_reward"}
     packs = trainer.pack(batch)
     assert len(packs) == 2  # 16 samples / global_batch_size 8
     assert sorted(i for p in packs[0] for i in p.sample_ids) == list(range(8))
@@ -46,9 +50,18 @@ def test_sub_steps_are_inspectable(trainer):
     assert [len(x) for x in batch.old_log_probs] == [len(p) for p in packs]
     # The recomputed log-probs are the engine's, to float32 round-off (same weights, same temperature).
     assert abs(lp["rollout/log_probs"] - lp["rollout/rollout_log_probs"]) < 1e-4
+    adv = trainer.compute_advantages(batch)
+    for s, (step, step_adv) in enumerate(zip(packs, batch.advantages)):  # GRPO: each sample's scalar, per token
+        for p, a in zip(step, step_adv):
+            for i, x in zip(p.sample_ids, torch.split(a, p.response_lengths)):
+                assert torch.equal(x, torch.full_like(x, batch.samples[s * 8 + i].advantage))
+    assert adv["rollout/advantages"] == pytest.approx(float(sum(s.advantage * sum(s.loss_mask) for s in batch.samples)
+                                                            / sum(sum(s.loss_mask) for s in batch.samples)), abs=1e-6)
     metrics = trainer.train_step(batch)
     assert metrics["train/optimizer_steps"] == 2.0
-    assert metrics["train/ppo_kl_first_mb"] == 0.0  # exactly: same weights, same kernels, same packs
+    # the first training forward (bitwise the recompute on eager CPU) against the engine's log-probs: fp32 round-off
+    assert metrics["train/first_mb_kl_vs_rollout"] == pytest.approx(first_mb_gap(batch), rel=1e-5)
+    assert 0 < metrics["train/first_mb_kl_vs_rollout"] < 1e-5
     sync = trainer.sync_weights()
     # one policy version per optimizer step applied
     assert sync["weights/bytes"] > 0 and trainer.engine.weight_version == trainer.version == 2
@@ -59,7 +72,7 @@ def test_step_history_versions_and_engine_weights(trainer):
     m = trainer.step()
     assert trainer.rollout_id == before + 1 and trainer.history[-1] is m
     assert m["rollout/weight_version"] == version and m["weights/version"] == version + m["train/optimizer_steps"]
-    assert m["train/ppo_kl_first_mb"] == 0.0
+    assert m["train/first_mb_kl_vs_rollout"] == pytest.approx(first_mb_gap(trainer.last_rollout), rel=1e-5)
     for key in ("rollout/raw_reward", "rollout/response_len/mean", "rollout/zero_std/count", "rollout/truncated_ratio",
                 "train/loss", "train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/grad_norm", "train/lr",
                 "train/train_rollout_logprob_abs_diff", "perf/rollout_time", "perf/log_probs_time", "perf/train_time",

@@ -204,14 +204,15 @@ def _char_reward(response: str, label) -> float:
                          ids=["recompute", "rollout-logprobs", "compiled-trainer"])
 def test_trainer_steps_log_exactly_zero_mismatch(tmp_path, monkeypatch, bypass, compiled):
     """`Trainer.step()` in the mode: the diff is 0.0 at every step (the engine follows every weight sync), and
-    the very first micro-batch's PPO KL is 0.0 even when old = the rollout's log-probs (no recompute). With the
-    trainer's layers compiled by inductor (`numerics.compile_options`) against the eager engine too."""
+    the very first micro-batch's training forward equals the engine's log-probs (`first_mb_kl_vs_rollout` 0.0),
+    with old = the rollout's log-probs (no recompute) too. With the trainer's layers compiled by inductor
+    (`numerics.compile_options`) against the eager engine too. Both metrics do move when the engine differs
+    (`test_a_perturbed_engine_shows_in_both_metrics`)."""
     from dataclasses import replace
 
-    from rlbench import presets
+    from rlbench import Trainer, presets
     from rlbench.configs import EvalConfig
     from rlbench.rewards import REWARDS
-    from rlbench.trainer import Trainer
 
     monkeypatch.setitem(REWARDS, "chars", _char_reward)
     cfg = presets.cpu_test(model="tiny", workdir=str(tmp_path), level=1, n_eval=16)
@@ -224,11 +225,41 @@ def test_trainer_steps_log_exactly_zero_mismatch(tmp_path, monkeypatch, bypass, 
     weights = [p.detach().clone() for p in trainer.engine.model.parameters()][:3]
     for _ in range(3):
         m = trainer.step()
-        assert m["train/ppo_kl_first_mb"] == 0.0
+        assert m["train/first_mb_kl_vs_rollout"] == 0.0
         if not bypass:
             assert m["train/train_rollout_logprob_abs_diff"] == 0.0 and m["train/mismatch_k3_kl"] == 0.0
     assert m["train/grad_norm"] > 0
     assert any(not torch.equal(w, p) for w, p in zip(weights, trainer.engine.model.parameters()))
+
+
+def test_a_perturbed_engine_shows_in_both_metrics(tmp_path, monkeypatch):
+    """The mode's evidence can fail: an engine whose weights differ from the trainer's by one float32 ulp in one
+    matrix (nudged after every sync) gives a nonzero diff and a nonzero first-micro-batch gap."""
+    from dataclasses import replace
+
+    from rlbench import Trainer, presets
+    from rlbench.configs import EvalConfig
+    from rlbench.rewards import REWARDS
+
+    monkeypatch.setitem(REWARDS, "chars", _char_reward)
+    cfg = presets.cpu_test(model="tiny", workdir=str(tmp_path), level=1, n_eval=16)
+    cfg = cfg.replace(
+        true_on_policy_mode=True, eval=EvalConfig(), data=replace(cfg.data, metadata_key=None),
+        rollout=replace(cfg.rollout, rm_type="chars", rollout_batch_size=4, max_response_len=10),
+        batch=replace(cfg.batch, global_batch_size=16, num_rollout=1))
+    trainer = Trainer(cfg)
+    engine, update = trainer.engine, trainer.engine.update_weights
+
+    def nudged(buckets, version):
+        update(buckets, version)
+        w = dict(engine.model.named_parameters())["model.layers.0.mlp.down_proj.weight"]
+        with torch.no_grad():
+            w.copy_(torch.nextafter(w, torch.full_like(w, float("inf"))))
+
+    monkeypatch.setattr(engine, "update_weights", nudged)
+    trainer.sync_weights()
+    m = trainer.step()
+    assert m["train/train_rollout_logprob_abs_diff"] > 0 and m["train/first_mb_kl_vs_rollout"] > 0
 
 
 @pytest.mark.parametrize("step_rows", [512, 5], ids=["one-block", "blocks-of-5"])

@@ -30,9 +30,8 @@ def _char_reward(response: str, label) -> float:
 @pytest.fixture(scope="module")
 def batches(tmp_path_factory):
     """One scored rollout with recomputed log-probs per mode (default, true on-policy) of the tiny model."""
-    from rlbench import presets
+    from rlbench import Trainer, presets
     from rlbench.configs import EvalConfig
-    from rlbench.trainer import Trainer
 
     out = {}
     for mode in (False, True):
@@ -106,7 +105,7 @@ class FakeTrainer:
 
     def step(self) -> dict:
         m = {"rollout/id": float(len(self.history)), "train/train_rollout_logprob_abs_diff": self.diff,
-             "train/ppo_kl_first_mb": 0.0}
+             "train/first_mb_kl_vs_rollout": 0.0}
         self.history.append(m)
         return m
 
@@ -132,10 +131,10 @@ def test_runs_view_and_trainer_group_under_the_step_controller():
     assert "mode: 3 steps, max 0 (all exactly 0.0)" in view.summary.value
     assert "default: 3 steps, max 1e-07;" in view.summary.value + ";"
     assert len(view.view.figure.data) == 2
-    view.toggle.value = "train/ppo_kl_first_mb"  # what clicking the toggle does: the other metric, redrawn
-    assert view.view.figure.layout.title.text == "train/ppo_kl_first_mb"
+    view.toggle.value = "train/first_mb_kl_vs_rollout"  # what clicking the toggle does: the other metric, redrawn
+    assert view.view.figure.layout.title.text == "train/first_mb_kl_vs_rollout"
     assert "default: 3 steps, max 0 (all exactly 0.0)" in view.summary.value
-    view.update("mode", {"rollout/id": 3.0, "train/ppo_kl_first_mb": 0.0})
+    view.update("mode", {"rollout/id": 3.0, "train/first_mb_kl_vs_rollout": 0.0})
     assert len(view.series("mode")[0]) == 4
     assert group.history["mode"] == group.trainers["mode"].history
     assert group.last_rollout is None

@@ -14,6 +14,12 @@ trained token and V / A / G are carried across masked spans (verl's GAE skips ob
 way); masked positions get 0. Values on masked tokens (KL, critic values, log-probs) are never read, so a
 NaN/±Inf there changes nothing.
 
+The loop runs an estimator in two halves (`Estimator`, registry `ADVANTAGE_FNS`): `sample_advantages` turns the
+rewards into one scalar per sample when they are scored (the group statistics above; the raw reward for
+REINFORCE++ and PPO), and `token_advantages` runs on the ranks after the model passes, from those scalars and
+the passes' outputs (KL-in-reward from old/ref log-probs, critic values), then whitens over the global batch
+(`reduce_sum`). A new estimator is one registry entry; `compute_advantages` is both halves in one call.
+
 Unlike slime, a batch whose size is not a multiple of the group size raises instead of silently becoming
 one big group.
 """
@@ -21,6 +27,7 @@ one big group.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -169,60 +176,173 @@ def gae(
     return adv, torch.where(steps, adv + v, zero)
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """`[R]`: (x − masked mean) / sqrt(masked unbiased var + eps); pass ALL tokens of the global batch.
+def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8, *,
+           reduce_sum: Callable[[list[float]], list[float]] | None = None) -> torch.Tensor:
+    """`[R]`: (x − masked mean) / sqrt(masked unbiased var + eps) over the GLOBAL batch.
 
-    With fewer than 2 trained tokens there is no variance to scale by (x / sqrt(eps) would blow a value up by
-    1e4): the result is 0 everywhere (+ the masked mean with `shift_mean=False`: x itself at a single trained
-    token, 0 with none). verl's `masked_whiten` raises there; returning the centred value keeps a step whose
-    other samples are all masked (truncation, dynamic sampling) trainable, and those tokens carry no loss."""
+    `reduce_sum` adds lists of floats over the ranks that hold the rest of the batch (`RankStep.reduce.sum`);
+    None: `x` is the whole batch. Each rank's partial sums are float32 sums of its own tokens, so one rank gives
+    the same bits as whitening the concatenated batch here.
+
+    With fewer than 2 trained tokens in the global batch there is no variance to scale by (x / sqrt(eps) would
+    blow a value up by 1e4): the result is 0 everywhere (+ the masked mean with `shift_mean=False`: x itself at a
+    single trained token, 0 with none). verl's `masked_whiten` raises there; returning the centred value keeps a
+    step whose other samples are all masked (truncation, dynamic sampling) trainable, and those tokens carry no loss.
+    """
     m = mask.to(x.dtype)
-    count = m.sum()
+    total, count = _global(reduce_sum, zero_masked(x * m, m).sum(), m.sum())  # a NaN/Inf on a masked token stays out
     n = count.clamp_min(1.0)
-    mean = zero_masked(x * m, m).sum() / n  # a NaN/Inf on a masked token does not enter the statistics
-    var = zero_masked((x - mean) ** 2 * m, m).sum() / (n - 1).clamp_min(1.0)
+    mean = total / n
+    (sq,) = _global(reduce_sum, zero_masked((x - mean) ** 2 * m, m).sum())
+    var = sq / (n - 1).clamp_min(1.0)
     out = torch.where(count >= 2, (x - mean) * torch.rsqrt(var + eps), torch.zeros((), dtype=x.dtype, device=x.device))
     return out if shift_mean else out + mean
 
 
-# Registry: each entry maps the common arguments to `[R]` advantages.
-def _sample_level(fn: Callable) -> Callable:
-    def adv(cfg, rewards, seq_lengths, loss_mask, group_size, kl, values):
-        return to_tokens(fn(rewards, group_size), seq_lengths)
-
-    return adv
-
-
-def _grpo(cfg, rewards, seq_lengths, loss_mask, group_size, kl, values):
-    return to_tokens(grpo_advantages(rewards, group_size, std_normalize=cfg.grpo_std_normalization), seq_lengths)
+def _global(reduce_sum, *sums: torch.Tensor) -> list[torch.Tensor]:
+    """0-dim partial sums -> the global sums, in the same dtype (a float32 survives the float round trip)."""
+    if reduce_sum is None:
+        return list(sums)
+    return [torch.tensor(v, dtype=t.dtype) for v, t in zip(reduce_sum([float(t) for t in sums]), sums)]
 
 
-def _rpp(cfg, rewards, seq_lengths, loss_mask, group_size, kl, values):
-    return reinforce_pp_advantages(rewards, seq_lengths, loss_mask, kl, cfg.kl_coef, cfg.gamma)
+def last_token_values(values: torch.Tensor, seq_lengths: Sequence[int], loss_mask: torch.Tensor) -> torch.Tensor:
+    """`[N]`: each sample's value at its last trained token (its last token when none is trained; 0 when empty).
+
+    Reads the per-sample scalar back from a broadcast `[R]` (what the packs carry: `to_tokens(scalars)`)."""
+    out = values.new_zeros(len(seq_lengths))
+    start = 0
+    for i, n in enumerate(seq_lengths):
+        if n:
+            nz = torch.nonzero(loss_mask[start : start + n]).flatten()
+            out[i] = values[start + (int(nz[-1]) if nz.numel() else n - 1)]
+        start += n
+    return out
 
 
-def _rpp_baseline(cfg, rewards, seq_lengths, loss_mask, group_size, kl, values):
-    return reinforce_pp_baseline_advantages(rewards, group_size, seq_lengths, kl, cfg.kl_coef)
+# ----------------------------------------------------------------------------------------------- the registry
+@dataclass(frozen=True)
+class TokenInputs:
+    """One rank's samples in response space after the model passes: what a token-level estimator reads."""
+
+    base: torch.Tensor
+    """`[R]` each sample's scalar from scoring (`Estimator.sample`) broadcast over its response tokens."""
+    seq_lengths: list[int]
+    """Response length of each sample (sums to R)."""
+    loss_mask: torch.Tensor
+    """`[R]` 1 on trained tokens."""
+    kl: torch.Tensor | None = None
+    """`[R]` per-token KL(π_old ‖ π_ref) for KL-in-reward (`kl_in_reward`), 0 on masked tokens; None: kl_coef 0."""
+    values: torch.Tensor | None = None
+    """`[R]` critic values V_t (None: no critic pass ran)."""
 
 
-def _ppo(cfg, rewards, seq_lengths, loss_mask, group_size, kl, values):
-    if values is None:
+@dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator in its two halves, run at two points of the step.
+
+    `sample(cfg, rewards [N], group_size) -> [N]`: per-sample scalars from the rewards alone (group statistics:
+    GRPO / RLOO / Dr.GRPO baselines; the raw reward for return-based estimators), on the driver at scoring.
+    `token(cfg, TokenInputs) -> [R]`: the token-level advantages, on the ranks after the model passes (log-probs,
+    values); each sample's tokens depend on that sample only (whitening over the global batch comes after, in
+    `token_advantages`).
+    """
+
+    sample: Callable[[LossConfig, torch.Tensor, int], torch.Tensor]
+    token: Callable[[LossConfig, TokenInputs], torch.Tensor]
+
+
+def _raw_reward(cfg, rewards, group_size):
+    return rewards
+
+
+def _grpo_scalars(cfg, rewards, group_size):
+    return grpo_advantages(rewards, group_size, std_normalize=cfg.grpo_std_normalization)
+
+
+def _scalar_fn(fn: Callable) -> Callable:
+    return lambda cfg, rewards, group_size: fn(rewards, group_size)
+
+
+def _broadcast(cfg, x: TokenInputs):
+    return x.base
+
+
+def _rpp(cfg, x: TokenInputs):
+    rewards = last_token_values(x.base, x.seq_lengths, x.loss_mask)
+    return reinforce_pp_advantages(rewards, x.seq_lengths, x.loss_mask, x.kl, cfg.kl_coef, cfg.gamma)
+
+
+def _minus_kl(cfg, x: TokenInputs):
+    return x.base - cfg.kl_coef * x.kl.to(x.base.dtype) if x.kl is not None and cfg.kl_coef != 0 else x.base
+
+
+def _gae(cfg, x: TokenInputs):
+    if x.values is None:
         raise ValueError("advantage_estimator='ppo' needs critic values [R]")
-    tok = shaped_token_rewards(rewards, seq_lengths, loss_mask, kl, cfg.kl_coef)
-    steps = to_padded((loss_mask != 0).to(tok.dtype), seq_lengths)  # masked tokens are not time steps
-    adv, _ = gae(to_padded(tok, seq_lengths), to_padded(values.to(tok.dtype), seq_lengths), steps, cfg.gamma, cfg.lambd)
-    return from_padded(adv, seq_lengths)
+    rewards = last_token_values(x.base, x.seq_lengths, x.loss_mask)
+    tok = shaped_token_rewards(rewards, x.seq_lengths, x.loss_mask, x.kl, cfg.kl_coef)
+    steps = to_padded((x.loss_mask != 0).to(tok.dtype), x.seq_lengths)  # masked tokens are not time steps
+    adv, _ = gae(to_padded(tok, x.seq_lengths), to_padded(x.values.to(tok.dtype), x.seq_lengths), steps, cfg.gamma,
+                 cfg.lambd)
+    return from_padded(adv, x.seq_lengths)
 
 
-ADVANTAGE_FNS: dict[str, Callable] = {
-    "grpo": _grpo,
-    "gspo": _grpo,
-    "dr_grpo": _sample_level(dr_grpo_advantages),
-    "rloo": _sample_level(rloo_advantages),
-    "reinforce_plus_plus": _rpp,
-    "reinforce_plus_plus_baseline": _rpp_baseline,
-    "ppo": _ppo,
+ADVANTAGE_FNS: dict[str, Estimator] = {
+    "grpo": Estimator(_grpo_scalars, _broadcast),
+    "gspo": Estimator(_grpo_scalars, _broadcast),
+    "dr_grpo": Estimator(_scalar_fn(dr_grpo_advantages), _broadcast),
+    "rloo": Estimator(_scalar_fn(rloo_advantages), _broadcast),
+    "reinforce_plus_plus": Estimator(_raw_reward, _rpp),
+    "reinforce_plus_plus_baseline": Estimator(_scalar_fn(dr_grpo_advantages), _minus_kl),
+    "ppo": Estimator(_raw_reward, _gae),
 }
+"""`LossConfig.advantage_estimator` -> its `Estimator`."""
+
+
+def sample_advantages(cfg: LossConfig, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """`[N]` per-sample scalars of ALL samples of a step (group statistics span each group), at scoring."""
+    return ADVANTAGE_FNS[cfg.advantage_estimator].sample(cfg, rewards, group_size)
+
+
+def kl_in_reward(cfg: LossConfig, old_log_probs: torch.Tensor | None, ref_log_probs: torch.Tensor | None,
+                 loss_mask: torch.Tensor) -> torch.Tensor | None:
+    """`[R]` the per-token KL the reward is shaped with (`cfg.kl_loss_type` on π_old vs π_ref, 0 on masked
+    tokens); None when `cfg.kl_coef` is 0."""
+    if cfg.kl_coef == 0:
+        return None
+    if old_log_probs is None or ref_log_probs is None:
+        raise ValueError(f"kl_coef={cfg.kl_coef} needs old_log_probs and ref_log_probs")
+    return zero_masked(approx_kl(old_log_probs, ref_log_probs, cfg.kl_loss_type), loss_mask)
+
+
+def token_advantages(
+    cfg: LossConfig,
+    base: torch.Tensor,
+    seq_lengths: Sequence[int],
+    loss_mask: torch.Tensor,
+    *,
+    old_log_probs: torch.Tensor | None = None,
+    ref_log_probs: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    reduce_sum: Callable[[list[float]], list[float]] | None = None,
+) -> torch.Tensor:
+    """`[R]` advantages from the per-sample scalars `base` (broadcast, `[R]`) and the model passes' outputs.
+
+    Args:
+        base: `[R]` `sample_advantages` broadcast over each sample's response tokens.
+        old_log_probs, ref_log_probs: `[R]`; needed when `cfg.kl_coef != 0` (`kl_in_reward`).
+        values: `[R]` critic values for `ppo`.
+        reduce_sum: sums lists of floats over the ranks holding the rest of the batch, for the whitening
+            statistics (None: these samples are the whole batch).
+    """
+    if sum(seq_lengths) != loss_mask.numel() or base.numel() != loss_mask.numel():
+        raise ValueError(f"base of {base.numel()}, lengths summing to {sum(seq_lengths)}, loss_mask of "
+                         f"{loss_mask.numel()}: they must describe the same tokens")
+    x = TokenInputs(base, list(seq_lengths), loss_mask, kl_in_reward(cfg, old_log_probs, ref_log_probs, loss_mask),
+                    values)
+    adv = ADVANTAGE_FNS[cfg.advantage_estimator].token(cfg, x)
+    return whiten(adv, loss_mask, reduce_sum=reduce_sum) if cfg.normalize_advantages else adv
 
 
 def compute_advantages(
@@ -236,7 +356,8 @@ def compute_advantages(
     ref_log_probs: torch.Tensor | None = None,
     values: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`[R]` advantages for ALL samples of a step (whitening and group statistics span what is passed).
+    """`[R]` advantages for ALL samples of a step in one call (`sample_advantages` then `token_advantages`; the
+    loop runs the two halves at scoring and after the model passes).
 
     Args:
         rewards: `[N]` scalar rewards, groups of `group_size` consecutive samples.
@@ -250,10 +371,6 @@ def compute_advantages(
             f"{rewards.numel()} rewards, {len(seq_lengths)} lengths summing to {sum(seq_lengths)}, "
             f"loss_mask of {loss_mask.numel()}: they must describe the same samples"
         )
-    kl = None
-    if cfg.kl_coef != 0:
-        if old_log_probs is None or ref_log_probs is None:
-            raise ValueError(f"kl_coef={cfg.kl_coef} needs old_log_probs and ref_log_probs")
-        kl = zero_masked(approx_kl(old_log_probs, ref_log_probs, cfg.kl_loss_type), loss_mask)
-    adv = ADVANTAGE_FNS[cfg.advantage_estimator](cfg, rewards, list(seq_lengths), loss_mask, group_size, kl, values)
-    return whiten(adv, loss_mask) if cfg.normalize_advantages else adv
+    base = to_tokens(sample_advantages(cfg, rewards, group_size), seq_lengths)
+    return token_advantages(cfg, base, seq_lengths, loss_mask, old_log_probs=old_log_probs,
+                            ref_log_probs=ref_log_probs, values=values)

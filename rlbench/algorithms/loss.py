@@ -205,9 +205,10 @@ def old_from_forward_ok(cfg: LossConfig) -> bool:
 
     Everything computed from π_old (PPO ratio, TIS / MIS weights, mismatch diagnostics) is per token or per
     sequence, and sequences never straddle micro-batches, except MIS's batch normalisation, which needs the
-    whole global batch's weights before the first micro-batch; bypass mode has no recomputed π_old at all.
+    whole global batch's weights before the first micro-batch; bypass mode has no recomputed π_old at all;
+    KL-in-reward (`kl_coef`) needs π_old of every token before the advantages, hence before any training forward.
     """
-    if cfg.use_rollout_logprobs:
+    if cfg.use_rollout_logprobs or cfg.kl_coef != 0:
         return False
     mis = cfg.mis
     return not (cfg.use_tis and mis is not None and mis.use_tis and mis.tis_batch_normalize)

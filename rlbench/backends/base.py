@@ -60,6 +60,20 @@ class TrainBackend(Protocol):
         """Restore a checkpoint (default: the latest finished one); returns its step."""
         ...
 
+    def latest_step(self) -> int | None:
+        """The step of the latest committed checkpoint under `cfg.checkpoint_dir`, None when there is none."""
+        ...
+
+    def committed_steps(self) -> list[int]:
+        """Steps of every committed checkpoint under `cfg.checkpoint_dir`, ascending."""
+        ...
+
+    def committed_file(self, step: int, name: str) -> str | None:
+        """The path of the file `save(extra={name: ...})` committed with checkpoint `step` (None when that
+        checkpoint has none; a ValueError when there is no committed checkpoint `step`). The Trainer finds its
+        loop state with these three, never with the layout itself."""
+        ...
+
     def state_tensors(self) -> list[torch.Tensor]:
         """The device tensors of the training state (what `sleep` parks; the memory plan measures them)."""
         ...

@@ -83,6 +83,39 @@ def committed_steps(root: str) -> list[int]:
     return sorted(steps)
 
 
+def committed_file(root: str, step: int, name: str) -> str | None:
+    """The path of file `name` inside finished checkpoint `step` (an `extra` of `save_checkpoint`); None when the
+    checkpoint has no such file. Raises ValueError when there is no finished checkpoint `step`."""
+    where = committed_dir(root, step)
+    if where is None:
+        raise ValueError(f"{root!r}: no finished checkpoint of step {step} (no iter_{step:07d}/ directory)")
+    path = os.path.join(where, name)
+    return path if os.path.isfile(path) else None
+
+
+class CommittedCheckpoints:
+    """The TrainBackend's read-only view of its checkpoint directory (`cfg.checkpoint_dir`, the layout above),
+    shared by every backend that writes it: what the Trainer finds checkpoints with."""
+
+    def checkpoint_root(self) -> str:
+        """`cfg.checkpoint_dir`; a ValueError naming the field when it is not set."""
+        if not self.cfg.checkpoint_dir:
+            raise ValueError(f"{type(self.cfg).__name__}.checkpoint_dir is not set; set it to save or load checkpoints")
+        return self.cfg.checkpoint_dir
+
+    def latest_step(self) -> int | None:
+        """The step of the latest finished checkpoint (the tracker's), None when there is none."""
+        return latest_step(self.checkpoint_root())
+
+    def committed_steps(self) -> list[int]:
+        """Steps of every finished checkpoint, ascending."""
+        return committed_steps(self.checkpoint_root())
+
+    def committed_file(self, step: int, name: str) -> str | None:
+        """The path of the file `save(extra={name: ...})` committed with checkpoint `step`, None when it has none."""
+        return committed_file(self.checkpoint_root(), step, name)
+
+
 def clean_stale(root: str) -> list[str]:
     """Remove every `iter_*.tmp/` (a save that never committed) and resolve `iter_*.old/` (kept only while it
     is the sole copy of its step: then renamed back). Returns the removed paths; nothing committed is lost."""

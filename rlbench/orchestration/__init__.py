@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 
 def _local_trainer() -> type:
-    from rlbench.trainer import Trainer
+    from rlbench.orchestration.local import LocalTrainer
 
-    return Trainer
+    return LocalTrainer
 
 
 def _ray_trainer() -> type:
@@ -34,7 +34,8 @@ def trainer_class(backend: str) -> type:
 
 
 def build_trainer(cfg, **kwargs):
-    """The trainer for `cfg`: `Trainer` when `cfg.cluster.backend == "local"`, `RayTrainer` for "ray" (same API).
+    """The trainer for `cfg`: `LocalTrainer` (= `rlbench.Trainer`) when `cfg.cluster.backend == "local"`,
+    `RayTrainer` for "ray" (same API); each builds its components.
 
     Args:
         cfg: the RunConfig.

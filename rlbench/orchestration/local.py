@@ -1,17 +1,18 @@
-"""Single-process composition: build the tokenizer, datasets, train backend and rollout engine of a run.
+"""Single-process composition: build every part of a run (tokenizer, datasets, train backend, rollout engine,
+rollout manager, weight sync) and the local Trainer over them.
 
 This is the only place that names concrete classes (`FSDPBackend` / `MegatronBackend`, `TorchEngine`); the Trainer receives
-the built `Components` and talks to them through the TrainBackend / RolloutEngine protocols.
+the built `Components` and talks to them through their protocols.
 
-    parts = build_components(cfg)      # what Trainer(cfg) does by default
-    trainer = Trainer(cfg, components=parts)
+    trainer = LocalTrainer(cfg)        # = rlbench.Trainer(cfg): build_components(cfg), then the Trainer
+    parts = build_components(cfg)      # or build (or fake) the parts yourself
+    trainer = LocalTrainer(cfg, components=parts)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,26 +22,29 @@ from rlbench.configs import RunConfig, SGLangEngineConfig, TaskConfig
 from rlbench.data import PromptDataset, build_tokenizer, write_jsonl
 from rlbench.models import build_config, load_tokenizer
 from rlbench.models.build import materialize, params_on_meta
+from rlbench.rewards import get_reward_fn
+from rlbench.rollout.manager import RolloutManager
+from rlbench.rollout.reward_pool import default_workers as default_reward_workers
+from rlbench.trainer import Components, Trainer, prepare_run
+from rlbench.weights import WeightSync
 
 
-@dataclass
-class Components:
-    """The built parts of a run (each implements its protocol; any of them can be swapped for a fake)."""
+class LocalTrainer(Trainer):
+    """The one-process Trainer built from its config: `rlbench.Trainer(cfg)`, the REPL and notebook entry.
 
-    tokenizer: Any
-    """Tokenizer of the policy (eos = stop token, pad = pack padding)."""
-    dataset: Any
-    """Training prompts (`next_batch(n)`, `state_dict()`, `load_state_dict()`)."""
-    eval_items: list
-    """Held-out `PromptItem`s (empty when eval is off)."""
-    backend: Any
-    """A TrainBackend, already `init()`-ed."""
-    engine: Any
-    """A RolloutEngine on the same device (its weights are overwritten by the first sync)."""
-    device: torch.device
-    """The device both sides run on."""
-    num_params: int
-    """Policy parameter count (for perf/mfu)."""
+    Args:
+        cfg: the run config (`cfg.cluster.backend == "local"`; `rlbench.build_trainer(cfg)` builds any backend).
+        components: pre-built parts; None builds them with `build_components(cfg)`.
+        sinks: metric sinks; None builds them from `cfg.logging`.
+    """
+
+    def __init__(self, cfg: RunConfig, *, components: Components | None = None, sinks=None) -> None:
+        if cfg.cluster.backend != "local":
+            raise ValueError(
+                f"Trainer runs cluster.backend='local', got {cfg.cluster.backend!r}; build the trainer with "
+                "rlbench.build_trainer(cfg), which picks the class of cfg.cluster.backend"
+            )
+        super().__init__(cfg, build_components(cfg) if components is None else components, sinks=sinks)
 
 
 def materialize_task(task: TaskConfig) -> tuple[str, str]:
@@ -138,7 +142,8 @@ def build_backend(cfg: RunConfig, env=None):
 
 
 def build_data(cfg: RunConfig) -> tuple[Any, PromptDataset, list]:
-    """The driver-side data of a run: `(tokenizer, training prompts, eval items)`, lengths checked."""
+    """The driver-side data of a run: `(tokenizer, training prompts, eval items)`, lengths and per-row rewards
+    checked."""
     eval_path = cfg.eval.data_path
     if cfg.task is not None:
         _, task_eval = materialize_task(cfg.task)
@@ -150,18 +155,38 @@ def build_data(cfg: RunConfig) -> tuple[Any, PromptDataset, list]:
         eval_cfg = dataclasses.replace(cfg.data, path=eval_path, shuffle=False)
         eval_items = PromptDataset(eval_cfg, tokenizer).items[: cfg.eval.max_prompts]
     check_lengths(cfg, dataset.items + eval_items)
+    check_row_rewards(dataset.items + eval_items)
     return tokenizer, dataset, eval_items
 
 
+def build_rollouts(cfg: RunConfig, engine, dataset, tokenizer) -> RolloutManager:
+    """The rollout manager over `engine` (reward worker processes: `rollout.reward_workers`, None: by device)."""
+    workers = cfg.rollout.reward_workers
+    return RolloutManager(cfg.rollout, engine, dataset, tokenizer, reward_workers=(
+        default_reward_workers(cfg.backend.device) if workers is None else workers))
+
+
 def build_components(cfg: RunConfig) -> Components:
-    """Everything a `Trainer` needs for `cfg`, in this process."""
+    """Everything a `Trainer` needs for `cfg`, in this process (seeded first: `prepare_run`)."""
+    prepare_run(cfg)
     tokenizer, dataset, eval_items = build_data(cfg)
     backend = build_backend(cfg)
     device = backend.env.device
     engine = build_engine(cfg, device, tokenizer)
     model = getattr(engine, "model", None) or backend.model  # an SGLang engine holds no torch model here
     num_params = sum(p.numel() for p in model.parameters())
-    return Components(tokenizer, dataset, eval_items, backend, engine, device, num_params)
+    return Components(tokenizer, dataset, eval_items, backend, engine, build_rollouts(cfg, engine, dataset, tokenizer),
+                      WeightSync(cfg.weights, backend, engine), device, num_params)
+
+
+def check_row_rewards(items) -> None:
+    """Resolve every per-row `metadata["rm_type"]` of the data now, not at the first rollout."""
+    names = {it.metadata.get("rm_type") for it in items if isinstance(getattr(it, "metadata", None), dict)}
+    for name in sorted(n for n in names if n):
+        try:
+            get_reward_fn(name)
+        except ValueError as exc:
+            raise ValueError(f"the data's metadata rm_type={name!r}: {exc}") from exc
 
 
 def check_lengths(cfg: RunConfig, items: list) -> None:

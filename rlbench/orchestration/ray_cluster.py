@@ -3,6 +3,7 @@
     cluster = RayCluster(cfg, ClusterConfig(backend="ray", actor_num_gpus_per_node=2))
     engine = cluster.engine_group()      # a RolloutEngine: generate() splits prompts over the engine actors
     backend = cluster.train_group()      # sleep / wake_up / save / load fanned out to every trainer rank
+    sync = cluster.weight_group()        # push(version): the Trainer's weight sync
     cluster.sync_weights(version=1)      # trainer ranks -> engines (CUDA IPC or broadcast), timed
     cluster.shutdown()
 
@@ -17,6 +18,7 @@ import os
 import time
 from collections.abc import Sequence
 
+from rlbench.backends.checkpoint import CommittedCheckpoints
 from rlbench.configs.cluster import (
     ClusterConfig,
     check_engine_layout,
@@ -176,6 +178,9 @@ class RayCluster:
     def train_group(self) -> TrainGroup:
         return TrainGroup(self)
 
+    def weight_group(self) -> WeightGroup:
+        return WeightGroup(self)
+
     def shutdown(self) -> None:
         """Kill every actor and remove the placement group (safe to call twice)."""
         from ray.util.placement_group import remove_placement_group
@@ -228,8 +233,9 @@ class EngineGroup:
         self.cluster.call_engines("flush_cache")
 
 
-class TrainGroup:
-    """The trainer ranks as one backend for the Trainer's sleep / wake_up / save / load (each fanned out)."""
+class TrainGroup(CommittedCheckpoints):
+    """The trainer ranks as one backend for the Trainer's sleep / wake_up / save / load (each fanned out); the
+    checkpoints they commit are read on the driver (same filesystem)."""
 
     def __init__(self, cluster: RayCluster) -> None:
         self.cluster = cluster
@@ -249,6 +255,16 @@ class TrainGroup:
 
     def load(self, step: int | None = None) -> int:
         return self.cluster.call_trainers("load", self.cfg.checkpoint_dir, step)[0]
+
+
+class WeightGroup:
+    """The Trainer's weight sync on Ray: every trainer rank pushes straight into the engine actors."""
+
+    def __init__(self, cluster: RayCluster) -> None:
+        self.cluster = cluster
+
+    def push(self, version: int) -> dict[str, float]:
+        return self.cluster.sync_weights(version)
 
 
 def with_engine_weight_dtype(cfg):

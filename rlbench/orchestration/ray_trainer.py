@@ -5,10 +5,11 @@
     trainer.step()          # same loop, same metric keys; trainer ranks and engines are Ray actors
 
 The driver keeps everything light: the prompt dataset, the rollout manager (its engine is an `EngineGroup`
-that splits prompts over the engine actors), scoring/advantages, metrics and checkpoint bookkeeping.
-The heavy parts are fanned out: `pack` splits each global batch by DP rank (balanced) and `ray.put`s one
-shard per rank; `compute_log_probs` / `train_step` run collectively on the trainer ranks; `sync_weights`
-pushes trainer -> engines directly (CUDA IPC colocated, broadcast group disaggregated).
+that splits prompts over the engine actors), scoring (rewards, per-sample scalars), metrics and checkpoint
+bookkeeping. The heavy parts are fanned out: `pack` splits each global batch by DP rank (balanced) and
+`ray.put`s one shard per rank; `compute_log_probs` / `compute_advantages` / `train_step` run collectively on the
+trainer ranks (the same `RankStep` stages as one process); `sync_weights` pushes trainer -> engines directly
+(CUDA IPC colocated, broadcast group disaggregated).
 
 Async (`cluster.async_rollout`, disaggregated only): `rollout()` returns the batch generated during the
 previous step and immediately starts the next generation on a driver thread, so generation of rollout
@@ -26,19 +27,28 @@ import numpy as np
 import torch
 
 from rlbench.configs.cluster import ClusterConfig, check_batch_layout
-from rlbench.orchestration.local import Components, build_data
+from rlbench.orchestration.local import build_data, build_rollouts
 from rlbench.orchestration.ray_cluster import RayCluster, max_merge
 from rlbench.orchestration.ray_dp import split_steps_by_dp
+from rlbench.rank_step import token_mean
 from rlbench.rollout.manager import RolloutBatch
-from rlbench.trainer import Trainer
+from rlbench.trainer import Components, Trainer, prepare_run
 
 
 def build_ray_components(cfg, cluster: ClusterConfig) -> tuple[Components, RayCluster]:
-    """Driver-side data (tokenizer, prompts, eval items) plus the Ray actors standing in for backend and engine."""
+    """Driver-side data (tokenizer, prompts, eval items) and rollout manager, plus the Ray actors standing in for
+    backend, engine and weight sync. The driver is seeded (`prepare_run`) once the actors are up."""
     tokenizer, dataset, eval_items = build_data(cfg)
     ray_cluster = RayCluster(cfg, cluster, tokenizer)
-    parts = Components(tokenizer, dataset, eval_items, ray_cluster.train_group(), ray_cluster.engine_group(),
-                       torch.device("cpu"), ray_cluster.num_params)
+    try:
+        prepare_run(cfg)
+        engine = ray_cluster.engine_group()
+        parts = Components(tokenizer, dataset, eval_items, ray_cluster.train_group(), engine,
+                           build_rollouts(cfg, engine, dataset, tokenizer), ray_cluster.weight_group(),
+                           torch.device("cpu"), ray_cluster.num_params)
+    except BaseException:
+        ray_cluster.shutdown()
+        raise
     return parts, ray_cluster
 
 
@@ -62,14 +72,15 @@ class RayTrainer(Trainer):
         self.async_rollout = cluster.async_rollout
         self._packed: RolloutBatch | None = None
         self._fit_target: int | None = None  # fit()'s last rollout: no generation is started beyond it
-        self._log_probs_of: RolloutBatch | None = None
+        self._log_probs_of: RolloutBatch | None = None  # the batch whose log-probs the ranks hold
+        self._advantages_of: RolloutBatch | None = None  # ... and whose advantages
         self._pending: concurrent.futures.Future | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlbench-rollout")
         if components is not None:
             raise ValueError("RayTrainer builds its components on Ray actors; do not pass components= (use backend 'local')")
         components, self.cluster = build_ray_components(cfg, cluster)
         try:
-            super().__init__(cfg, components=components, sinks=sinks)
+            super().__init__(cfg, components, sinks=sinks)
         except BaseException:
             self.cluster.shutdown()
             raise
@@ -110,7 +121,7 @@ class RayTrainer(Trainer):
         shards = split_steps_by_dp(batch.samples, b.global_batch_size, self.dp_size, b.balance_data)
         ranks = [shards[dp] for dp in self.cluster.dp_ranks]
         batch.packs = self.cluster.call_trainers_with_shards("pack", self.cluster.put_shards(ranks))
-        self._packed, self._log_probs_of = batch, None  # the ranks hold this batch's packs, no log-probs yet
+        self._packed, self._log_probs_of, self._advantages_of = batch, None, None  # packs only, so far
         return batch.packs
 
     def compute_log_probs(self, batch: RolloutBatch, *, first_from_forward: bool = False) -> dict[str, float]:
@@ -121,8 +132,20 @@ class RayTrainer(Trainer):
             self.pack(batch)
         per_rank = self.cluster.call_trainers("compute_log_probs", first_from_forward)  # rollout/* global on every rank
         out = dict(per_rank[0]) | {k: v for k, v in max_merge(per_rank).items() if k.startswith("perf/")}
-        self._log_probs_of = batch  # the log-probs themselves stay on the trainer ranks
+        self._log_probs_of, self._advantages_of = batch, None  # the log-probs themselves stay on the trainer ranks
         return out
+
+    def compute_advantages(self, batch: RolloutBatch) -> dict[str, float]:
+        """Token-level advantages on every rank (kept there); returns the global `rollout/advantages`."""
+        self._enter("train")
+        if self._log_probs_of is not batch:
+            self.compute_log_probs(batch)
+        per_rank = self.cluster.call_trainers("compute_advantages")
+        self._advantages_of = batch
+        per_sample = {k: v for _, values in per_rank for k, v in values.items()}
+        adv = [per_sample[s.index] for s in batch.samples]  # in batch order: the one-process float32 sum
+        masks = [torch.tensor(s.loss_mask[: len(a)], dtype=torch.float32) for s, a in zip(batch.samples, adv)]
+        return dict(per_rank[0][0]) | {"rollout/advantages": token_mean(adv, masks)}
 
     def train_step(self, batch: RolloutBatch, progress=None) -> dict[str, float]:
         """One optimizer step per global batch on every rank; `train/*` are global, `perf/*` the slowest rank's.
@@ -130,8 +153,8 @@ class RayTrainer(Trainer):
         `policy_version` goes up by the optimizer steps applied. `progress` is not used: on Ray an interrupted
         driver does not stop the ranks' call (docs/reliability.md)."""
         self._enter("train")
-        if self._log_probs_of is not batch:
-            self.compute_log_probs(batch)
+        if self._advantages_of is not batch:
+            self.compute_advantages(batch)
         per_rank = self.cluster.call_trainers("train")
         metrics = dict(per_rank[0]) | {k: v for k, v in max_merge(per_rank).items() if k.startswith("perf/")}
         self.policy_version += round(metrics["train/optimizer_steps"] * (1.0 - metrics["train/skipped"]))
@@ -140,13 +163,10 @@ class RayTrainer(Trainer):
     def sync_weights(self) -> dict[str, float]:
         """Push trainer weights into every engine, stamped `policy_version`. Async: waits for the running generation."""
         self._drain()
-        self._enter("train")
         if self.async_rollout and (self.rollout_id + 1) % self.cluster_cfg.update_weights_interval:
+            self._enter("train")
             return {}  # async with --update-weights-interval: not this step (counted in rollouts)
-        self._engine_stale = True
-        metrics = self.cluster.sync_weights(self.policy_version)
-        self.version, self._engine_stale = self.policy_version, False
-        return metrics
+        return super().sync_weights()
 
     def evaluate(self) -> dict[str, float]:
         self._drain()

@@ -71,7 +71,7 @@ class TrainWorker:
         self.device = _setup_process(cfg, cwd, cluster.env_vars)
         self.backend = self.step = None
         self.packs: list[list] = []  # [step][micro-batch] -> Pack of the batch being trained
-        self.old = self.ref = None  # its old / ref log-probs, [step][micro-batch] -> [R]
+        self.old = self.ref = self.adv = None  # its old / ref log-probs and advantages, [step][micro-batch] -> [R]
         self.engines: list = []
         self.group: BroadcastGroup | None = None
         self.layouts: list | None = None  # disaggregated rank 0: each engine's weight_layout(), read at the first sync
@@ -118,18 +118,34 @@ class TrainWorker:
     # ---------------------------------------------------------------- the RL step (collective)
     def pack(self, steps: list) -> dict:
         """Pack this rank's samples (`[step] -> list[Sample]`, fetched from the object store by Ray)."""
-        self.packs, self.old, self.ref = self.step.pack(steps), None, None
+        self.packs, self.old, self.ref, self.adv = self.step.pack(steps), None, None, None
+        self.sample_index = [[s.index for s in step] for step in steps]  # [step][sample id] -> Sample.index
         return {"micro_batches": [len(p) for p in self.packs], "tokens": sum(p.num_tokens for s in self.packs for p in s)}
 
     def compute_log_probs(self, first_from_forward: bool = False) -> dict:
         """Old (and ref) log-probs of the packs (kept here); returns the global `rollout/*` means and `perf/*`."""
         self.old, self.ref, metrics = self.step.compute_log_probs(self.packs, first_from_forward=first_from_forward)
+        self.adv = None  # advantages may read the passes (KL-in-reward): computed after them
         return metrics
+
+    def compute_advantages(self) -> tuple[dict, dict]:
+        """Token-level advantages of the packs (kept here); returns the global `rollout/advantages` and each
+        sample's advantages by `Sample.index` (the driver reports their one-process mean)."""
+        if self.step.needs_log_probs(self.old, self.ref):
+            self.compute_log_probs()
+        self.adv, metrics = self.step.compute_advantages(self.packs, self.old, self.ref)
+        per_sample = {}
+        for index, step_packs, step_adv in zip(self.sample_index, self.packs, self.adv):
+            for p, a in zip(step_packs, step_adv):
+                per_sample |= {index[i]: x for i, x in zip(p.sample_ids, torch.split(a, p.response_lengths))}
+        return metrics, per_sample
 
     def train(self) -> dict:
         if self.step.needs_log_probs(self.old, self.ref):
             self.compute_log_probs()
-        metrics = self.step.train(self.packs, self.old, self.ref)
+        if self.adv is None:
+            self.compute_advantages()
+        metrics = self.step.train(self.packs, self.old, self.ref, self.adv)
         metrics["perf/peak_memory_gb"] = _peak_memory_gb(self.device)
         return metrics
 

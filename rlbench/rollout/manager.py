@@ -37,7 +37,7 @@ class RolloutBatch:
     """The samples of one rollout (groups contiguous, `n_samples_per_prompt` each) and its metrics."""
 
     samples: list[Sample]
-    """All kept samples, group by group; rewards are set, advantages are set by `Trainer.score`."""
+    """All kept samples, group by group; rewards are set, per-sample advantages are set by `Trainer.score`."""
     metrics: dict[str, float] = field(default_factory=dict)
     """`rollout/*` and `perf/rollout_time`."""
     rollout_id: int = 0
@@ -48,6 +48,8 @@ class RolloutBatch:
     """Set by `Trainer.compute_log_probs`: `[step][micro-batch] -> [R]` actor log-probs (None in bypass mode)."""
     ref_log_probs: list | None = None
     """Set by `Trainer.compute_log_probs`: `[step][micro-batch] -> [R]` reference log-probs (or None)."""
+    advantages: list | None = None
+    """Set by `Trainer.compute_advantages`: `[step][micro-batch] -> [R]` token-level advantages."""
 
     @property
     def groups(self) -> list[list[Sample]]:

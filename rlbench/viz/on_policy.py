@@ -30,7 +30,8 @@ from plotly.subplots import make_subplots
 from rlbench.viz._display import FigureView, WidgetMixin
 from rlbench.viz.dashboard import first_value
 
-DIFF_KEYS = ("train/train_rollout_logprob_abs_diff", "train/ppo_kl_first_mb", "train/mismatch_k3_kl", "train/ppo_kl")
+DIFF_KEYS = ("train/train_rollout_logprob_abs_diff", "train/first_mb_kl_vs_rollout", "train/mismatch_k3_kl",
+             "train/ppo_kl")
 """The per-step mismatch metrics `RunsView` offers by default."""
 COLORS = ("#4c78a8", "#e45756", "#54a24b", "#f58518", "#b279a2", "#72b7b2", "#9d755d", "#bab0ac")
 

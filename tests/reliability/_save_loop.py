@@ -7,7 +7,7 @@ import sys
 import torch
 
 from reliability._faults import tiny_config
-from rlbench.trainer import Trainer
+from rlbench import Trainer
 
 if __name__ == "__main__":
     workdir, ckpt, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])

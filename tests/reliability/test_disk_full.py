@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
+from rlbench import Trainer
 from rlbench.backends.checkpoint import TRACKER, NotDurableError, save_synced
-from rlbench.trainer import Trainer
 
 from ._faults import assert_same, durability_log, file_size_limit, state, tiny_config, write_faults
 

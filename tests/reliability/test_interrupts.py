@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import rlbench.backends.checkpoint as ckpt
-from rlbench.trainer import Trainer
+from rlbench import Trainer
 
 from ._faults import assert_same, state, tiny_config
 
@@ -68,6 +68,7 @@ POINTS = {
     "score": lambda t: _once(t, "score", after=True),
     "pack": lambda t: _once(t, "pack", after=True),
     "compute_log_probs": lambda t: _once(t.backend, "compute_log_prob", after=True),
+    "advantages": lambda t: _once(t, "compute_advantages", after=True),
     "train, 1st optimizer step, 2nd micro-batch": lambda t: _once(t.rank_step, "loss", after=True, nth=2),
     "train, inside the 1st optimizer update": lambda t: _once(t.backend.optimizer, "step", after=True),
     "train, between optimizer steps": lambda t: _once(t.backend, "train", after=True),

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from rlbench.trainer import Trainer
+from rlbench import Trainer
 
 from ._faults import assert_same, comparable, state, tiny_config
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlbench.metrics import JsonlSink
-from rlbench.trainer import Trainer
+from rlbench import Trainer
 
 from ._faults import FullDisk, comparable, tiny_config
 

@@ -12,9 +12,9 @@ import warnings
 import pytest
 import torch
 
+from rlbench import Trainer
 from rlbench.backends.optim import lr_at
 from rlbench.backends.resume import ResumeError
-from rlbench.trainer import Trainer
 
 from ._small import small_cfg
 

@@ -14,10 +14,10 @@ import types
 import pytest
 import torch
 
+from rlbench import Trainer
 from rlbench.configs import RolloutConfig
 from rlbench.metrics import ConsoleSink
 from rlbench.rewards import RewardError, score_batch
-from rlbench.trainer import Trainer
 from rlbench.types import Sample
 
 from ._faults import sigint_when
@@ -98,10 +98,11 @@ def test_wrong_rm_type_is_reported_before_the_model_is_built(trainer, monkeypatc
         RolloutConfig(rm_type="mth")
     import rlbench.orchestration.local as local
 
-    def no_build(cfg):
+    def no_build(cfg, *args):
         raise AssertionError("the model was built before rm_type was checked")
 
-    monkeypatch.setattr(local, "build_components", no_build)
+    monkeypatch.setattr(local, "build_backend", no_build)  # what builds the models: the trainer's, the engine's
+    monkeypatch.setattr(local, "build_engine", no_build)
     for rm, match in [("no_such_mod_xyz:score", r"cannot import module 'no_such_mod_xyz'.*PYTHONPATH"),
                       (f"{MOD}:scroe", rf"module '{MOD}' has no callable 'scroe' \(did you mean 'score'\?\)")]:
         cfg = trainer.cfg.replace(rollout=dc.replace(trainer.cfg.rollout, rm_type=rm))

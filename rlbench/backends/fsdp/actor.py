@@ -19,7 +19,7 @@ import torch.distributed as dist
 from rlbench.algorithms.logprobs import token_logprobs
 from rlbench.backends.attention import document_block_mask
 from rlbench.backends.base import LossFn, PackOutputs
-from rlbench.backends.checkpoint import load_checkpoint, save_checkpoint
+from rlbench.backends.checkpoint import CommittedCheckpoints, load_checkpoint, save_checkpoint
 from rlbench.backends.export import export_hf, named_weight_buckets
 from rlbench.backends.fsdp.model import build_sharded_model
 from rlbench.backends.offload import Parking, state_tensors, to_device
@@ -30,7 +30,7 @@ from rlbench.host_memory import retain_freed_host_memory
 from rlbench.interrupts import defer_sigint, raise_if_interrupted
 
 
-class FSDPBackend:
+class FSDPBackend(CommittedCheckpoints):
     """FSDP2 actor (+ optional CPU-offloaded reference model) implementing `TrainBackend`.
 
     Args:

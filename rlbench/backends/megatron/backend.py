@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from rlbench.algorithms.logprobs import token_logprobs
 from rlbench.backends.base import LossFn, PackOutputs
+from rlbench.backends.checkpoint import CommittedCheckpoints
 from rlbench.backends.export import buckets
 from rlbench.backends.megatron import convert
 from rlbench.backends.offload import Parking, to_device
@@ -40,7 +41,7 @@ def _import_megatron():
                           "(megatron-core 0.16 on Python 3.11, 0.19 on >= 3.12); TransformerEngine is not needed") from exc
 
 
-class MegatronBackend:
+class MegatronBackend(CommittedCheckpoints):
     """megatron-core actor (+ optional reference model) implementing `TrainBackend`.
 
     Args:
