@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from rlbench.metrics import JsonlSink
 from rlbench import Trainer
+from rlbench.metrics import JsonlSink
 
 from ._faults import FullDisk, comparable, tiny_config
 
