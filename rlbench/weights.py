@@ -5,9 +5,9 @@ The backend yields its full (unsharded) weights as buckets of `(hf_name, tensor)
 engine one at a time, so at most one bucket of gathered weights is alive at once (bounded peak memory).
 Each sync stamps a new policy version on the engine; samples record the version that generated them.
 
-Transports are picked from `TRANSPORTS` by name when the run is built. Only `in_process` exists
-now (trainer and engine in one process, colocated: the engine copies each bucket into its own
-parameters); CUDA IPC / NCCL broadcast / Ray transports register here later.
+Here trainer and engine share one process (`InProcessTransport`: the engine copies each bucket into its own
+parameters); the Ray paths (CUDA IPC colocated, NCCL broadcast disaggregated) are `rlbench.orchestration.ray_weights`,
+consuming the same bucket stream.
 
     sync = WeightSync(WeightSyncConfig(bucket_bytes=256 << 20, verify=True), backend, engine)
     metrics = sync.push(version=3)   # perf/update_weights_time, weights/bytes, weights/num_buckets, ...
