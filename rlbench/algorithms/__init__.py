@@ -1,5 +1,6 @@
 """RL algorithms as pure functions (torch only, no process groups): log-probs, advantages, policy losses,
-KL estimators, aggregation weights and train–inference mismatch correction. See docs/algorithms.md.
+KL estimators, aggregation weights, train–inference mismatch correction, the critic's value loss, the KL
+controller and the reward model's preference loss. See docs/algorithms.md.
 
 Light on import: each name loads its module, and torch with it, on first access (the configs, `LossConfig`
 and `MISConfig`, live in `rlbench.configs.loss`).
@@ -41,6 +42,7 @@ _MODULES = {
     "compute_is_weights": "mismatch",
     "mis_weights": "mismatch",
     "mismatch_metrics": "mismatch",
+    "bradley_terry_loss": "preference",
     "vanilla_tis": "mismatch",
 }
 # Short aliases matching docs/ARCHITECTURE.md.
