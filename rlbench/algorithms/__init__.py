@@ -43,6 +43,7 @@ _MODULES = {
     "mis_weights": "mismatch",
     "mismatch_metrics": "mismatch",
     "bradley_terry_loss": "preference",
+    "value_loss": "value_loss",
     "vanilla_tis": "mismatch",
 }
 # Short aliases matching docs/ARCHITECTURE.md.

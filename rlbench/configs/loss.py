@@ -114,6 +114,9 @@ class LossConfig:
     """Multiply the KL estimate by exp(logπ − logπ_old) (DeepSeek-V3.2 unbiased KL)."""
     kl_coef: float = 0.0
     """KL reward shaping (REINFORCE++, REINFORCE++-baseline, PPO); cannot be combined with kl_loss_coef."""
+    value_clip: float | None = 0.2
+    """PPO critic: clip the new value to V_old ± value_clip in the value loss (slime's --value-clip, same
+    default); None: the unclipped loss ½(V − G)²."""
     entropy_coef: float = 0.0
     """Entropy bonus: loss −= entropy_coef · H."""
     loss_aggregation: str = "sample_mean"
@@ -162,6 +165,8 @@ class LossConfig:
             raise ValueError(f"eps_clip_c={self.eps_clip_c} must be > 1 (dual clip), or None to disable")
         if not (0 <= self.gamma <= 1 and 0 <= self.lambd <= 1):
             raise ValueError(f"gamma={self.gamma}, lambd={self.lambd} must be in [0, 1]")
+        if self.value_clip is not None and not self.value_clip > 0:
+            raise ValueError(f"value_clip={self.value_clip} must be > 0, or None for the unclipped value loss")
         if not 0 <= self.tis_clip_low <= self.tis_clip:
             raise ValueError(f"tis_clip_low={self.tis_clip_low}, tis_clip={self.tis_clip}: need 0 <= low <= clip")
         if self.kl_loss_coef < 0 or self.kl_coef < 0 or self.entropy_coef < 0:
