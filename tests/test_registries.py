@@ -11,7 +11,7 @@ from rlbench.configs import backend, cluster, data, engine, loss, rollout
 
 def _tied():
     from rlbench import orchestration, rewards
-    from rlbench.algorithms import advantages, aggregation, kl, policy_loss
+    from rlbench.algorithms import advantages, aggregation, kl, kl_control, policy_loss
     from rlbench.data import tasks
     from rlbench.distributed import cp_kernels
     from rlbench.engine import attention, quantize
@@ -20,6 +20,7 @@ def _tied():
         "advantage estimators": (loss.ADVANTAGE_ESTIMATORS, advantages.ADVANTAGE_FNS),
         "policy losses": (loss.POLICY_LOSSES, policy_loss.POLICY_LOSS_FNS),
         "KL estimators": (loss.KL_TYPES, kl.KL_ESTIMATORS),
+        "KL controllers": (loss.KL_CTL_TYPES, kl_control.KL_CONTROLLERS),
         "loss aggregations": (loss.AGGREGATIONS, aggregation.AGGREGATION_FNS),
         "rewards": (rollout.REWARD_NAMES, rewards.BUILTIN_REWARDS),
         "decode attentions": (engine.DECODE_ATTENTION,

@@ -28,6 +28,8 @@ _MODULES = {
     "LossConfig": "rlbench.configs.loss",
     "MISConfig": "rlbench.configs.loss",
     "approx_kl": "kl",
+    "build_kl_controller": "kl_control",
+    "mean_sequence_kl": "kl_control",
     "linear_token_logprobs": "logprobs",
     "token_logprobs": "logprobs",
     "LossInputs": "loss",

@@ -18,6 +18,8 @@ ADVANTAGE_ESTIMATORS = (
     "ppo",
 )
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
+KL_CTL_TYPES = ("fixed", "adaptive")
+"""KL-in-reward coefficient controllers (`rlbench.algorithms.kl_control` implements them)."""
 MIS_LEVELS = ("token", "sequence", "geometric")
 MIS_MODES = ("truncate", "clip", "mask")
 
@@ -114,6 +116,12 @@ class LossConfig:
     """Multiply the KL estimate by exp(logπ − logπ_old) (DeepSeek-V3.2 unbiased KL)."""
     kl_coef: float = 0.0
     """KL reward shaping (REINFORCE++, REINFORCE++-baseline, PPO); cannot be combined with kl_loss_coef."""
+    kl_ctl_type: str = "fixed"
+    """The kl_coef of KL-in-reward: fixed, or adaptive (Ziegler et al.: steered towards kl_target)."""
+    kl_target: float | None = None
+    """adaptive: the per-sample mean KL(π_old‖π_ref) β is steered towards (verl's default 0.1); needed then."""
+    kl_horizon: float = 10000.0
+    """adaptive: β changes by at most a factor 1 ± 0.2·n/kl_horizon after a step of n samples (verl: 10000)."""
     value_clip: float | None = 0.2
     """PPO critic: clip the new value to V_old ± value_clip in the value loss (slime's --value-clip, same
     default); None: the unclipped loss ½(V − G)²."""
@@ -145,6 +153,7 @@ class LossConfig:
         _choice("policy_loss", self.policy_loss, POLICY_LOSSES)
         _choice("kl_loss_type", self.kl_loss_type, KL_TYPES)
         _choice("loss_aggregation", self.loss_aggregation, AGGREGATIONS)
+        _choice("kl_ctl_type", self.kl_ctl_type, KL_CTL_TYPES)
         if self.eps_clip_high is None:
             self.eps_clip_high = self.eps_clip
         self._validate_numbers()
@@ -188,6 +197,16 @@ class LossConfig:
             )
         if self.advantage_estimator.startswith("reinforce_plus_plus") and not self.normalize_advantages:
             raise ValueError(f"advantage_estimator={self.advantage_estimator!r} requires normalize_advantages=True")
+        if self.kl_ctl_type == "adaptive" and not (self.kl_coef > 0 and (self.kl_target or 0) > 0):
+            raise ValueError(
+                f"kl_ctl_type='adaptive' needs kl_coef > 0 (its starting value, got {self.kl_coef}) and "
+                f"kl_target > 0 (got {self.kl_target}), e.g. kl_coef=0.05, kl_target=0.1"
+            )
+        if self.kl_ctl_type == "fixed" and self.kl_target is not None:
+            raise ValueError(f"kl_target={self.kl_target} has no effect with kl_ctl_type='fixed'; "
+                             "set kl_ctl_type='adaptive' or leave kl_target unset")
+        if not self.kl_horizon > 0:
+            raise ValueError(f"kl_horizon={self.kl_horizon} must be > 0 (samples, e.g. 10000)")
         if self.use_rollout_logprobs and self.use_tis:
             raise ValueError(
                 "use_rollout_logprobs=True (bypass: old = rollout) and use_tis=True (decoupled) are exclusive"
