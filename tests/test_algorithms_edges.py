@@ -1,7 +1,8 @@
 """RL math at the edges (issue 24, item 6), each against a float64 reference written here:
 
 1. GAE and REINFORCE++ returns skip loss-masked tokens inside a response (multi-turn tool output): the
-   recursion runs over the trained tokens only, masked positions get 0.
+   recursion runs over the trained tokens only; at masked positions GAE leaves the carried advantage and
+   A + V there (as verl), REINFORCE++ 0 (tests/test_algorithms_verl_returns.py compares both with verl).
 2. Per-sequence mismatch metrics (PPL, PPL ratio, chi2_seq, ...) average over the rows that have a trained
    token; empty rows (e.g. `mask_truncated`) do not count; NaN when there is none.
 3. CISPO without a lower clip (slime's convention: eps_clip >= 1 disables 1 − eps_clip).
@@ -45,10 +46,12 @@ def _split(xs, lengths):
 
 # ---------------------------------------------------------------- 1. masked steps in GAE / REINFORCE++
 def _gae_ref(r, v, m, gamma, lam):
-    """One sequence, python floats: the recursion over the trained (m = 1) tokens only."""
+    """One sequence, python floats: the recursion over the trained (m = 1) tokens only; a masked token holds
+    the advantage carried past it."""
     adv, next_v, next_a = [0.0] * len(r), 0.0, 0.0
     for t in reversed(range(len(r))):
         if m[t] == 0:
+            adv[t] = next_a
             continue
         delta = r[t] + gamma * next_v - v[t]
         next_a = delta + gamma * lam * next_a
@@ -69,12 +72,13 @@ def _returns_ref(r, m, gamma):
 def test_gae_issue_example_skips_the_masked_step():
     r, v, m = torch.tensor([[0, 0, 1.0]], dtype=D), torch.tensor([[0.5, 0.2, 0.3]], dtype=D), torch.tensor([[1, 0, 1.0]])
     adv, ret = gae(r, v, m, 0.9, 0.0)
-    # A_2 = 1 − 0.3 = 0.7; A_0 = 0 + 0.9·V_2 − V_0 = 0.27 − 0.5 = −0.23 (V_1 belongs to a masked step)
-    torch.testing.assert_close(adv, torch.tensor([[-0.23, 0.0, 0.7]], dtype=D), rtol=0, atol=1e-15)
-    torch.testing.assert_close(ret, torch.tensor([[0.27, 0.0, 1.0]], dtype=D), rtol=0, atol=1e-15)
+    # A_2 = 1 − 0.3 = 0.7; A_0 = 0 + 0.9·V_2 − V_0 = 0.27 − 0.5 = −0.23 (V_1 belongs to a masked step);
+    # the masked step holds the carried A_2 and A_2 + V_1 (verl's lastgaelam and returns), read by no loss
+    torch.testing.assert_close(adv, torch.tensor([[-0.23, 0.7, 0.7]], dtype=D), rtol=0, atol=1e-15)
+    torch.testing.assert_close(ret, torch.tensor([[0.27, 0.9, 1.0]], dtype=D), rtol=0, atol=1e-15)
     cfg = LossConfig(advantage_estimator="ppo", gamma=0.9, lambd=0.0)
     got = compute_advantages(cfg, torch.tensor([1.0], dtype=D), [3], m[0].to(D), group_size=1, values=v[0])
-    torch.testing.assert_close(got, torch.tensor([-0.23, 0.0, 0.7], dtype=D), rtol=0, atol=1e-15)
+    torch.testing.assert_close(got, torch.tensor([-0.23, 0.7, 0.7], dtype=D), rtol=0, atol=1e-15)
 
 
 def _multi_turn(seed=0, lengths=(7, 1, 5, 9, 3, 6)):
@@ -114,7 +118,8 @@ def test_gae_matches_masked_loop_reference(gamma, lam):
         exp += _gae_ref(tok, v, m, gamma, lam)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, torch.tensor(exp, dtype=D), rtol=0, atol=1e-12)
-    # the padded [B, L] entry point directly, returns = A + V on trained tokens, 0 elsewhere
+    # the padded [B, L] entry point directly: returns = A + V; a NaN V at a masked position stays in its own
+    # return (verl reads it there too) and reaches no other position
     pad = torch.nn.utils.rnn.pad_sequence
     r_p = pad([torch.tensor(x, dtype=D) for x in _split(torch.randn(len(mask), generator=g, dtype=D).tolist(),
                                                           lengths)], batch_first=True)
@@ -125,9 +130,11 @@ def test_gae_matches_masked_loop_reference(gamma, lam):
         n = lengths[b]
         a_ref = _gae_ref(r_p[b, :n].tolist(), values.split(lengths)[b].tolist(), m_p[b, :n].tolist(), gamma, lam)
         torch.testing.assert_close(adv[b, :n], torch.tensor(a_ref, dtype=D), rtol=0, atol=1e-12)
-        ret_ref = [a + vv if mm else 0.0 for a, vv, mm in zip(a_ref, values.split(lengths)[b].tolist(), m_p[b].tolist())]
-        torch.testing.assert_close(ret[b, :n], torch.tensor(ret_ref, dtype=D), rtol=0, atol=1e-12)
-        assert adv[b, n:].abs().sum() == 0 and ret[b, n:].abs().sum() == 0
+        on = m_p[b, :n] > 0
+        ret_ref = torch.tensor(a_ref, dtype=D) + values.split(lengths)[b]
+        torch.testing.assert_close(ret[b, :n][on], ret_ref[on], rtol=0, atol=1e-12)
+        assert ret[b, :n][~on].isnan().all()
+        assert adv[b, n:].abs().sum() == 0 and ret[b, n:].isnan().all()
 
 
 def test_reinforce_pp_issue_example_and_masked_loop_reference():

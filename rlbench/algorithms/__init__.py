@@ -23,6 +23,7 @@ _MODULES = {
     "sample_advantages": "advantages",
     "token_advantages": "advantages",
     "kl_in_reward": "advantages",
+    "reward_kl": "advantages",
     "GlobalNorm": "aggregation",
     "loss_token_weights": "aggregation",
     "LossConfig": "rlbench.configs.loss",

@@ -3,16 +3,26 @@ and response-space token tensors `[R]` (samples concatenated, `seq_lengths` summ
 
     GRPO / GSPO   A_i = (r_i − mean_g) / (std_g + eps)    unbiased std; Dr.GRPO drops the division
     RLOO          A_i = r_i − mean_{j≠i} r_j = n/(n−1) · (r_i − mean_g)
-    REINFORCE++   token rewards r_t = −kl_coef·kl_t, + R_i at the last trained token; G_t = r_t + γ G_{t+1};
+    REINFORCE++   token rewards r_t = −β·kl_t, + R_i at the last trained token; G_t = r_t + γ G_{t+1};
                   then whitened over the global batch (required)
-    REINFORCE++-baseline   A_t = (R_i − mean_g) − kl_coef·kl_t, then whitened (required)
-    PPO (GAE)     δ_t = r_t + γ V_{t+1} − V_t (V after the last token = 0), A_t = δ_t + γλ A_{t+1}, ret = A + V
+    REINFORCE++-baseline   A_t = (R_i − mean_g) − β·kl_t, then whitened (required)
+    PPO (GAE)     δ_t = r_t + γ V_{t+1} − V_t (V after the last token = 0, truncated or not),
+                  A_t = δ_t + γλ A_{t+1}, ret = A + V
+
+KL-in-reward (`kl_in_reward`): kl_t is `cfg.kl_loss_type` on π_old vs π_ref (k1 = logπ_old − logπ_ref, k3, ...),
+0 on masked tokens, and β the coefficient of the step (`cfg.kl_coef`, or the adaptive controller's value of
+`kl_control`, passed as `kl_coef=`).
 
 The recursions over time (REINFORCE++ returns, GAE) run over the TRAINED tokens only (loss mask 1): a
 loss-masked token inside a response (tool output in multi-turn) is not a time step, so "t+1" is the next
-trained token and V / A / G are carried across masked spans (verl's GAE skips observation tokens the same
-way); masked positions get 0. Values on masked tokens (KL, critic values, log-probs) are never read, so a
-NaN/±Inf there changes nothing.
+trained token and V / A / G are carried across masked spans. This is verl's `compute_gae_advantage_return`
+(`nextvalues` / `lastgaelam` pass through observation tokens) and `compute_reinforce_plus_plus_outcome_advantage`
+(the running return passes through them, verl PR #7300), and the outputs equal theirs at EVERY position of
+identical tensors (tests/test_algorithms_verl_returns.py): at a masked position GAE's advantage is the carried
+A of the next trained token and its return that A + V_t; the REINFORCE++ return there is 0. No loss reads a
+masked position. Rewards on masked tokens and the KL, values and log-probs that feed a trained token's result are
+read only at trained tokens, so a NaN/±Inf at a masked position reaches no trained token's advantage or return
+(a masked V_t only its own position's GAE return).
 
 The loop runs an estimator in two halves (`Estimator`, registry `ADVANTAGE_FNS`): `sample_advantages` turns the
 rewards into one scalar per sample when they are scored (the group statistics above; the raw reward for
@@ -98,16 +108,16 @@ def shaped_token_rewards(
     rewards: torch.Tensor,
     seq_lengths: Sequence[int],
     loss_mask: torch.Tensor,
-    kl: torch.Tensor | None,
-    kl_coef: float,
+    penalty: torch.Tensor | None,
 ) -> torch.Tensor:
-    """`[R]`: −kl_coef·kl_t on trained tokens, plus R_i on the last trained token of sample i.
+    """`[R]`: the token penalty (`kl_in_reward`: −β·kl_t) on trained tokens, plus R_i on the last trained token
+    of sample i.
 
     A sample with no trained token gets R_i on its last token (it carries no loss anyway).
     """
     tok = torch.zeros_like(loss_mask, dtype=rewards.dtype)
-    if kl is not None and kl_coef != 0:
-        tok = tok - kl_coef * zero_masked(kl.to(rewards.dtype), loss_mask)
+    if penalty is not None:
+        tok = tok + zero_masked(penalty.to(rewards.dtype), loss_mask)
     starts = torch.cumsum(torch.as_tensor([0, *seq_lengths[:-1]]), 0).tolist() if len(seq_lengths) else []
     for i, (s, n) in enumerate(zip(starts, seq_lengths)):
         if n == 0:
@@ -122,7 +132,8 @@ def discounted_returns(
     token_rewards: torch.Tensor, seq_lengths: Sequence[int], gamma: float, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`[R]`: G_t = r_t + γ G_{t+1} within each sample over the tokens with `mask` ≠ 0 (None: every token);
-    t+1 is the next such token, G after the last one = 0, and G = 0 on masked tokens (their r is not read)."""
+    t+1 is the next such token, G after the last one = 0, and G = 0 on masked tokens (their r is not read).
+    Equal to verl's `compute_reinforce_plus_plus_outcome_advantage` returns on the padded tensors."""
     r = to_padded(token_rewards, seq_lengths)  # [N, L]
     steps = to_padded(torch.ones_like(token_rewards) if mask is None else (mask != 0).to(r.dtype), seq_lengths) > 0
     r = torch.where(steps, r, torch.zeros((), dtype=r.dtype))
@@ -134,9 +145,14 @@ def discounted_returns(
     return from_padded(g, seq_lengths)
 
 
+def _penalty(kl: torch.Tensor | None, kl_coef: float) -> torch.Tensor | None:
+    return -kl_coef * kl if kl is not None and kl_coef != 0 else None
+
+
 def reinforce_pp_advantages(rewards, seq_lengths, loss_mask, kl, kl_coef, gamma) -> torch.Tensor:
-    """`[R]` REINFORCE++ returns over the trained tokens (0 on masked ones; whiten them afterwards)."""
-    tok = shaped_token_rewards(rewards, seq_lengths, loss_mask, kl, kl_coef)
+    """`[R]` REINFORCE++ returns over the trained tokens (0 on masked ones; whiten them afterwards), with the
+    token rewards −kl_coef·kl_t (`kl` `[R]` or None) and R_i `[N]` at each sample's last trained token."""
+    tok = shaped_token_rewards(rewards, seq_lengths, loss_mask, _penalty(kl, kl_coef))
     return discounted_returns(tok, seq_lengths, gamma, loss_mask)
 
 
@@ -149,16 +165,19 @@ def reinforce_pp_baseline_advantages(rewards, group_size, seq_lengths, kl, kl_co
 def gae(
     rewards_tok: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation on right-padded `[B, L]` tensors, over the trained tokens only.
+    """Generalised advantage estimation on right-padded `[B, L]` tensors, over the trained tokens only: verl's
+    `compute_gae_advantage_return` (before its whitening), equal to it at every position.
 
     Args:
         rewards_tok: `[B, L]` per-token rewards (e.g. from `shaped_token_rewards`, padded).
         values: `[B, L]` critic values V_t.
         mask: `[B, L]` 1 on the time steps (trained tokens), 0 on loss-masked tokens inside a response and on
             padding. Masked positions are skipped: δ_t = r_t + γ V_next − V_t and A_t = δ_t + γλ A_next with
-            "next" the next trained token (V_next = A_next = 0 after the last one); their r and V are not read.
+            "next" the next trained token (V_next = A_next = 0 after the last one, also for a response cut
+            at the length limit: no bootstrap); their r and V enter no trained token's result.
     Returns:
-        `(advantages [B, L], returns [B, L])`; returns = A + V on trained tokens; both 0 where mask is 0.
+        `(advantages [B, L], returns [B, L])`, returns = A + V. At a masked position A is the carried A_next
+        (verl's `lastgaelam`; 0 after the last trained token) and the return that A + V_t; no loss reads them.
     """
     steps = mask != 0
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
@@ -172,8 +191,8 @@ def gae(
         on = steps[:, t]
         next_a = torch.where(on, a, next_a)  # a masked token passes A and V of the next trained token through
         next_v = torch.where(on, v[:, t], next_v)
-        adv[:, t] = torch.where(on, a, zero)
-    return adv, torch.where(steps, adv + v, zero)
+        adv[:, t] = next_a
+    return adv, adv + values
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8, *,
@@ -231,8 +250,8 @@ class TokenInputs:
     """Response length of each sample (sums to R)."""
     loss_mask: torch.Tensor
     """`[R]` 1 on trained tokens."""
-    kl: torch.Tensor | None = None
-    """`[R]` per-token KL(π_old ‖ π_ref) for KL-in-reward (`kl_in_reward`), 0 on masked tokens; None: kl_coef 0."""
+    kl_penalty: torch.Tensor | None = None
+    """`[R]` the KL-in-reward token rewards −β·kl_t (`kl_in_reward`), 0 on masked tokens; None: β = 0."""
     values: torch.Tensor | None = None
     """`[R]` critic values V_t (None: no critic pass ran)."""
 
@@ -270,18 +289,19 @@ def _broadcast(cfg, x: TokenInputs):
 
 def _rpp(cfg, x: TokenInputs):
     rewards = last_token_values(x.base, x.seq_lengths, x.loss_mask)
-    return reinforce_pp_advantages(rewards, x.seq_lengths, x.loss_mask, x.kl, cfg.kl_coef, cfg.gamma)
+    tok = shaped_token_rewards(rewards, x.seq_lengths, x.loss_mask, x.kl_penalty)
+    return discounted_returns(tok, x.seq_lengths, cfg.gamma, x.loss_mask)
 
 
-def _minus_kl(cfg, x: TokenInputs):
-    return x.base - cfg.kl_coef * x.kl.to(x.base.dtype) if x.kl is not None and cfg.kl_coef != 0 else x.base
+def _plus_penalty(cfg, x: TokenInputs):
+    return x.base if x.kl_penalty is None else x.base + x.kl_penalty.to(x.base.dtype)
 
 
 def _gae(cfg, x: TokenInputs):
     if x.values is None:
         raise ValueError("advantage_estimator='ppo' needs critic values [R]")
     rewards = last_token_values(x.base, x.seq_lengths, x.loss_mask)
-    tok = shaped_token_rewards(rewards, x.seq_lengths, x.loss_mask, x.kl, cfg.kl_coef)
+    tok = shaped_token_rewards(rewards, x.seq_lengths, x.loss_mask, x.kl_penalty)
     steps = to_padded((x.loss_mask != 0).to(tok.dtype), x.seq_lengths)  # masked tokens are not time steps
     adv, _ = gae(to_padded(tok, x.seq_lengths), to_padded(x.values.to(tok.dtype), x.seq_lengths), steps, cfg.gamma,
                  cfg.lambd)
@@ -294,7 +314,7 @@ ADVANTAGE_FNS: dict[str, Estimator] = {
     "dr_grpo": Estimator(_scalar_fn(dr_grpo_advantages), _broadcast),
     "rloo": Estimator(_scalar_fn(rloo_advantages), _broadcast),
     "reinforce_plus_plus": Estimator(_raw_reward, _rpp),
-    "reinforce_plus_plus_baseline": Estimator(_scalar_fn(dr_grpo_advantages), _minus_kl),
+    "reinforce_plus_plus_baseline": Estimator(_scalar_fn(dr_grpo_advantages), _plus_penalty),
     "ppo": Estimator(_raw_reward, _gae),
 }
 """`LossConfig.advantage_estimator` -> its `Estimator`."""
@@ -305,15 +325,29 @@ def sample_advantages(cfg: LossConfig, rewards: torch.Tensor, group_size: int) -
     return ADVANTAGE_FNS[cfg.advantage_estimator].sample(cfg, rewards, group_size)
 
 
+def reward_kl(cfg: LossConfig, old_log_probs: torch.Tensor, ref_log_probs: torch.Tensor,
+              loss_mask: torch.Tensor) -> torch.Tensor:
+    """`[R]` the per-token KL the reward is shaped with: `cfg.kl_loss_type` on π_old (the actor's log-probs of
+    the sampled tokens) vs π_ref, 0 on masked tokens (what `kl_control.mean_sequence_kl` measures)."""
+    if old_log_probs.shape != loss_mask.shape or ref_log_probs.shape != loss_mask.shape:
+        raise ValueError(f"old_log_probs {tuple(old_log_probs.shape)}, ref_log_probs {tuple(ref_log_probs.shape)} "
+                         f"and loss_mask {tuple(loss_mask.shape)} must be the same [R]")
+    return zero_masked(approx_kl(old_log_probs, ref_log_probs, cfg.kl_loss_type), loss_mask)  # no grad flows
+
+
 def kl_in_reward(cfg: LossConfig, old_log_probs: torch.Tensor | None, ref_log_probs: torch.Tensor | None,
-                 loss_mask: torch.Tensor) -> torch.Tensor | None:
-    """`[R]` the per-token KL the reward is shaped with (`cfg.kl_loss_type` on π_old vs π_ref, 0 on masked
-    tokens); None when `cfg.kl_coef` is 0."""
-    if cfg.kl_coef == 0:
+                 loss_mask: torch.Tensor, *, kl_coef: float | None = None) -> torch.Tensor | None:
+    """`[R]` the KL-in-reward token rewards −β·kl_t (`reward_kl`; 0 on masked tokens), β = `kl_coef` (the
+    controller's value this step) or, when None, `cfg.kl_coef`; None when β is 0."""
+    beta = cfg.kl_coef if kl_coef is None else kl_coef
+    if beta == 0:
         return None
+    if cfg.kl_coef == 0:
+        raise ValueError(f"kl_coef={kl_coef} passed but the config's kl_coef is 0 (KL-in-reward off, no ref "
+                         "model); set LossConfig.kl_coef to the starting value")
     if old_log_probs is None or ref_log_probs is None:
-        raise ValueError(f"kl_coef={cfg.kl_coef} needs old_log_probs and ref_log_probs")
-    return zero_masked(approx_kl(old_log_probs, ref_log_probs, cfg.kl_loss_type), loss_mask)
+        raise ValueError(f"kl_coef={beta} needs old_log_probs and ref_log_probs")
+    return -beta * reward_kl(cfg, old_log_probs, ref_log_probs, loss_mask)
 
 
 def token_advantages(
@@ -325,22 +359,24 @@ def token_advantages(
     old_log_probs: torch.Tensor | None = None,
     ref_log_probs: torch.Tensor | None = None,
     values: torch.Tensor | None = None,
+    kl_coef: float | None = None,
     reduce_sum: Callable[[list[float]], list[float]] | None = None,
 ) -> torch.Tensor:
     """`[R]` advantages from the per-sample scalars `base` (broadcast, `[R]`) and the model passes' outputs.
 
     Args:
         base: `[R]` `sample_advantages` broadcast over each sample's response tokens.
-        old_log_probs, ref_log_probs: `[R]`; needed when `cfg.kl_coef != 0` (`kl_in_reward`).
+        old_log_probs, ref_log_probs: `[R]`; needed when β != 0 (`kl_in_reward`).
         values: `[R]` critic values for `ppo`.
+        kl_coef: β of KL-in-reward this step (the KL controller's `value`); None: `cfg.kl_coef`.
         reduce_sum: sums lists of floats over the ranks holding the rest of the batch, for the whitening
             statistics (None: these samples are the whole batch).
     """
     if sum(seq_lengths) != loss_mask.numel() or base.numel() != loss_mask.numel():
         raise ValueError(f"base of {base.numel()}, lengths summing to {sum(seq_lengths)}, loss_mask of "
                          f"{loss_mask.numel()}: they must describe the same tokens")
-    x = TokenInputs(base, list(seq_lengths), loss_mask, kl_in_reward(cfg, old_log_probs, ref_log_probs, loss_mask),
-                    values)
+    penalty = kl_in_reward(cfg, old_log_probs, ref_log_probs, loss_mask, kl_coef=kl_coef)
+    x = TokenInputs(base, list(seq_lengths), loss_mask, penalty, values)
     adv = ADVANTAGE_FNS[cfg.advantage_estimator].token(cfg, x)
     return whiten(adv, loss_mask, reduce_sum=reduce_sum) if cfg.normalize_advantages else adv
 
@@ -355,6 +391,7 @@ def compute_advantages(
     old_log_probs: torch.Tensor | None = None,
     ref_log_probs: torch.Tensor | None = None,
     values: torch.Tensor | None = None,
+    kl_coef: float | None = None,
 ) -> torch.Tensor:
     """`[R]` advantages for ALL samples of a step in one call (`sample_advantages` then `token_advantages`; the
     loop runs the two halves at scoring and after the model passes).
@@ -365,6 +402,7 @@ def compute_advantages(
         old_log_probs, ref_log_probs: `[R]`; needed when `cfg.kl_coef != 0` (KL reward shaping uses
             `cfg.kl_loss_type` on old vs ref).
         values: `[R]` critic values for `ppo`.
+        kl_coef: β of KL-in-reward (the KL controller's value); None: `cfg.kl_coef`.
     """
     if rewards.numel() != len(seq_lengths) or sum(seq_lengths) != loss_mask.numel():
         raise ValueError(
@@ -373,4 +411,4 @@ def compute_advantages(
         )
     base = to_tokens(sample_advantages(cfg, rewards, group_size), seq_lengths)
     return token_advantages(cfg, base, seq_lengths, loss_mask, old_log_probs=old_log_probs,
-                            ref_log_probs=ref_log_probs, values=values)
+                            ref_log_probs=ref_log_probs, values=values, kl_coef=kl_coef)
