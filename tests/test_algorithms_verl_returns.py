@@ -17,7 +17,14 @@ import random
 import pytest
 import torch
 
-from rlbench.algorithms import LossConfig, compute_advantages, gae, reinforce_pp_advantages, token_advantages
+from rlbench.algorithms import (
+    LossConfig,
+    compute_advantages,
+    gae,
+    reinforce_pp_advantages,
+    token_advantages,
+    token_advantages_and_returns,
+)
 from rlbench.algorithms.advantages import discounted_returns, reward_kl, to_tokens
 from rlbench.algorithms.kl_control import mean_sequence_kl
 
@@ -160,15 +167,27 @@ def test_kl_in_reward_equals_verl(kind, estimator):
     base = to_tokens(scores, lengths)
     got = token_advantages(cfg, base, lengths, flat(mask), old_log_probs=flat(old), ref_log_probs=flat(ref),
                            values=flat(values), kl_coef=beta)
+    # whitened over the trained tokens, as verl's masked_whiten (unbiased variance, eps 1e-8)
+    sel = [exp[b][t] for b in range(B) for t in range(lengths[b]) if mask[b, t]]
+    mean = sum(sel) / len(sel)
+    std = math.sqrt(sum((x - mean) ** 2 for x in sel) / (len(sel) - 1) + 1e-8)
+    white = torch.tensor([(exp[b][t] - mean) / std for b in range(B) for t in range(lengths[b])], dtype=D)
+    on = flat(mask) > 0
     if estimator == "ppo":
         torch.testing.assert_close(got, flat(torch.tensor(exp, dtype=D)), rtol=0, atol=TOL)
-    else:  # whitened over the trained tokens, as verl's masked_whiten (unbiased variance, eps 1e-8)
-        sel = [exp[b][t] for b in range(B) for t in range(lengths[b]) if mask[b, t]]
-        mean = sum(sel) / len(sel)
-        std = math.sqrt(sum((x - mean) ** 2 for x in sel) / (len(sel) - 1) + 1e-8)
-        white = torch.tensor([(exp[b][t] - mean) / std for b in range(B) for t in range(lengths[b])], dtype=D)
-        on = flat(mask) > 0
+        # verl whitens GAE's advantages, never its returns (A + V before whitening, the critic's target)
+        cfg_w = LossConfig(advantage_estimator="ppo", kl_coef=0.01, kl_loss_type=kind, gamma=gamma, lambd=lam,
+                           normalize_advantages=True)
+        adv_w, returns = token_advantages_and_returns(cfg_w, base, lengths, flat(mask), old_log_probs=flat(old),
+                                                      ref_log_probs=flat(ref), values=flat(values), kl_coef=beta)
+        torch.testing.assert_close(adv_w[on], white[on], rtol=0, atol=TOL)
+        verl_ret = [verl_gae(tok[b], values[b].tolist(), mask[b].tolist(), gamma, lam)[1] for b in range(B)]
+        torch.testing.assert_close(returns, flat(torch.tensor(verl_ret, dtype=D)), rtol=0, atol=TOL)
+    else:
         torch.testing.assert_close(got[on], white[on], rtol=0, atol=TOL)
+        returns = token_advantages_and_returns(cfg, base, lengths, flat(mask), old_log_probs=flat(old),
+                                               ref_log_probs=flat(ref), kl_coef=beta)[1]
+        torch.testing.assert_close(returns, flat(torch.tensor(exp, dtype=D)), rtol=0, atol=TOL)
     # the KL the adaptive controller reads: verl's current_kl (mean over rows of the masked row means), rows
     # with a trained token (verl would count the fully masked row as 0)
     rows = [b for b in range(B) if mask[b].sum() > 0]
@@ -187,3 +206,10 @@ def test_kl_coef_override_needs_kl_in_reward_on():
     on = LossConfig(advantage_estimator="reinforce_plus_plus", normalize_advantages=True, kl_coef=0.1)
     with pytest.raises(ValueError, match="needs old_log_probs and ref_log_probs"):
         compute_advantages(on, torch.ones(2, dtype=D), [2, 2], mask, group_size=2)
+
+
+def test_group_estimators_have_no_returns():
+    mask = torch.tensor([1.0, 1.0, 0.0, 1.0], dtype=D)
+    base = torch.tensor([0.5, 0.5, -0.5, -0.5], dtype=D)
+    adv, returns = token_advantages_and_returns(LossConfig(), base, [2, 2], mask)
+    assert returns is None and torch.equal(adv, base)

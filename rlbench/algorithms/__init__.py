@@ -22,6 +22,7 @@ _MODULES = {
     "whiten": "advantages",
     "sample_advantages": "advantages",
     "token_advantages": "advantages",
+    "token_advantages_and_returns": "advantages",
     "kl_in_reward": "advantages",
     "reward_kl": "advantages",
     "GlobalNorm": "aggregation",

@@ -262,13 +262,14 @@ class Estimator:
 
     `sample(cfg, rewards [N], group_size) -> [N]`: per-sample scalars from the rewards alone (group statistics:
     GRPO / RLOO / Dr.GRPO baselines; the raw reward for return-based estimators), on the driver at scoring.
-    `token(cfg, TokenInputs) -> [R]`: the token-level advantages, on the ranks after the model passes (log-probs,
-    values); each sample's tokens depend on that sample only (whitening over the global batch comes after, in
-    `token_advantages`).
+    `token(cfg, TokenInputs) -> (advantages [R], returns [R] | None)`: the token-level advantages, on the ranks
+    after the model passes (log-probs, values), and the returns of the return-based estimators (GAE: A + V, the
+    critic's regression target; REINFORCE++: G); each sample's tokens depend on that sample only (whitening over
+    the global batch comes after, in `token_advantages_and_returns`, and never touches the returns).
     """
 
     sample: Callable[[LossConfig, torch.Tensor, int], torch.Tensor]
-    token: Callable[[LossConfig, TokenInputs], torch.Tensor]
+    token: Callable[[LossConfig, TokenInputs], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 def _raw_reward(cfg, rewards, group_size):
@@ -284,17 +285,18 @@ def _scalar_fn(fn: Callable) -> Callable:
 
 
 def _broadcast(cfg, x: TokenInputs):
-    return x.base
+    return x.base, None
 
 
 def _rpp(cfg, x: TokenInputs):
     rewards = last_token_values(x.base, x.seq_lengths, x.loss_mask)
     tok = shaped_token_rewards(rewards, x.seq_lengths, x.loss_mask, x.kl_penalty)
-    return discounted_returns(tok, x.seq_lengths, cfg.gamma, x.loss_mask)
+    g = discounted_returns(tok, x.seq_lengths, cfg.gamma, x.loss_mask)
+    return g, g
 
 
 def _plus_penalty(cfg, x: TokenInputs):
-    return x.base if x.kl_penalty is None else x.base + x.kl_penalty.to(x.base.dtype)
+    return (x.base if x.kl_penalty is None else x.base + x.kl_penalty.to(x.base.dtype)), None
 
 
 def _gae(cfg, x: TokenInputs):
@@ -303,9 +305,9 @@ def _gae(cfg, x: TokenInputs):
     rewards = last_token_values(x.base, x.seq_lengths, x.loss_mask)
     tok = shaped_token_rewards(rewards, x.seq_lengths, x.loss_mask, x.kl_penalty)
     steps = to_padded((x.loss_mask != 0).to(tok.dtype), x.seq_lengths)  # masked tokens are not time steps
-    adv, _ = gae(to_padded(tok, x.seq_lengths), to_padded(x.values.to(tok.dtype), x.seq_lengths), steps, cfg.gamma,
-                 cfg.lambd)
-    return from_padded(adv, x.seq_lengths)
+    adv, ret = gae(to_padded(tok, x.seq_lengths), to_padded(x.values.to(tok.dtype), x.seq_lengths), steps,
+                   cfg.gamma, cfg.lambd)
+    return from_padded(adv, x.seq_lengths), from_padded(ret, x.seq_lengths)
 
 
 ADVANTAGE_FNS: dict[str, Estimator] = {
@@ -350,7 +352,13 @@ def kl_in_reward(cfg: LossConfig, old_log_probs: torch.Tensor | None, ref_log_pr
     return -beta * reward_kl(cfg, old_log_probs, ref_log_probs, loss_mask)
 
 
-def token_advantages(
+def token_advantages(cfg: LossConfig, base: torch.Tensor, seq_lengths: Sequence[int], loss_mask: torch.Tensor,
+                     **passes) -> torch.Tensor:
+    """`[R]` advantages: `token_advantages_and_returns` without the returns (same arguments)."""
+    return token_advantages_and_returns(cfg, base, seq_lengths, loss_mask, **passes)[0]
+
+
+def token_advantages_and_returns(
     cfg: LossConfig,
     base: torch.Tensor,
     seq_lengths: Sequence[int],
@@ -361,8 +369,11 @@ def token_advantages(
     values: torch.Tensor | None = None,
     kl_coef: float | None = None,
     reduce_sum: Callable[[list[float]], list[float]] | None = None,
-) -> torch.Tensor:
-    """`[R]` advantages from the per-sample scalars `base` (broadcast, `[R]`) and the model passes' outputs.
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`(advantages [R], returns [R] | None)` from the per-sample scalars `base` (broadcast, `[R]`) and the model
+    passes' outputs. The advantages are whitened over the global batch when `cfg.normalize_advantages`; the
+    returns never are (`ppo`: A + V before whitening, the value loss's target, as verl; REINFORCE++: G; None for
+    the estimators without returns).
 
     Args:
         base: `[R]` `sample_advantages` broadcast over each sample's response tokens.
@@ -377,8 +388,8 @@ def token_advantages(
                          f"{loss_mask.numel()}: they must describe the same tokens")
     penalty = kl_in_reward(cfg, old_log_probs, ref_log_probs, loss_mask, kl_coef=kl_coef)
     x = TokenInputs(base, list(seq_lengths), loss_mask, penalty, values)
-    adv = ADVANTAGE_FNS[cfg.advantage_estimator].token(cfg, x)
-    return whiten(adv, loss_mask, reduce_sum=reduce_sum) if cfg.normalize_advantages else adv
+    adv, returns = ADVANTAGE_FNS[cfg.advantage_estimator].token(cfg, x)
+    return (whiten(adv, loss_mask, reduce_sum=reduce_sum) if cfg.normalize_advantages else adv), returns
 
 
 def compute_advantages(
