@@ -17,6 +17,7 @@ from rlbench.algorithms.kl_control import (
 )
 
 D = torch.float64
+RPP = {"advantage_estimator": "reinforce_plus_plus", "normalize_advantages": True}  # an estimator with KL-in-reward
 
 
 class VerlAdaptive:
@@ -92,18 +93,17 @@ def test_controller_refusals():
 
 
 def test_config_fields_build_the_controller():
-    c = build_kl_controller(LossConfig(advantage_estimator="ppo", kl_coef=0.05, kl_ctl_type="adaptive",
+    c = build_kl_controller(LossConfig(**RPP, kl_coef=0.05, kl_ctl_type="adaptive",
                                        kl_target=0.2, kl_horizon=500))
     assert isinstance(c, AdaptiveKLController) and (c.value, c.target, c.horizon) == (0.05, 0.2, 500)
-    f = build_kl_controller(LossConfig(advantage_estimator="reinforce_plus_plus", normalize_advantages=True,
-                                       kl_coef=0.01))
+    f = build_kl_controller(LossConfig(**RPP, kl_coef=0.01))
     assert isinstance(f, FixedKLController) and f.value == 0.01
     with pytest.raises(ValueError, match="kl_target > 0"):
-        LossConfig(advantage_estimator="ppo", kl_coef=0.05, kl_ctl_type="adaptive")
+        LossConfig(**RPP, kl_coef=0.05, kl_ctl_type="adaptive")
     with pytest.raises(ValueError, match="kl_coef > 0"):
-        LossConfig(advantage_estimator="ppo", kl_ctl_type="adaptive", kl_target=0.1)
+        LossConfig(**RPP, kl_ctl_type="adaptive", kl_target=0.1)
     with pytest.raises(ValueError, match="no effect with kl_ctl_type='fixed'"):
-        LossConfig(advantage_estimator="ppo", kl_coef=0.05, kl_target=0.1)
+        LossConfig(**RPP, kl_coef=0.05, kl_target=0.1)
     with pytest.raises(ValueError, match="kl_horizon=0"):
         LossConfig(kl_horizon=0)
     with pytest.raises(ValueError, match="kl_ctl_type='pid'"):

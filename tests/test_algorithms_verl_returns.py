@@ -27,9 +27,11 @@ from rlbench.algorithms import (
 )
 from rlbench.algorithms.advantages import discounted_returns, reward_kl, to_tokens
 from rlbench.algorithms.kl_control import mean_sequence_kl
+from rlbench.configs.loss import ADVANTAGE_ESTIMATORS
 
 D = torch.float64
 TOL = 1e-10
+GAE = next(name for name in ADVANTAGE_ESTIMATORS if name in ("ppo", "gae"))  # the GAE estimator's config name
 
 
 # ------------------------------------------------------------------------------------- verl, in python floats
@@ -131,7 +133,7 @@ def test_reinforce_pp_returns_equal_verl_at_every_position(gamma):
 
 
 @pytest.mark.parametrize("kind", ["k1", "low_var_kl"])
-@pytest.mark.parametrize("estimator", ["ppo", "reinforce_plus_plus"])
+@pytest.mark.parametrize("estimator", ["gae", "reinforce_plus_plus"])
 def test_kl_in_reward_equals_verl(kind, estimator):
     """Outcome reward on each response's last token (trained here, where verl and rlbench both put it), the
     KL penalty of π_old vs π_ref on the trained tokens, then GAE / REINFORCE++ returns, against verl; the
@@ -155,9 +157,9 @@ def test_kl_in_reward_equals_verl(kind, estimator):
     def flat(x):
         return _flat(x, lengths)
 
-    if estimator == "ppo":
+    if estimator == "gae":
         exp = [verl_gae(tok[b], values[b].tolist(), mask[b].tolist(), gamma, lam)[0] for b in range(B)]
-        cfg = LossConfig(advantage_estimator="ppo", kl_coef=0.01, kl_loss_type=kind, gamma=gamma, lambd=lam)
+        cfg = LossConfig(advantage_estimator=GAE, kl_coef=0.01, kl_loss_type=kind, gamma=gamma, lambd=lam)
     else:
         exp = [verl_rpp_returns(tok[b], mask[b].tolist(), gamma) for b in range(B)]
         cfg = LossConfig(advantage_estimator="reinforce_plus_plus", normalize_advantages=True, kl_coef=0.01,
@@ -173,10 +175,10 @@ def test_kl_in_reward_equals_verl(kind, estimator):
     std = math.sqrt(sum((x - mean) ** 2 for x in sel) / (len(sel) - 1) + 1e-8)
     white = torch.tensor([(exp[b][t] - mean) / std for b in range(B) for t in range(lengths[b])], dtype=D)
     on = flat(mask) > 0
-    if estimator == "ppo":
+    if estimator == "gae":
         torch.testing.assert_close(got, flat(torch.tensor(exp, dtype=D)), rtol=0, atol=TOL)
         # verl whitens GAE's advantages, never its returns (A + V before whitening, the critic's target)
-        cfg_w = LossConfig(advantage_estimator="ppo", kl_coef=0.01, kl_loss_type=kind, gamma=gamma, lambd=lam,
+        cfg_w = LossConfig(advantage_estimator=GAE, kl_coef=0.01, kl_loss_type=kind, gamma=gamma, lambd=lam,
                            normalize_advantages=True)
         adv_w, returns = token_advantages_and_returns(cfg_w, base, lengths, flat(mask), old_log_probs=flat(old),
                                                       ref_log_probs=flat(ref), values=flat(values), kl_coef=beta)
