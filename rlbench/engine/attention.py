@@ -7,6 +7,9 @@ writes the new keys/values into the slot cache and attends:
 
 - prefill: a right-padded batch `[B, T]` of fresh prompts; causal attention over the batch's own keys
   (padding sits after every real token, so it never reaches a real query).
+- extend (`KVContext.extend`, sessions): a right-padded batch of suffixes appended to sequences the cache
+  already holds; each row's real tokens are written at their positions, then attend to their slot's keys up to
+  their own position (one SDPA call per row over a view of its slot: no gathered copy of the cached keys).
 - decode: one token per slot for slots `[0, B)`; the query attends to cache positions `<= position`,
   reading only the first `kv_len` positions (a bucket >= the longest running sequence). Two decode
   implementations (`decode_attention`), chosen once per engine: "sdpa" (one fused SDPA call; its kernels
@@ -110,6 +113,28 @@ def decode_attention(name: str, *, compiled: bool, grouped: bool, cuda: bool) ->
 
 
 @dataclass
+class Extend:
+    """A prefill of suffixes into slots that already hold their sequences' earlier positions (sessions).
+
+    Row b of the right-padded `[B, T]` batch holds `lengths[b]` new tokens at positions `starts[b]`,
+    `starts[b] + 1`, ... of the sequence in cache slot `slots[b]`. The flat tensors list the real tokens."""
+
+    slots: list[int]
+    starts: list[int]
+    lengths: list[int]
+    rows: torch.Tensor
+    """`[N]` long: the cache slot of each real token."""
+    index: torch.Tensor
+    """`[N]` long: its position (cache index)."""
+    tokens: torch.Tensor
+    """`[N]` long: its flat index `b T + t` in the batch."""
+    masks: list[torch.Tensor]
+    """Per row `[lengths[b], starts[b] + lengths[b]]` bool: key visible to the query (key <= query position)."""
+    tiles: object = None
+    """The batch-invariant attention's tiles (`rlbench.numerics.extend_tiles`), when the engine runs it."""
+
+
+@dataclass
 class KVContext:
     """Per-layer state the attention needs (all tensors preallocated by the engine)."""
 
@@ -137,6 +162,8 @@ class KVContext:
     prefix_len: torch.Tensor | None = None
     """Decode in the grouped layout: `[B]` long prompt length of each row (the batch-invariant attention maps
     positions to cache indices itself; the default one reads `mask`)."""
+    extend: Extend | None = None
+    """Not decode: the batch appends suffixes to cached sequences (None: fresh prompts from position 0)."""
 
 
 def decode_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -172,6 +199,26 @@ def _prefill(q, k, v, ctx: KVContext, scale: float) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
+def write_extend(ctx: KVContext, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store the real tokens' k/v `[B, n_kv, T, hd]` of an extend batch at their slots and positions."""
+    e, (b, n_kv, t, hd) = ctx.extend, k.shape
+    ctx.k_cache[e.rows, :, e.index] = k.transpose(1, 2).reshape(b * t, n_kv, hd)[e.tokens].to(ctx.k_cache.dtype)
+    ctx.v_cache[e.rows, :, e.index] = v.transpose(1, 2).reshape(b * t, n_kv, hd)[e.tokens].to(ctx.v_cache.dtype)
+
+
+def _extend(q, k, v, ctx: KVContext, scale: float) -> torch.Tensor:
+    """q `[B, H, T, hd]`, k/v `[B, n_kv, T, hd]` -> `[B, H, T, hd]` (zeros on padding) against each row's slot."""
+    write_extend(ctx, k, v)
+    e, out = ctx.extend, torch.zeros_like(q)
+    groups = q.shape[1] // k.shape[1]
+    for row, (slot, start, n, mask) in enumerate(zip(e.slots, e.starts, e.lengths, e.masks)):
+        keys = ctx.k_cache[slot : slot + 1, :, : start + n].repeat_interleave(groups, dim=1)
+        values = ctx.v_cache[slot : slot + 1, :, : start + n].repeat_interleave(groups, dim=1)
+        out[row : row + 1, :, :n] = F.scaled_dot_product_attention(q[row : row + 1, :, :n], keys, values,
+                                                                    attn_mask=mask, scale=scale)
+    return out
+
+
 def _decode(q, k, v, ctx: KVContext, scale: float) -> torch.Tensor:
     """q `[B, H, 1, hd]`, k/v `[B, n_kv, 1, hd]` -> `[B, H, 1, hd]` against the cached prefix."""
     kc, vc, k_grp = ctx.k_cache, ctx.v_cache, ctx.group
@@ -193,7 +240,7 @@ def _decode(q, k, v, ctx: KVContext, scale: float) -> torch.Tensor:
 
 def kv_attention(q, k, v, ctx: KVContext, scale: float) -> torch.Tensor:
     """Write k/v into the cache and attend. q `[B, H, T, hd]`, k/v `[B, n_kv, T, hd]` -> `[B, H, T, hd]`."""
-    return (_decode if ctx.decode else _prefill)(q, k, v, ctx, scale)
+    return (_decode if ctx.decode else _prefill if ctx.extend is None else _extend)(q, k, v, ctx, scale)
 
 
 def rlbench_kv_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):

@@ -10,11 +10,16 @@ Grouped layout (`group_view(k)`, the n samples of one prompt): the same memory s
 once at `[0, P)`, then its k samples' tokens interleaved: the t-th token after the prompt of sample j at
 `P + t k + j`. A decode step then reads each prompt once for all k samples instead of once per sample, and
 the allocator hands out whole group rows.
+
+Slots kept by sessions (`TorchEngine.generate(keep=True)`) stay busy across calls: `reset(group, busy)` leaves
+every unit holding a busy slot out of the free list. A kept sample decoded in the grouped layout is moved to its
+own slot by `ungroup` (its slot index in the slot layout is its row's index, so no other slot is taken).
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -93,13 +98,14 @@ class KVCache:
         self._views = {}
         self._free = []
 
-    def reset(self, group: int = 1) -> None:
+    def reset(self, group: int = 1, busy: Iterable[int] = ()) -> None:
         """Mark every unit free (the contents stay; they are masked by length): slots, or with `group` k > 1 the
-        `S // k` group rows of `group_view(k)`."""
+        `S // k` group rows of `group_view(k)`; units holding a slot of `busy` (kept sessions) stay taken."""
         if not 1 <= group <= self.shape.num_slots:
             raise ValueError(f"group={group} must be in [1, num_slots={self.shape.num_slots}]")
         self.group = group
-        self._free = list(range(self.num_units))
+        taken = {slot // group for slot in busy}
+        self._free = [u for u in range(self.num_units) if u not in taken]
         heapq.heapify(self._free)
 
     @property
@@ -140,3 +146,15 @@ class KVCache:
         index = torch.tensor(dst, device=self.device)
         for cache in (*self.k, *self.v):
             cache[index, :, :length] = cache[src, :, :length].unsqueeze(0)
+
+    def ungroup(self, row: int, group: int, prefix_len: int, length: int) -> None:
+        """Rewrite group row `row` of `group_view(group)` as its `group` samples' own slots (slot layout): slot
+        `row * group + j` gets positions `[0, length)` of sample j, the prompt `[0, prefix_len)` then the sample's
+        interleaved tokens (`P + t k + j` -> `P + t`). Positions past a sample's own length hold another lane's
+        keys: masked by length, as any stale position."""
+        pos = torch.arange(length, device=self.device)
+        lane = torch.arange(group, device=self.device)[:, None]
+        index = torch.where(pos < prefix_len, pos, prefix_len + (pos - prefix_len) * group + lane)  # [k, length]
+        for grouped, flat in zip((*self.group_view(group)[0], *self.group_view(group)[1]), (*self.k, *self.v)):
+            moved = grouped[row][:, index]  # [n_kv, k, length, hd]: a copy, read before the memory is rewritten
+            flat[row * group : (row + 1) * group, :, :length] = moved.transpose(0, 1)

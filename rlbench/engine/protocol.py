@@ -1,7 +1,8 @@
 """The rollout-engine contract: token ids in; token ids, log-probs, finish reasons and weight versions out.
 
 Every engine (the embedded torch engine, SGLang) implements `RolloutEngine`; the rollout manager and the
-weight-sync code talk only to this protocol.
+weight-sync code talk only to this protocol. Sessions (multi-turn: continue a kept sample from its token ids and
+KV cache) are an optional capability: `SessionEngine`, checked with `supports_sessions(engine)`.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class Generation:
         log_probs: per generated token, `log_softmax(logits / T)` at the sampled token (T = 1 when greedy).
         finish_reason: "stop" (stop token / string), "length" (max_new_tokens) or "abort".
         weight_version: the engine's weight version when the sample was generated.
+        session: with `keep=True` (`SessionEngine`): the kept sample, to pass to `continue_`/`release`; else None.
     """
 
     prompt_index: int
@@ -80,6 +82,50 @@ class Generation:
     finish_reason: FinishReason
     weight_version: int
     sample_index: int = 0
+    session: Session | None = None
+
+
+@dataclass(eq=False)
+class Session:
+    """A sample kept by a `SessionEngine` between turns, and everything its turns produced.
+
+    The engine appends to it: each `continue_` adds the observation's tokens (loss mask 0, log-prob 0.0), then the
+    tokens sampled in that turn (loss mask 1, their rollout log-probs). Nothing is re-tokenized: `token_ids` are
+    exactly the ids the engine conditioned on and sampled. `response_ids`, `log_probs` and `loss_mask` are aligned
+    (one entry per token after the prompt), the layout of `Sample.response` / `rollout_log_probs` / `loss_mask`.
+
+    Attributes:
+        id: the engine's handle for the kept slot.
+        prompt_ids: the first turn's prompt.
+        response_ids: every token after the prompt, sampled and appended, in order.
+        log_probs: per response token, the log-prob it was sampled with (0.0 on appended tokens).
+        loss_mask: per response token, 1 if sampled, 0 if appended (observation / tool output).
+        turns: generation turns so far (the first `generate` counts).
+        open: False once the engine let the slot go (`release`, `flush_cache`, an aborted turn, `keep=False`).
+    """
+
+    id: int
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    turns: int = 0
+    open: bool = True
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The whole context: prompt then response."""
+        return self.prompt_ids + self.response_ids
+
+    def append(self, token_ids: Sequence[int], log_probs: Sequence[float] | None = None) -> None:
+        """Add sampled tokens (with their `log_probs`; mask 1) or, without log-probs, appended tokens (mask 0)."""
+        self.response_ids += list(token_ids)
+        if log_probs is None:
+            self.log_probs += [0.0] * len(token_ids)
+            self.loss_mask += [0] * len(token_ids)
+        else:
+            self.log_probs += list(log_probs)
+            self.loss_mask += [1] * len(token_ids)
 
 
 @runtime_checkable
@@ -112,6 +158,41 @@ class RolloutEngine(Protocol):
     def flush_cache(self) -> None:
         """Drop any cached prefixes / KV state (weights changed)."""
         ...
+
+
+@runtime_checkable
+class SessionEngine(RolloutEngine, Protocol):
+    """A `RolloutEngine` that keeps samples between turns: `generate(keep=True)` returns each sample with a
+    `Session` holding its KV-cache slot; `continue_` appends an observation's tokens, prefills only what the cache
+    does not hold yet, and samples the next turn; `release` frees the slots. Kept slots count against the engine's
+    capacity until released."""
+
+    supports_sessions: bool
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seeds: Sequence[int] | None = None,
+        keep: bool = False,
+    ) -> list[Generation]:
+        """As `RolloutEngine.generate`; with `keep` every finished sample keeps its slot (`Generation.session`)."""
+        ...
+
+    def continue_(
+        self, sessions: Sequence[Session], appended: Sequence[Sequence[int]], sampling: SamplingParams,
+        seeds: Sequence[int] | None = None, keep: bool = True,
+    ) -> list[Generation]:
+        """Append `appended[i]` to `sessions[i]` and sample one more turn of it (`sampling.n` is ignored: one
+        sample per session); results ordered by session. A turn that does not fit the engine's sequence length
+        finishes with "length". `keep=False` releases each session when its turn ends."""
+        ...
+
+    def release(self, sessions: Iterable[Session]) -> None:
+        """Free the sessions' slots (closed sessions are skipped)."""
+        ...
+
+
+def supports_sessions(engine: object) -> bool:
+    """Whether `engine` implements `SessionEngine` (the capability flag, not just the method names)."""
+    return bool(getattr(engine, "supports_sessions", False))
 
 
 def expand_seeds(n_prompts: int, sampling: SamplingParams, seeds: Sequence[int] | None) -> list[list[int]]:

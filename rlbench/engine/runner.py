@@ -31,7 +31,7 @@ import torch.fx.experimental._config as fx_config
 
 from rlbench.configs.engine import TorchEngineConfig
 from rlbench.engine import megakernel
-from rlbench.engine.attention import KVContext, decode_attention, decode_mask, group_decode_mask
+from rlbench.engine.attention import Extend, KVContext, decode_attention, decode_mask, group_decode_mask
 from rlbench.engine.fused import LayerOps, fuse_layers, fused_layer_forward, hf_layer_forward
 from rlbench.engine.kv_cache import KVCache
 from rlbench.engine.sampling import greedy_tokens, logsumexp_rows, sample_tokens, token_hash
@@ -121,6 +121,8 @@ class ModelRunner:
         self._pool = None
         self._warmed: set[tuple[int, int, str, int]] = set()
         self._use_compiled(opts.compile)
+        self.prefilled_tokens = 0
+        """Real (unpadded) tokens run through `prefill` and `extend` so far: what sessions save shows here."""
 
     @property
     def fused(self) -> bool:
@@ -201,8 +203,40 @@ class ModelRunner:
         pos_emb = self.base.rotary_emb(hidden, pos)
         for w, kc, vc in zip(self.layers, *self.cache.group_view(group)):
             hidden = self._layer_forward(w, hidden, pos_emb, KVContext(kc, vc, slot_ids, decode=False))
+        self.prefilled_tokens += sum(len(p) for p in prompts)
         rows = torch.arange(len(prompts), device=self.device)
         return self.model.lm_head(self.base.norm(hidden[rows, last]))  # [B, V]
+
+    @torch.inference_mode()
+    def extend(self, suffixes: list[list[int]], starts: list[int], slots: list[int]) -> torch.Tensor:
+        """Append `suffixes[b]` to the sequence in slot `slots[b]` (slot layout), whose positions `< starts[b]` the
+        cache holds: write their K/V at positions `starts[b]...` and return each row's last-token logits `[B, V]`.
+        Only the suffixes run through the model (a session's next turn does not re-prefill its context)."""
+        lengths = [len(s) for s in suffixes]
+        t, dev = max(lengths), self.device
+        ids = torch.zeros(len(suffixes), t, dtype=torch.long)
+        for row, suffix in enumerate(suffixes):
+            ids[row, : len(suffix)] = torch.tensor(suffix)
+        # padding runs on past the row's tokens (clamped in range); nothing reads it
+        pos = (torch.tensor(starts)[:, None] + torch.arange(t)).clamp(max=self.cache.shape.max_seq_len - 1)
+        real = torch.arange(t)[None, :] < torch.tensor(lengths)[:, None]  # [B, T]
+        rows, cols = real.nonzero(as_tuple=True)
+        masks = [(torch.arange(s + n)[None, :] <= s + torch.arange(n)[:, None]).to(dev)
+                 for s, n in zip(starts, lengths)]
+        ext = Extend(slots, starts, lengths, torch.tensor(slots)[rows].to(dev), pos[rows, cols].to(dev),
+                     (rows * t + cols).to(dev), masks)
+        if self.opts.batch_invariant:
+            from rlbench import numerics
+
+            ext.tiles = numerics.extend_tiles(starts, lengths, slots, t, self.model.config, dev)
+        hidden = self.base.embed_tokens(ids.to(dev))  # [B, T, D]
+        pos_emb = self.base.rotary_emb(hidden, pos.to(dev))
+        slot_ids = torch.tensor(slots, device=dev)
+        for w, kc, vc in zip(self.layers, self.cache.k, self.cache.v):
+            hidden = self._layer_forward(w, hidden, pos_emb, KVContext(kc, vc, slot_ids, decode=False, extend=ext))
+        self.prefilled_tokens += sum(lengths)
+        last = torch.tensor(lengths, device=dev) - 1
+        return self.model.lm_head(self.base.norm(hidden[torch.arange(len(suffixes), device=dev), last]))  # [B, V]
 
     # ---- decode: prologue -> layer x N -> head ----
     def _embed(self, tokens, positions):

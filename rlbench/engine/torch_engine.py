@@ -9,10 +9,17 @@ its grouped layout (`KVCache.group_view(n)`), a prompt takes one group row of n 
 rows `[g n, (g + 1) n)` and read the prompt once per step; the group row is freed when its last sample ends.
 Otherwise (n = 1 or `shared_prefix=False`) every sample has its own slot, and the n samples of a prompt copy
 its prefilled K/V.
+
+Sessions (`rlbench.engine.sessions`): `generate(keep=True)` keeps each finished sample's slot; `continue_`
+prefills only an observation (plus the last sampled token) into it and samples the next turn, in the same
+continuous batch as fresh prompts. Kept samples live in the slot layout: a call decoded in the grouped layout moves
+its kept samples into their own slots at its end (`KVCache.ungroup`), and while any session is open calls use the
+slot layout (an idle group row would overwrite a kept slot).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -23,10 +30,11 @@ import torch
 from rlbench.configs.engine import TorchEngineConfig
 from rlbench.engine.attention import ATTN_NAME
 from rlbench.engine.kv_cache import CacheShape, KVCache, slot_bytes, slots_for_memory
-from rlbench.engine.protocol import Generation, SamplingParams, WeightBucket, expand_seeds
+from rlbench.engine.protocol import Generation, SamplingParams, Session, WeightBucket, expand_seeds
 from rlbench.engine.quantize import weight_rounder
 from rlbench.engine.runner import ModelRunner
 from rlbench.engine.sampling import sample_tokens
+from rlbench.engine.sessions import SessionTable, plan_turn
 from rlbench.host_memory import retain_freed_host_memory
 from rlbench.packing.pack import bucket_length
 
@@ -43,6 +51,12 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    max_new: int = 0
+    """Tokens this turn may sample (`max_new_tokens`, or what is left of `max_seq_len` for a session)."""
+    session: Session | None = None
+    """The session this sample belongs to: the one it continues, or the one `keep` opened when it finished."""
+    prompt: Sequence[int] = ()
+    """A fresh sample's prompt (a kept sample's session starts from it)."""
 
 
 KV_FLOOR = 256
@@ -68,7 +82,7 @@ def all_buckets(cap: int, floor: int) -> list[int]:
 
 
 class TorchEngine:
-    """`RolloutEngine` over a HF causal LM (the same `nn.Module` class the trainer uses).
+    """`RolloutEngine` over a HF causal LM (the same `nn.Module` class the trainer uses); a `SessionEngine`.
 
     Args:
         model: e.g. from `rlbench.models.build_model`/`load_model`; its attention is switched to
@@ -76,6 +90,8 @@ class TorchEngine:
         cfg: sizes and switches.
         tokenizer: needed only for `SamplingParams.stop` strings.
     """
+
+    supports_sessions = True
 
     def __init__(self, model: torch.nn.Module, cfg: TorchEngineConfig | None = None, tokenizer=None):
         self.cfg = cfg or TorchEngineConfig()
@@ -97,6 +113,8 @@ class TorchEngine:
             make_batch_invariant(self.model)
         self.cache = KVCache(self._cache_shape(), self.dtype, self.device)
         self.runner = ModelRunner(model, self.cache, self.cfg.on_device(self.device.type == "cuda"))
+        self.sessions = SessionTable()
+        """Samples kept between turns (`generate(keep=True)`, `continue_`, `release`)."""
 
     def _cache_shape(self) -> CacheShape:
         c = self.model.config
@@ -112,50 +130,131 @@ class TorchEngine:
     # ---- generation ----
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seeds: Sequence[int] | None = None,
-        on_finish: Callable[[Generation], None] | None = None,
+        on_finish: Callable[[Generation], None] | None = None, keep: bool = False,
     ) -> list[Generation]:
         """Generate `sampling.n` samples per prompt; returns them ordered by (prompt_index, sample_index).
-        `on_finish` gets each finished sample's `Generation` as soon as it stops (aborted ones only in the list)."""
+        `on_finish` gets each finished sample's `Generation` as soon as it stops (aborted ones only in the list).
+        `keep`: every finished sample keeps its KV slot as a session (`Generation.session`; see `continue_`), so
+        the call needs `len(prompts) * n` free slots."""
         self._check_ready(prompts, sampling)
-        self._on_finish = on_finish
-        all_seeds = expand_seeds(len(prompts), sampling, seeds)
+        self._check_slots(len(prompts), sampling.n, 0, keep)
+        return self._run(prompts, sampling, expand_seeds(len(prompts), sampling, seeds), [], keep, on_finish)
+
+    def continue_(
+        self, sessions: Sequence[Session], appended: Sequence[Sequence[int]], sampling: SamplingParams,
+        seeds: Sequence[int] | None = None, on_finish: Callable[[Generation], None] | None = None,
+        keep: bool = True, prompts: Sequence[Sequence[int]] = (), prompt_seeds: Sequence[int] | None = None,
+    ) -> list[Generation]:
+        """Append `appended[i]` (an observation's token ids) to `sessions[i]` and sample its next turn.
+
+        Only the tokens the slot does not hold yet run through the model: the last token sampled before (decode
+        had not consumed it) and the appended ones, at their positions. A turn samples like a fresh prompt of the
+        whole context with seed `seeds[i]` (`sampling.seed + i` without seeds): sample step 0 is the turn's first
+        token. `sampling.n` applies to `prompts` only (one sample per session). A context that would pass
+        `max_seq_len` takes the appended tokens that fit and samples until it is full; with no room left the turn
+        ends at once; either way with finish reason "length".
+
+        Args:
+            sessions: open sessions of this engine (`Generation.session` of a `keep=True` call).
+            appended: per session, the token ids to append (loss mask 0 in the session's record).
+            keep: the sessions stay open after their turn (False: each is released when its turn ends).
+            prompts, prompt_seeds: fresh prompts generated in the same call (continuous batching), as
+                `generate(prompts, sampling, prompt_seeds, keep=keep)` would; their results follow the sessions'
+                with `prompt_index = len(sessions) + i`.
+
+        Returns:
+            One `Generation` per session (this turn's tokens; `session` updated), then the prompts' samples.
+        """
+        if len(appended) != len(sessions):
+            raise ValueError(f"got {len(appended)} appended token lists for {len(sessions)} sessions; pass one each")
+        self._check_ready(prompts, sampling)
+        kept = self.sessions.lookup(sessions)
+        self._check_slots(len(prompts), sampling.n, len(sessions), keep)
+        one = expand_seeds(len(sessions), dataclasses.replace(sampling, n=1), seeds)
+        turns = []
+        for i, (k, tokens) in enumerate(zip(kept, appended)):
+            taken, max_new = plan_turn(k.length, [int(t) for t in tokens], self.cfg.max_seq_len,
+                                       sampling.max_new_tokens)
+            self.sessions.append(k, taken)
+            seq = _Seq(i, 0, k.length, one[i][0], k.slot, max_new=max_new, session=k.session)
+            turns.append((seq, list(k.tail), k.length - len(k.tail)))  # the suffix and its first position
+        return self._run(prompts, sampling, expand_seeds(len(prompts), sampling, prompt_seeds), turns, keep,
+                         on_finish)
+
+    def release(self, sessions: Iterable[Session]) -> None:
+        """Close `sessions` and free their slots (closed ones are skipped)."""
+        self.sessions.release(sessions)
+
+    @property
+    def free_slots(self) -> int:
+        """Slots not held by open sessions."""
+        return self.cache.shape.num_slots - len(self.sessions)
+
+    def _run(self, prompts, sampling: SamplingParams, seeds, turns: list, keep: bool, on_finish) -> list[Generation]:
+        """Continue `turns` (`(_Seq, suffix, start)`) and generate `prompts` in one continuous batch."""
+        self._on_finish, self._keep, self._abort = on_finish, keep, False
+        n, base = sampling.n, len(turns)
+        # The grouped layout only while no slot is kept: its idle group rows would write into a kept slot.
+        grouped = (self.cfg.shared_prefix and n > 1 and not self.sessions
+                   and (not keep or len(prompts) <= self.cache.shape.num_slots // n))
+        self._group = n if grouped else 1
+        self._live: dict[int, int] = {}  # group row -> samples still running (grouped layout)
+        self.cache.reset(self._group, self.sessions.slots())
         waiting = deque(range(len(prompts)))
         running: list[_Seq] = []
         done: list[_Seq] = []
-        self._abort = False
-        self._group = sampling.n if self.cfg.shared_prefix and sampling.n > 1 else 1
-        self._live: dict[int, int] = {}  # group row -> samples still running (grouped layout)
-        self.cache.reset(self._group)
+        self._continue(turns, sampling, running, done)
         while (waiting or running) and not self._abort:
-            while self._admit(prompts, sampling, all_seeds, waiting, running, done):
+            while self._admit(prompts, sampling, seeds, waiting, running, done, base):
                 pass  # prefill first: fill every free slot before decoding
             if running:
                 self._decode_window(sampling, running, done)
         self.runner.check_errors()
         for seq in running:
             seq.finish_reason = "abort"
+            if seq.session is not None:  # an aborted turn is recorded, and its session closed
+                self.sessions.record(seq.session, seq.tokens, seq.log_probs, seq.prompt_len)
+                self.sessions.close(seq.session)
         done += running
-        done += [_Seq(i, j, len(prompts[i]), all_seeds[i][j], finish_reason="abort")
-                 for i in waiting for j in range(sampling.n)]
+        done += [_Seq(base + i, j, len(prompts[i]), seeds[i][j], finish_reason="abort")
+                 for i in waiting for j in range(n)]
+        if self._group > 1 and keep:
+            self._ungroup(done)
         done.sort(key=lambda s: (s.prompt_index, s.sample_index))
         return [self._generation(s) for s in done]
 
     def _generation(self, seq: _Seq) -> Generation:
         return Generation(seq.prompt_index, seq.tokens, seq.log_probs, seq.finish_reason, self.weight_version,
-                          seq.sample_index)
+                          seq.sample_index, seq.session)
 
     def _finished(self, seq: _Seq, done: list[_Seq]) -> None:
-        """`seq` stopped: free its cache unit and report it."""
+        """`seq` stopped: record it in its session (opening one if kept), free or keep its slot, report it."""
         done.append(seq)
-        self._free(seq)
+        if self._keep and seq.session is None:
+            seq.session = self.sessions.open(seq.prompt, seq.slot)
+        if seq.session is not None:
+            self.sessions.record(seq.session, seq.tokens, seq.log_probs, seq.prompt_len)
+        if not self._keep:
+            self._free(seq)
         if self._on_finish is not None:
             self._on_finish(self._generation(seq))
+
+    def _ungroup(self, done: list[_Seq]) -> None:
+        """Move the kept samples of the grouped layout into their own slots (slot `row * k + j`: no other slot)."""
+        rows: dict[int, tuple[int, int]] = {}  # group row -> (prompt length, positions to move)
+        for seq in done:
+            if seq.session is not None and seq.session.open:
+                row, length = seq.slot // self._group, seq.prompt_len + len(seq.tokens) - 1
+                rows[row] = (seq.prompt_len, max(length, rows.get(row, (0, 0))[1]))
+        for row, (prefix, length) in rows.items():
+            self.cache.ungroup(row, self._group, prefix, length)
 
     def warm_up(self, truncate: bool = False, greedy: bool = False) -> int:
         """Compile and capture every decode graph now (GPU with cuda_graphs) instead of on first use.
 
         One sampling mode per call: top-k/top-p (`truncate`), greedy (`greedy`, T = 0) or plain sampling.
-        Returns the number of (batch, kv-length) buckets run. Idle slots are decoded, which is harmless.
+        Returns the number of (batch, kv-length) buckets run. Idle slots are decoded, which is harmless (a kept
+        session's slot is written only past its cached positions, which its next turn rewrites).
         """
         shape = self.cache.shape
         floor = self.runner.min_batch
@@ -169,7 +268,9 @@ class TorchEngine:
         return len(keys)
 
     def abort(self) -> None:
-        """Stop the running `generate` (from another thread) after the current decode window."""
+        """Stop the running call (from another thread) after the current decode window. Its unfinished samples
+        come back with finish reason "abort" and are not kept; a session whose turn is aborted records the partial
+        turn and is closed. Sessions outside the call stay open."""
         self._abort = True
 
     def _check_ready(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> None:
@@ -186,7 +287,42 @@ class TorchEngine:
                     f"in [1, {self.cfg.max_seq_len - sampling.max_new_tokens}]; raise TorchEngineConfig.max_seq_len"
                 )
 
-    def _admit(self, prompts, sampling: SamplingParams, seeds, waiting: deque, running: list, done: list) -> bool:
+    def _check_slots(self, n_prompts: int, n: int, n_turns: int, keep: bool) -> None:
+        """Enough slots besides the open sessions': all samples at once when kept, else one prompt's n."""
+        total, held = self.cache.shape.num_slots, len(self.sessions)
+        freed = 0 if keep else n_turns  # continued sessions then give their slots back as their turns end
+        need = n_prompts * n if keep else (n if n_prompts else 0)
+        if need > total - held + freed:
+            kept = ", every sample kept" if keep else ""
+            raise RuntimeError(
+                f"{n_prompts} prompts x n={n}{kept} need {need} KV slots at once, but open sessions hold {held} of "
+                f"num_slots={total}: release() the sessions you are done with (or continue_ them with keep=False), "
+                "or raise TorchEngineConfig.num_slots")
+
+    def _continue(self, turns: list, sampling: SamplingParams, running: list[_Seq], done: list[_Seq]) -> None:
+        """Prefill the turns' suffixes into their slots (batches within `max_prefill_tokens`) and start them."""
+        batch: list = []
+        for seq, suffix, start in turns:
+            if seq.max_new == 0:  # no room left: nothing to prefill
+                seq.finish_reason = "length"
+                self._finished(seq, done)
+                continue
+            longest = max(len(x[1]) for x in [*batch, (seq, suffix)])
+            if batch and longest * (len(batch) + 1) > self.cfg.max_prefill_tokens:
+                self._extend(batch, sampling, running, done)
+                batch = []
+            batch.append((seq, suffix, start))
+        if batch:
+            self._extend(batch, sampling, running, done)
+
+    def _extend(self, batch: list, sampling: SamplingParams, running: list[_Seq], done: list[_Seq]) -> None:
+        seqs = [seq for seq, _, _ in batch]
+        logits = self.runner.extend([suffix for _, suffix, _ in batch], [start for _, _, start in batch],
+                                    [seq.slot for seq in seqs])
+        self._begin(seqs, logits, sampling, running, done)
+
+    def _admit(self, prompts, sampling: SamplingParams, seeds, waiting: deque, running: list, done: list,
+               base: int = 0) -> bool:
         """Prefill one batch of waiting prompts (free slots and the prefill budget permitting); True if any."""
         batch: list[int] = []
         k = self._group
@@ -198,7 +334,8 @@ class TorchEngine:
             batch.append(waiting.popleft())
         if not batch:
             return False
-        seqs = [[_Seq(i, j, len(prompts[i]), seeds[i][j]) for j in range(sampling.n)] for i in batch]
+        seqs = [[_Seq(base + i, j, len(prompts[i]), seeds[i][j], max_new=sampling.max_new_tokens, prompt=prompts[i])
+                 for j in range(sampling.n)] for i in batch]
         targets = []  # the prefill's cache rows: a slot, or a group row
         for group in seqs:
             if k > 1:
@@ -214,18 +351,26 @@ class TorchEngine:
         for group in seqs:
             if k == 1:
                 self.cache.copy_prefix(group[0].slot, [s.slot for s in group[1:]], group[0].prompt_len)
-        flat = [s for g in seqs for s in g]
-        tokens, log_probs = self._first_tokens(logits.repeat_interleave(sampling.n, dim=0), flat, sampling)
-        self._start_slots(flat, tokens, sampling)
-        for seq, tok, lp in zip(flat, tokens.tolist(), log_probs.tolist()):
+        self._begin([s for g in seqs for s in g], logits.repeat_interleave(sampling.n, dim=0), sampling, running,
+                    done)
+        return True
+
+    def _begin(self, seqs: list[_Seq], logits: torch.Tensor, sampling: SamplingParams, running: list[_Seq],
+               done: list[_Seq]) -> None:
+        """Sample the first token of each of `seqs` from its prefill logits `[len(seqs), V]` and start decoding."""
+        tokens, log_probs = self._first_tokens(logits, seqs, sampling)
+        self._start_slots(seqs, tokens, sampling)
+        for seq, tok, lp in zip(seqs, tokens.tolist(), log_probs.tolist()):
             if self._append(seq, tok, lp, sampling):
                 self._finished(seq, done)
             else:
                 running.append(seq)
-        return True
 
     def _free(self, seq: _Seq) -> None:
-        """Give a finished sample's slot back; in the grouped layout its group row, after the last sample."""
+        """Give a finished sample's slot back; in the grouped layout its group row, after the last sample. A
+        continued session (`keep=False`) is closed."""
+        if seq.session is not None:
+            self.sessions.close(seq.session)
         if self._group == 1:
             self.cache.give_back(seq.slot)
             return
@@ -297,7 +442,7 @@ class TorchEngine:
         may_stop = not sampling.ignore_eos and len(seq.tokens) >= sampling.min_new_tokens
         if may_stop and (tok in sampling.stop_token_ids or self._hit_stop_string(seq.tokens, sampling.stop)):
             seq.finish_reason = "stop"
-        elif len(seq.tokens) >= sampling.max_new_tokens:
+        elif len(seq.tokens) >= seq.max_new:
             seq.finish_reason = "length"
         return seq.finish_reason is not None
 
@@ -338,7 +483,11 @@ class TorchEngine:
         self.weight_version = version
 
     def sleep(self, release_weights: bool = False) -> None:
-        """Free the KV cache (and the weights' storage, keeping shapes, when `release_weights`)."""
+        """Free the KV cache (and the weights' storage, keeping shapes, when `release_weights`). Refused while
+        sessions are open: their K/V would be lost under them."""
+        if self.sessions:
+            raise RuntimeError(f"sleep() would free the KV cache under {len(self.sessions)} open sessions; release() "
+                               "them first (or flush_cache() to drop every session)")
         self.runner.clear_graphs()
         self.cache.release()
         if release_weights:
@@ -363,7 +512,8 @@ class TorchEngine:
             self.cache.allocate()
 
     def flush_cache(self) -> None:
-        """No prefix cache is kept between calls; this only frees every slot."""
+        """Drop every KV state: close all open sessions (continuing one then raises) and free every slot."""
+        self.sessions.close_all()
         self.cache.reset()
 
 

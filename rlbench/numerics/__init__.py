@@ -10,8 +10,8 @@ docs/true_on_policy.md describes the mode and what it costs.
 """
 
 from rlbench.numerics.check import columns_invariant, compile_options, self_test
-from rlbench.numerics.model import ATTN_NAME, forward_tiles, kv_attention, make_batch_invariant
+from rlbench.numerics.model import ATTN_NAME, extend_tiles, forward_tiles, kv_attention, make_batch_invariant
 from rlbench.numerics.ops import logsumexp_rows
 
-__all__ = ["ATTN_NAME", "columns_invariant", "compile_options", "forward_tiles", "kv_attention", "logsumexp_rows",
-           "make_batch_invariant", "self_test"]
+__all__ = ["ATTN_NAME", "columns_invariant", "compile_options", "extend_tiles", "forward_tiles", "kv_attention",
+           "logsumexp_rows", "make_batch_invariant", "self_test"]

@@ -131,3 +131,16 @@ def decode_tiles(positions: torch.Tensor, slots: torch.Tensor, group: int = 1,
     slots = slots.reshape(-1)
     return Tiles(positions.to(torch.long), tok0, ntok, (slots // group).to(torch.int32), kstart,
                  kprefix=prefix_len.reshape(-1).to(torch.int32), klane=(slots % group).to(torch.int32), kstride=group)
+
+
+def extend_tiles(starts: list[int], lengths: list[int], slots: list[int], t: int, tokens_per_tile: int,
+                 device: torch.device | str) -> Tiles:
+    """Tiles for suffixes appended to cached sequences (`q [B, T, H, hd]` right-padded) against a cache
+    `[S, L, n_kv, hd]`: row b's `lengths[b]` tokens sit at positions `starts[b]`, `starts[b] + 1`, ... and read cache
+    row `slots[b]` from index 0 (its earlier positions, and this call's tokens once written). Padding tokens are
+    in no tile."""
+    b = len(starts)
+    positions = (torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(t)).reshape(-1)  # [B*T]
+    tiles = tiles_for_documents(torch.arange(b) * t, lengths, slots, torch.zeros(b, dtype=torch.long),
+                                tokens_per_tile, "cpu")
+    return Tiles(positions.to(device), *(x.to(device) for x in tiles))

@@ -22,6 +22,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from rlbench.numerics import ops
 from rlbench.numerics.layout import Tiles, decode_tiles, document_tiles
+from rlbench.numerics.layout import extend_tiles as layout_extend_tiles
 
 ATTN_NAME = "rlbench_bi"
 
@@ -80,9 +81,21 @@ def _to_power_of_two(n: int) -> int:
     return (1 << max(0, n - 1).bit_length()) - n
 
 
+def extend_tiles(starts: list[int], lengths: list[int], slots: list[int], t: int, config,
+                 device: torch.device | str) -> Tiles:
+    """The attention tiles of an engine extend batch (`rlbench.engine.attention.Extend`: suffixes appended to
+    cached sequences), for this device's tile size; built once per batch, before the layers run."""
+    group = config.num_attention_heads // config.num_key_value_heads
+    return layout_extend_tiles(starts, lengths, slots, t, ops.tokens_per_tile(torch.device(device), group), device)
+
+
 def _write_cache(ctx, key: torch.Tensor, value: torch.Tensor) -> None:
     """Store this call's keys/values (`[B, n_kv, T, hd]`) in the engine's slots before attending."""
-    if ctx.decode:  # the slot layout, or the grouped layout's group rows at the engine's write index
+    if ctx.extend is not None:  # real tokens only, at their positions (the engine's write_extend)
+        e, (b, n_kv, t, hd) = ctx.extend, key.shape
+        ctx.k_cache[e.rows, :, e.index] = key.transpose(1, 2).reshape(b * t, n_kv, hd)[e.tokens].to(ctx.k_cache.dtype)
+        ctx.v_cache[e.rows, :, e.index] = value.transpose(1, 2).reshape(b * t, n_kv, hd)[e.tokens].to(ctx.v_cache.dtype)
+    elif ctx.decode:  # the slot layout, or the grouped layout's group rows at the engine's write index
         rows = ctx.slots if ctx.group == 1 else ctx.slots // ctx.group
         index = ctx.positions if ctx.write_index is None else ctx.write_index
         ctx.k_cache[rows, :, index] = key[:, :, 0].to(ctx.k_cache.dtype)
@@ -106,8 +119,10 @@ def batch_invariant_attention(module, query, key, value, attention_mask, dropout
     ctx = kwargs.get("rl_kv")
     if ctx is not None:
         _write_cache(ctx, key, value)
-    if ctx is not None and ctx.decode:
-        tiles = decode_tiles(ctx.positions, ctx.slots, ctx.group, ctx.prefix_len)
+    extend = None if ctx is None else ctx.extend
+    if ctx is not None and (ctx.decode or extend is not None):
+        tiles = extend.tiles if extend is not None else decode_tiles(ctx.positions, ctx.slots, ctx.group,
+                                                                     ctx.prefix_len)
         keys, values = ctx.k_cache.transpose(1, 2), ctx.v_cache.transpose(1, 2)  # [S, L, n_kv, hd] views
         return ops.attention(q, keys, values, tiles, scale), None
     positions = kwargs.get("position_ids") if ctx is None else None
