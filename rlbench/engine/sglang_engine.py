@@ -197,6 +197,10 @@ def _check(result, call: str) -> None:
         raise RuntimeError(f"SGLang {call} failed: {message}")
 
 
+SESSIONS_REFUSED = ("SGLangEngine has no sessions (generate(keep=True) / continue_ / release); use the torch engine, "
+                    "or re-send the whole context to generate() (SGLang's radix cache may reuse its prefix)")
+
+
 class SGLangEngine:
     """The `RolloutEngine` protocol over `sglang.Engine`.
 
@@ -228,16 +232,24 @@ class SGLangEngine:
         self._sent: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}  # what the last update carried (for verify)
         self._warned_unseeded = False
 
+    supports_sessions = False
+    """No `SessionEngine` sessions: re-send the whole context with `generate` (SGLang's radix cache then reuses the
+    cached prefix, though nothing here guarantees it or counts it)."""
+
     # ------------------------------------------------------------------ generation
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seeds: Sequence[int] | None = None
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seeds: Sequence[int] | None = None,
+        keep: bool = False,
     ) -> list[Generation]:
-        """One SGLang request per sample; results ordered by (prompt_index, sample_index).
+        """One SGLang request per sample; results ordered by (prompt_index, sample_index). `keep=True` is refused
+        (no sessions).
 
         Raises:
             ValueError: the call is seeded (`seeds` or `sampling.seed`) but SGLang's deterministic mode is off
                 (it would ignore the seeds) and `allow_unseeded` is False.
         """
+        if keep:
+            raise NotImplementedError(SESSIONS_REFUSED)
         seeded = seeds is not None or sampling.seed is not None
         if seeded and not self.cfg.deterministic:
             if not self.cfg.allow_unseeded:
@@ -260,6 +272,14 @@ class SGLangEngine:
         if len(outs) != len(keys):
             raise RuntimeError(f"SGLang returned {len(outs)} results for {len(keys)} requests")
         return [from_sglang_output(o, i, j, self.weight_version) for o, (i, j) in zip(outs, keys)]
+
+    def continue_(self, *args, **kwargs) -> list[Generation]:
+        """Refused: SGLangEngine has no sessions (`supports_sessions` is False)."""
+        raise NotImplementedError(SESSIONS_REFUSED)
+
+    def release(self, *args, **kwargs) -> None:
+        """Refused: SGLangEngine has no sessions (`supports_sessions` is False)."""
+        raise NotImplementedError(SESSIONS_REFUSED)
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:

@@ -295,9 +295,9 @@ class TorchEngine:
         if need > total - held + freed:
             kept = ", every sample kept" if keep else ""
             raise RuntimeError(
-                f"{n_prompts} prompts x n={n}{kept} need {need} KV slots at once, but open sessions hold {held} of "
-                f"num_slots={total}: release() the sessions you are done with (or continue_ them with keep=False), "
-                "or raise TorchEngineConfig.num_slots")
+                f"{n_prompts} prompts x n={n}{kept} need {need} KV slots at once; {total - held} of num_slots={total} "
+                f"are free ({held} held by open sessions): release() the sessions you are done with (or continue_ "
+                "them with keep=False), or raise TorchEngineConfig.num_slots")
 
     def _continue(self, turns: list, sampling: SamplingParams, running: list[_Seq], done: list[_Seq]) -> None:
         """Prefill the turns' suffixes into their slots (batches within `max_prefill_tokens`) and start them."""
