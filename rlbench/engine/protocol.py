@@ -170,7 +170,7 @@ class SessionEngine(RolloutEngine, Protocol):
     supports_sessions: bool
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seeds: Sequence[int] | None = None,
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seeds: Sequence[int] | None = None, *,
         keep: bool = False,
     ) -> list[Generation]:
         """As `RolloutEngine.generate`; with `keep` every finished sample keeps its slot (`Generation.session`)."""
@@ -178,7 +178,7 @@ class SessionEngine(RolloutEngine, Protocol):
 
     def continue_(
         self, sessions: Sequence[Session], appended: Sequence[Sequence[int]], sampling: SamplingParams,
-        seeds: Sequence[int] | None = None, keep: bool = True,
+        seeds: Sequence[int] | None = None, *, keep: bool = True,
     ) -> list[Generation]:
         """Append `appended[i]` to `sessions[i]` and sample one more turn of it (`sampling.n` is ignored: one
         sample per session); results ordered by session. A turn that does not fit the engine's sequence length

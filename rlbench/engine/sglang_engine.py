@@ -238,7 +238,7 @@ class SGLangEngine:
 
     # ------------------------------------------------------------------ generation
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seeds: Sequence[int] | None = None,
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seeds: Sequence[int] | None = None, *,
         keep: bool = False,
     ) -> list[Generation]:
         """One SGLang request per sample; results ordered by (prompt_index, sample_index). `keep=True` is refused

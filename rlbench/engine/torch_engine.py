@@ -130,7 +130,7 @@ class TorchEngine:
     # ---- generation ----
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seeds: Sequence[int] | None = None,
-        on_finish: Callable[[Generation], None] | None = None, keep: bool = False,
+        on_finish: Callable[[Generation], None] | None = None, *, keep: bool = False,
     ) -> list[Generation]:
         """Generate `sampling.n` samples per prompt; returns them ordered by (prompt_index, sample_index).
         `on_finish` gets each finished sample's `Generation` as soon as it stops (aborted ones only in the list).
@@ -142,7 +142,7 @@ class TorchEngine:
 
     def continue_(
         self, sessions: Sequence[Session], appended: Sequence[Sequence[int]], sampling: SamplingParams,
-        seeds: Sequence[int] | None = None, on_finish: Callable[[Generation], None] | None = None,
+        seeds: Sequence[int] | None = None, on_finish: Callable[[Generation], None] | None = None, *,
         keep: bool = True, prompts: Sequence[Sequence[int]] = (), prompt_seeds: Sequence[int] | None = None,
     ) -> list[Generation]:
         """Append `appended[i]` (an observation's token ids) to `sessions[i]` and sample its next turn.
