@@ -43,6 +43,20 @@ def plan_turn(length: int, appended: Sequence[int], max_seq_len: int, max_new_to
     return list(appended[: max(0, max_seq_len - length)]), 0
 
 
+def check_slots(total: int, held: int, n_prompts: int, n: int, n_turns: int, keep: bool) -> None:
+    """Raise unless a call fits beside the `held` slots of open sessions: with `keep` all its `n_prompts * n` samples
+    hold a slot at once; otherwise one prompt's n at a time, and its `n_turns` continued sessions give their slots
+    back as their turns end."""
+    freed = 0 if keep else n_turns
+    need = n_prompts * n if keep else (n if n_prompts else 0)
+    if need > total - held + freed:
+        kept = ", every sample kept" if keep else ""
+        raise RuntimeError(
+            f"{n_prompts} prompts x n={n}{kept} need {need} KV slots at once; {total - held} of num_slots={total} "
+            f"are free ({held} held by open sessions): release() the sessions you are done with (or continue_ "
+            "them with keep=False), or raise TorchEngineConfig.num_slots")
+
+
 class SessionTable:
     """Open sessions by id: their slots (busy across calls) and what the cache holds of each."""
 

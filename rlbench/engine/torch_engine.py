@@ -34,7 +34,7 @@ from rlbench.engine.protocol import Generation, SamplingParams, Session, WeightB
 from rlbench.engine.quantize import weight_rounder
 from rlbench.engine.runner import ModelRunner
 from rlbench.engine.sampling import sample_tokens
-from rlbench.engine.sessions import SessionTable, plan_turn
+from rlbench.engine.sessions import SessionTable, check_slots, plan_turn
 from rlbench.host_memory import retain_freed_host_memory
 from rlbench.packing.pack import bucket_length
 
@@ -137,7 +137,7 @@ class TorchEngine:
         `keep`: every finished sample keeps its KV slot as a session (`Generation.session`; see `continue_`), so
         the call needs `len(prompts) * n` free slots."""
         self._check_ready(prompts, sampling)
-        self._check_slots(len(prompts), sampling.n, 0, keep)
+        check_slots(self.cache.shape.num_slots, len(self.sessions), len(prompts), sampling.n, 0, keep)
         return self._run(prompts, sampling, expand_seeds(len(prompts), sampling, seeds), [], keep, on_finish)
 
     def continue_(
@@ -169,7 +169,7 @@ class TorchEngine:
             raise ValueError(f"got {len(appended)} appended token lists for {len(sessions)} sessions; pass one each")
         self._check_ready(prompts, sampling)
         kept = self.sessions.lookup(sessions)
-        self._check_slots(len(prompts), sampling.n, len(sessions), keep)
+        check_slots(self.cache.shape.num_slots, len(self.sessions), len(prompts), sampling.n, len(sessions), keep)
         one = expand_seeds(len(sessions), dataclasses.replace(sampling, n=1), seeds)
         turns = []
         for i, (k, tokens) in enumerate(zip(kept, appended)):
@@ -286,18 +286,6 @@ class TorchEngine:
                     f"prompt {i} has {len(p)} tokens; with max_new_tokens={sampling.max_new_tokens} it must be "
                     f"in [1, {self.cfg.max_seq_len - sampling.max_new_tokens}]; raise TorchEngineConfig.max_seq_len"
                 )
-
-    def _check_slots(self, n_prompts: int, n: int, n_turns: int, keep: bool) -> None:
-        """Enough slots besides the open sessions': all samples at once when kept, else one prompt's n."""
-        total, held = self.cache.shape.num_slots, len(self.sessions)
-        freed = 0 if keep else n_turns  # continued sessions then give their slots back as their turns end
-        need = n_prompts * n if keep else (n if n_prompts else 0)
-        if need > total - held + freed:
-            kept = ", every sample kept" if keep else ""
-            raise RuntimeError(
-                f"{n_prompts} prompts x n={n}{kept} need {need} KV slots at once; {total - held} of num_slots={total} "
-                f"are free ({held} held by open sessions): release() the sessions you are done with (or continue_ "
-                "them with keep=False), or raise TorchEngineConfig.num_slots")
 
     def _continue(self, turns: list, sampling: SamplingParams, running: list[_Seq], done: list[_Seq]) -> None:
         """Prefill the turns' suffixes into their slots (batches within `max_prefill_tokens`) and start them."""
