@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 @dataclass
 class CriticConfig:
-    """The value model and its training (field names follow slime's flags: `--critic-lr` -> `lr`)."""
+    """The value model and its training (field names follow slime's flags: `--critic-lr` -> `lr`); its loss
+    is `LossConfig`'s (`value_clip`, and the policy loss's aggregation)."""
 
     load: str | None = None
     """`--critic-load`: a Hugging Face directory the critic starts from, a causal LM (its LM head is dropped, the
@@ -23,8 +24,6 @@ class CriticConfig:
     lr_warmup_iters: int = 0
     """`--critic-lr-warmup-iters`: linear warmup of the critic's LR over this many of its optimizer steps (the
     rest of its schedule is the actor's `optim`: decay style, betas, weight decay, grad clip)."""
-    value_clip: float | None = 0.2
-    """`--value-clip`: the value loss clips V to old V ± value_clip (PPO's clipped value loss); None: unclipped."""
     num_critic_only_steps: int = 0
     """`--num-critic-only-steps`: the first N rollouts train only the critic (the actor's weights stay as they
     are, so its values settle before they steer the policy)."""
@@ -34,7 +33,5 @@ class CriticConfig:
             raise ValueError(f"critic lr={self.lr} must be >= 0 (None: the actor's lr)")
         if self.lr_warmup_iters < 0:
             raise ValueError(f"critic lr_warmup_iters={self.lr_warmup_iters} must be >= 0")
-        if self.value_clip is not None and self.value_clip <= 0:
-            raise ValueError(f"value_clip={self.value_clip} must be > 0 (None: no value clipping)")
         if self.num_critic_only_steps < 0:
             raise ValueError(f"num_critic_only_steps={self.num_critic_only_steps} must be >= 0")

@@ -223,6 +223,11 @@ class LossConfig:
             )
 
     @property
+    def needs_critic(self) -> bool:
+        """Whether the advantages read a critic's values (GAE): the run trains a value model."""
+        return self.advantage_estimator == "gae"
+
+    @property
     def needs_ref(self) -> bool:
         """Whether a reference model's log-probs are needed."""
         return self.use_kl_loss or self.kl_coef != 0

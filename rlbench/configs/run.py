@@ -220,9 +220,9 @@ class RunConfig:
         """`advantage_estimator="gae"` trains a critic (the default one unless `backend.critic` says otherwise, as
         slime's estimator implies `--critic-*`); a critic nothing reads is refused, and so is one on megatron."""
         estimator, critic = self.loss.advantage_estimator, self.backend.critic
-        if estimator == "gae" and critic is None:
+        if self.loss.needs_critic and critic is None:
             self.backend = dataclasses.replace(self.backend, critic=CriticConfig())
-        elif estimator != "gae" and critic is not None:
+        elif not self.loss.needs_critic and critic is not None:
             raise ValueError(f"backend.critic is set (--critic-*) but advantage_estimator={estimator!r} reads no "
                              "values; use advantage_estimator='gae' (PPO with a critic) or drop the critic")
         if self.backend.critic is not None and self.train_backend == "megatron":

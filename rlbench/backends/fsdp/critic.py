@@ -21,6 +21,7 @@ same atomic directory (`rlbench.backends.checkpoint`, `parts`), so a resume rest
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,7 +60,9 @@ class FSDPCritic(FSDPBackend):
         """`(values [R] fp32, None)` of one packed micro-batch: the value head at the positions predicting the
         response tokens."""
         inputs, index = self.pack_inputs(pack)
-        values = model(**inputs, use_cache=False).logits[0, :, 0]  # [T]
+        with warnings.catch_warnings():  # the head's [1, T, 1] output is a view; nothing here writes into it
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+            values = model(**inputs, use_cache=False).logits[0, :, 0]  # [T]
         return values.float()[index], None
 
     def compute_values(self, packs: Sequence[Any]) -> list[torch.Tensor]:
