@@ -16,8 +16,8 @@ from rlbench.configs.backend import PARAM_DTYPES, TrainConfig
 from rlbench.configs.batch import BatchConfig
 from rlbench.configs.checkpoint import CheckpointConfig
 from rlbench.configs.checks import did_you_mean
-from rlbench.configs.critic import CriticConfig
 from rlbench.configs.cluster import ClusterConfig, check_batch_layout, check_engine_layout
+from rlbench.configs.critic import CriticConfig
 from rlbench.configs.data import DataConfig, TaskConfig
 from rlbench.configs.engine import TorchEngineConfig
 from rlbench.configs.loss import LossConfig

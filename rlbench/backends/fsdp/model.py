@@ -15,7 +15,12 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 from rlbench.backends.hf_weights import load_hf_weights, model_config, random_init
 from rlbench.configs.backend import TrainConfig
