@@ -50,7 +50,8 @@ def critic_train_config(cfg: TrainConfig) -> TrainConfig:
 
 
 class FSDPCritic(FSDPBackend):
-    """The value model (see the module docstring); `env` is the actor's."""
+    """The value model (see the module docstring); `env` is the actor's. `export_hf(path)` writes an HF
+    token-classification directory, which `--critic-load` of a later run loads with its head."""
 
     def build_model(self):
         return build_sharded_model(self.cfg.model, self.cfg, self.env, offload=self.cfg.fsdp.cpu_offload,
@@ -76,11 +77,6 @@ class FSDPCritic(FSDPBackend):
             out.append(values.detach().cpu())
         self.model.reshard()
         return out
-
-    def export_hf(self, path: str, dtype: torch.dtype | None = None) -> None:
-        """The critic as an HF token-classification directory (`--critic-load` of a later run loads its head)."""
-        self.hf_config.architectures = [type(self.model).__name__]
-        super().export_hf(path, dtype)
 
 
 class FSDPActorCritic(FSDPBackend):

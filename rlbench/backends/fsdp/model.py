@@ -94,6 +94,8 @@ def build_sharded_model(
     auto = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
     with params_on_meta():
         model = auto.from_config(hf_config, dtype=torch.float32, attn_implementation=cfg.attention)
+    if value_head:  # an exported critic names its class (fully_shard renames the module's)
+        hf_config.architectures = [type(model).__name__]
     if cfg.cp_size > 1:  # context parallel: every attention layer reads the forward's rl_cp= context
         from rlbench.distributed.cp_kernels import cp_kernel  # importing the kernel registers its attention
 
