@@ -52,15 +52,19 @@ class CriticStep:
     """
 
     def __init__(self, loss, backend, reduce) -> None:
-        if not hasattr(backend, "train_critic"):
-            raise ValueError(f"{type(backend).__name__} has no critic; PPO with a critic (advantage_estimator='gae') "
-                             "needs the FSDP backend built with TrainConfig.critic (build_backend does)")
         self.loss_cfg, self.backend, self.reduce = loss, backend, reduce
+
+    def _critic_backend(self):
+        """The backend, checked to have a critic (the Ray driver's stand-in has none and never calls these)."""
+        if not hasattr(self.backend, "train_critic"):
+            raise ValueError(f"{type(self.backend).__name__} has no critic; PPO with a critic (advantage_estimator="
+                             "'gae') needs the FSDP backend built with TrainConfig.critic (build_backend does)")
+        return self.backend
 
     def compute_values(self, packs) -> tuple[StepTensors, dict[str, float]]:
         """V_old of every pack, `[step][micro-batch] -> [R]`, and `perf/values_time`, `perf/values_tokens`."""
         start = time.perf_counter()
-        values = [self.backend.compute_values(step) for step in packs]
+        values = [self._critic_backend().compute_values(step) for step in packs]
         tokens = self.reduce.sum([sum(p.num_real_tokens for step in packs for p in step)])[0]
         return values, {"perf/values_time": time.perf_counter() - start, "perf/values_tokens": float(tokens)}
 
@@ -96,7 +100,7 @@ class CriticStep:
         for s in range(len(done), len(packs)):
             inputs = self.value_inputs(packs[s], values[s], returns[s])
             with defer_sigint():
-                done.append(self.backend.train_critic(packs[s], inputs, self.loss))
+                done.append(self._critic_backend().train_critic(packs[s], inputs, self.loss))
         metrics = {k: float(sum(m[k] for m in done) / len(done)) for k in done[0]}
         metrics["critic/step"] = done[-1]["critic/step"]
         metrics["perf/critic_train_time"] = float(sum(m["perf/critic_train_time"] for m in done))
