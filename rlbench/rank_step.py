@@ -30,7 +30,6 @@ DP group; a CP group shares the token budget of one micro-batch.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 from collections.abc import Sequence
@@ -50,8 +49,10 @@ from rlbench.algorithms import (
     is_batch_stats,
     old_from_forward_ok,
     token_advantages,
-    whiten,
+    token_advantages_and_returns,
 )
+from rlbench.algorithms.advantages import reward_kl
+from rlbench.algorithms.kl_control import mean_sequence_kl
 from rlbench.critic_step import CriticStep, token_mean_global
 from rlbench.interrupts import defer_sigint
 from rlbench.packing import num_micro_batches
@@ -142,10 +143,8 @@ class RankStep:
         self.cp_size, self.pad_token_id = cp_size, pad_token_id
         self.reduce = reduce or SingleRank()
         self.loss = build_loss(loss)
-        # PPO with a critic: its values, the returns it regresses on, its update (`rlbench.critic_step`); the
-        # advantages are whitened after the returns are taken (the critic learns the raw GAE return)
+        # PPO with a critic: its values, the returns it regresses on, its update (`rlbench.critic_step`)
         self.critic = CriticStep(loss, backend, self.reduce) if loss.needs_critic else None
-        self._raw_adv_cfg = dataclasses.replace(loss, normalize_advantages=False) if loss.needs_critic else None
         self._graphs = _dynamo_graphs()  # for `perf/compiles`
 
     # ------------------------------------------------------------------ pack
@@ -247,12 +246,17 @@ class RankStep:
         return adv, metrics
 
     def advantages_and_returns(self, packs: list[list[Pack]], old: StepTensors | None = None,
-                               ref: StepTensors | None = None, values: StepTensors | None = None
+                               ref: StepTensors | None = None, values: StepTensors | None = None, *,
+                               kl_coef: float | None = None
                                ) -> tuple[StepTensors, StepTensors | None, dict[str, float]]:
         """`compute_advantages`, and with a critic (`values`: its V_old, `CriticStep.compute_values`) the returns it
         is trained on: G = A + V_old on trained tokens (0 elsewhere) from the raw GAE advantages A, which are then
         whitened over the global batch when `normalize_advantages`. Returns `(advantages, returns | None,
-        metrics)`; with a critic the metrics add the global `critic/values_mean` and `critic/returns_mean`."""
+        metrics)`; with a critic the metrics add the global `critic/values_mean` and `critic/returns_mean`.
+
+        KL-in-reward (`kl_coef` of the config != 0): β = `kl_coef` (the loop's KL controller's value; None: the
+        config's), and the metrics add `rollout/kl_coef` (β) and `rollout/reward_kl`, the global
+        `kl_control.mean_sequence_kl` of this batch (what an adaptive controller is updated with)."""
         if (values is None) != (self.critic is None):
             raise ValueError(f"advantage_estimator={self.loss_cfg.advantage_estimator!r} with values "
                              f"{'given' if values is not None else 'missing'}: GAE needs the critic's values "
@@ -276,15 +280,16 @@ class RankStep:
             raise ValueError("KL-in-reward needs the old and ref log-probs of every step before the advantages; "
                              "run compute_log_probs(packs) (without first_from_forward) first")
         kw = dict(old_log_probs=laid_out(old) if needs_kl else None, ref_log_probs=laid_out(ref) if needs_kl else None)
+        if needs_kl:
+            kw["kl_coef"] = kl_coef
         base = laid_out([[p.advantages for p in step] for step in packs])
-        returns = None
         if values is None:
-            adv = token_advantages(self.loss_cfg, base, lengths, mask, **kw, reduce_sum=self.reduce.sum)
-        else:
-            v = laid_out(values).to(base.dtype)
-            raw = token_advantages(self._raw_adv_cfg, base, lengths, mask, **kw, values=v)
-            returns = torch.where(mask != 0, raw + v, torch.zeros((), dtype=raw.dtype))
-            adv = whiten(raw, mask, reduce_sum=self.reduce.sum) if self.loss_cfg.normalize_advantages else raw
+            adv, returns = token_advantages(self.loss_cfg, base, lengths, mask, **kw, reduce_sum=self.reduce.sum), None
+        else:  # the returns: A + V before the whitening (the value loss's targets), 0 on untrained tokens
+            adv, returns = token_advantages_and_returns(self.loss_cfg, base, lengths, mask, **kw,
+                                                        values=laid_out(values).to(base.dtype),
+                                                        reduce_sum=self.reduce.sum)
+            returns = torch.where(mask != 0, returns, torch.zeros((), dtype=returns.dtype))
         total, count = self.reduce.sum([float((adv * mask).sum()), float(mask.sum())])
         mean = float(torch.tensor(total, dtype=adv.dtype) / torch.tensor(count, dtype=adv.dtype).clamp(min=1))
 
@@ -295,6 +300,10 @@ class RankStep:
 
         out = per_pack(adv, lambda p: p.advantages.clone())
         metrics = {"rollout/advantages": mean}
+        if needs_kl:
+            kl = reward_kl(self.loss_cfg, kw["old_log_probs"], kw["ref_log_probs"], mask)
+            metrics |= {"rollout/kl_coef": self.loss_cfg.kl_coef if kl_coef is None else float(kl_coef),
+                        "rollout/reward_kl": mean_sequence_kl(kl, lengths, mask, reduce_sum=self.reduce.sum)}
         if returns is not None:
             returns = per_pack(returns, lambda p: torch.zeros_like(p.loss_mask, dtype=torch.float32))
             metrics |= {"critic/values_mean": token_mean_global(values, packs, self.reduce),

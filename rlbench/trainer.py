@@ -125,6 +125,7 @@ class Trainer(CriticLoop):
         self._inflight: _InFlight | None = None  # a step() interrupted after its first optimizer step
         self._eval_rollout_id: int | None = None  # step()'s eval runs for the rollout it is finishing
         self.skipped_streak = 0  # optimizer steps skipped in a row (non-finite loss / grad norm)
+        self.init_kl_controller()  # KL-in-reward's β (rlbench.critic_loop)
         self.sync_weights()  # the engine always starts from the trainer's weights (version 0)
         if cfg.checkpoint.load_dir:
             self.load(cfg.checkpoint.load_dir)
@@ -194,6 +195,7 @@ class Trainer(CriticLoop):
 
     def _stage_advantages(self, fl: _InFlight) -> None:
         fl.metrics |= self.compute_advantages(fl.batch)
+        self.update_kl_controller(fl.metrics, len(fl.batch.samples))
 
     def _stage_train(self, fl: _InFlight) -> None:
         fl.metrics |= self.train_step(fl.batch, progress=fl.progress)
@@ -324,7 +326,7 @@ class Trainer(CriticLoop):
         if self.has_critic and batch.values is None:
             self.compute_values(batch)
         batch.advantages, batch.returns, metrics = self.rank_step.advantages_and_returns(
-            batch.packs, batch.old_log_probs, batch.ref_log_probs, batch.values)
+            batch.packs, batch.old_log_probs, batch.ref_log_probs, batch.values, kl_coef=self.kl_coef_now())
         return metrics
 
     def train_step(self, batch: RolloutBatch, progress: TrainProgress | None = None) -> dict[str, float]:
@@ -427,7 +429,7 @@ class Trainer(CriticLoop):
             "history": list(self.history),
             "eval_history": list(self.eval_history),
             "rng": _rng_state(),
-        }
+        } | ({"kl_ctl": self.kl_ctl.state_dict()} if self.kl_ctl is not None else {})
 
     def load_state_dict(self, state: dict) -> None:
         self.rollout_id, self.policy_version = int(state["rollout_id"]), int(state["policy_version"])
@@ -435,6 +437,8 @@ class Trainer(CriticLoop):
         self.rollouts.load_state_dict(state["rollouts"])
         self.history, self.eval_history = list(state["history"]), list(state["eval_history"])
         _set_rng_state(state["rng"])
+        if self.kl_ctl is not None and "kl_ctl" in state:
+            self.kl_ctl.load_state_dict(state["kl_ctl"])
 
     def close(self) -> None:
         """Flush the metric sinks and stop the reward worker processes."""
@@ -446,7 +450,8 @@ class Trainer(CriticLoop):
     def _snapshot(self) -> dict:
         """What a step changes before its first optimizer step (restored when it is stopped there)."""
         return {"dataset": copy.deepcopy(self.dataset.state_dict()), "rollouts": self.rollouts.state_dict(),
-                "eval_history": len(self.eval_history), "last_rollout": self.last_rollout, "rng": _rng_state()}
+                "eval_history": len(self.eval_history), "last_rollout": self.last_rollout, "rng": _rng_state(),
+                "kl_ctl": self.kl_ctl.state_dict() if self.kl_ctl is not None else None}
 
     def _restore(self, snap: dict) -> None:
         self.dataset.load_state_dict(snap["dataset"])
@@ -454,6 +459,8 @@ class Trainer(CriticLoop):
         del self.eval_history[snap["eval_history"]:]
         self.last_rollout = snap["last_rollout"]
         _set_rng_state(snap["rng"])
+        if snap["kl_ctl"] is not None:
+            self.kl_ctl.load_state_dict(snap["kl_ctl"])
 
     def _resync_if_stale(self) -> None:
         if self._engine_stale:

@@ -143,7 +143,7 @@ class RayTrainer(Trainer):
             self.compute_log_probs(batch)
         if self.has_critic and self._values_of is not batch:
             self.compute_values(batch)
-        per_rank = self.cluster.call_trainers("compute_advantages")
+        per_rank = self.cluster.call_trainers("compute_advantages", self.kl_coef_now())
         self._advantages_of = batch
         per_sample = {k: v for _, values in per_rank for k, v in values.items()}
         adv = [per_sample[s.index] for s in batch.samples]  # in batch order: the one-process float32 sum

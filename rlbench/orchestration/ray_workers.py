@@ -136,15 +136,16 @@ class TrainWorker:
         self.adv = self.returns = None  # the advantages read the values (GAE): computed after them
         return metrics
 
-    def compute_advantages(self) -> tuple[dict, dict]:
+    def compute_advantages(self, kl_coef: float | None = None) -> tuple[dict, dict]:
         """Token-level advantages of the packs (kept here, with a critic's returns); returns the global
         `rollout/advantages` (and `critic/*_mean`) and each sample's advantages by `Sample.index` (the driver
-        reports their one-process mean)."""
+        reports their one-process mean). `kl_coef`: β of KL-in-reward (the driver's KL controller)."""
         if self.step.needs_log_probs(self.old, self.ref):
             self.compute_log_probs()
         if self.step.critic is not None and self.values is None:
             self.compute_values()
-        self.adv, self.returns, metrics = self.step.advantages_and_returns(self.packs, self.old, self.ref, self.values)
+        self.adv, self.returns, metrics = self.step.advantages_and_returns(self.packs, self.old, self.ref, self.values,
+                                                                           kl_coef=kl_coef)
         per_sample = {}
         for index, step_packs, step_adv in zip(self.sample_index, self.packs, self.adv):
             for p, a in zip(step_packs, step_adv):

@@ -50,7 +50,8 @@ def tiny_config(workdir: str, *, save_dir: str | None = None, save_interval: int
         checkpoint=dc.replace(cfg.checkpoint, save_dir=save_dir, save_interval=save_interval),
         # PPO with a critic (the critic trains first, then the actor; KL-in-reward when there is a reference)
         loss=dc.replace(cfg.loss, advantage_estimator="gae", normalize_advantages=True, lambd=0.95,
-                        kl_coef=0.05 if ref else 0.0) if critic else cfg.loss,
+                        **(dict(kl_coef=0.05, kl_ctl_type="adaptive", kl_target=1e-3, kl_horizon=100.0) if ref
+                           else {})) if critic else cfg.loss,
     )
 
 
@@ -74,6 +75,8 @@ def state(trainer) -> dict:
         opt += [v.full_tensor().clone() if hasattr(v, "full_tensor") else (v.clone() if torch.is_tensor(v) else v)
                 for s in critic.optimizer.state.values() for _, v in sorted(s.items())]
         sched = {"actor": sched, "critic": critic.scheduler.state_dict(), "critic_step": critic.step}
+    if getattr(trainer, "kl_ctl", None) is not None:  # KL-in-reward's β, the loop's state
+        sched = {"sched": sched, "kl_ctl": trainer.kl_ctl.state_dict()}
     return {"params": params, "opt": opt, "sched": sched, "engine": engine,
             "counters": (trainer.rollout_id, trainer.policy_version, trainer.version, trainer.engine.weight_version,
                          b.step),

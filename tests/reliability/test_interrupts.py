@@ -224,6 +224,8 @@ def ppo_run(tmp_path_factory):
     reference = state(trainer)
     assert trainer.backend.critic.step == 2 * STEPS and reference["counters"][1] == 2 * STEPS
     assert all(h["critic/grad_norm"] > 0 and h["train/grad_norm"] > 0 for h in trainer.history)
+    betas = [h["rollout/kl_coef"] for h in trainer.history]  # the adaptive controller moved β between steps
+    assert betas[0] == 0.05 and betas[1] != betas[0] and trainer.kl_ctl.value != betas[1]
     return trainer, start, reference
 
 
@@ -244,7 +246,7 @@ def test_ppo_interrupt_then_step_again_is_the_uninterrupted_step(ppo_run, point)
     if trainer._inflight is None:
         assert_same(state(trainer), before)
     else:
-        assert trainer.backend.critic.step > before["sched"]["critic_step"]
+        assert trainer.backend.critic.step > before["sched"]["sched"]["critic_step"]
     trainer.step()
     assert_same(state(trainer), reference)
     assert trainer.load(trainer.cfg.checkpoint.save_dir) == STEPS  # the critic is inside the step's checkpoint
