@@ -77,20 +77,24 @@ FLAG_NAMES: dict[tuple[str, str], str] = {
     ("cluster", "colocate"): "--colocate",
     ("engine.megakernel", "enabled"): "--engine-megakernel",
     ("megatron", "attention"): "--megatron-attention",
+    ("backend.critic", "load"): "--critic-load",
+    ("backend.critic", "lr"): "--critic-lr",
+    ("backend.critic", "lr_warmup_iters"): "--critic-lr-warmup-iters",
+    ("backend.critic", "num_critic_only_steps"): "--num-critic-only-steps",
 }
 # Sections whose field names are used bare (`--eps-clip`, `--global-batch-size`, `--lr`).
 BARE_SECTIONS = ("loss", "batch", "backend.optim", "backend.fsdp", "rollout", "backend", "data", "cluster", "megatron", "")
-SKIP = {("loss", "mis"), ("backend", "model_overrides"), ("backend", "optim"), ("backend", "fsdp"),
+SKIP = {("loss", "mis"), ("backend", "model_overrides"), ("backend", "optim"), ("backend", "fsdp"), ("backend", "critic"),
         ("backend", "batch_invariant"), ("engine", "batch_invariant"),  # both follow --true-on-policy-mode
         ("logging", "console_keys"), ("backend.optim", "betas"), ("", "task"), ("engine", "megakernel"),
         ("engine.megakernel", "sync"), ("engine.megakernel", "gluon"), ("engine.megakernel", "head")}
 # Nested sections: "parent.field" -> the dataclass held in that field.
-NESTED = ("backend.optim", "backend.fsdp", "engine.megakernel")
+NESTED = ("backend.optim", "backend.fsdp", "backend.critic", "engine.megakernel")
 
 PRESETS = ("cpu_demo", "cpu_test", "qwen3_0p6b_gpu")
 CPU_PRESETS = ("cpu_demo", "cpu_test")
 """Presets that start from the demo's SFT warm start when no --hf-checkpoint is given (`presets.demo_warm_start`)."""
-MODEL_FLAGS = ("hf_checkpoint", "ref_load")
+MODEL_FLAGS = ("hf_checkpoint", "ref_load", "critic_load")
 """Flags that take a model: an HF directory or a model preset name."""
 FILE_FLAGS = ("prompt_data", "eval_prompt_data")
 """Flags that take an existing data file."""
@@ -334,7 +338,9 @@ def apply_flags(cfg, args: argparse.Namespace):
         if nested in updates:
             parent, name = nested.split(".")
             fields = updates.pop(nested)
-            updates.setdefault(parent, {})[name] = dataclasses.replace(getattr(getattr(cfg, parent), name), **fields)
+            current = getattr(getattr(cfg, parent), name)  # None: an optional section (the critic) starts default
+            current = _section_types()[nested]() if current is None else current
+            updates.setdefault(parent, {})[name] = dataclasses.replace(current, **fields)
     sections = {section: dataclasses.replace(getattr(cfg, section), **fields)
                 for section, fields in updates.items() if section}
     return dataclasses.replace(cfg, **sections, **updates.get("", {}))

@@ -5,7 +5,8 @@ needs on top, and whether the two must take turns (offload) — decided from the
     print(plan.summary())                               # one line: sizes, the estimate, the decision and why
     plan.offload                                        # True: engine and trainer sleep/wake around each phase
 
-Measured: the trainer's state (parameter shards + optimizer state), the engine's weights and KV cache (tensor
+Measured: the trainer's state (parameter shards + optimizer state; with PPO the critic's too, parked with the
+actor's: `backend.state_tensors()`), the engine's weights and KV cache (tensor
 bytes), and the device's free memory now (both sides resident). Estimated: one training micro-batch —
 gradients (one fp32 copy of the parameter shards, allocated by the first backward), the activations backward
 keeps for `tokens` tokens (per decoder layer, or one layer's worth plus every layer's input with activation

@@ -49,7 +49,11 @@ from rlbench.algorithms import (
     is_batch_stats,
     old_from_forward_ok,
     token_advantages,
+    token_advantages_and_returns,
 )
+from rlbench.algorithms.advantages import reward_kl
+from rlbench.algorithms.kl_control import mean_sequence_kl
+from rlbench.critic_step import CriticStep, token_mean_global
 from rlbench.interrupts import defer_sigint
 from rlbench.packing import num_micro_batches
 from rlbench.packing.pack import Pack, make_step_packs
@@ -105,6 +109,13 @@ class TrainProgress:
     1.0 when the samples have no rollout log-probs), set when the first optimizer step finished."""
     old_from_forward: bool = False
     """The first optimizer step took π_old from its training forward (`train` then reports `rollout/log_probs`)."""
+    critic_steps: list[dict[str, float]] = field(default_factory=list)
+    """`backend.train_critic` metrics of each finished critic optimizer step (PPO: the critic trains first)."""
+
+    @property
+    def started(self) -> bool:
+        """Whether any optimizer step (critic or actor) has finished: the weights may have changed."""
+        return bool(self.per_step or self.critic_steps)
 
     @property
     def applied(self) -> int:
@@ -132,6 +143,8 @@ class RankStep:
         self.cp_size, self.pad_token_id = cp_size, pad_token_id
         self.reduce = reduce or SingleRank()
         self.loss = build_loss(loss)
+        # PPO with a critic: its values, the returns it regresses on, its update (`rlbench.critic_step`)
+        self.critic = CriticStep(loss, backend, self.reduce) if loss.needs_critic else None
         self._graphs = _dynamo_graphs()  # for `perf/compiles`
 
     # ------------------------------------------------------------------ pack
@@ -227,8 +240,27 @@ class RankStep:
         (so one rank computes exactly what the whole batch gives in one call), the estimator's token half runs
         per sample, whitening spans the global batch (`self.reduce`). `old` / `ref` are read only when the
         estimator needs them (KL-in-reward). Returns `[step][micro-batch] -> [R]` float32 and the global
-        `rollout/advantages` (mean over trained tokens).
+        `rollout/advantages` (mean over trained tokens). With a critic use `advantages_and_returns`.
         """
+        adv, _, metrics = self.advantages_and_returns(packs, old, ref)
+        return adv, metrics
+
+    def advantages_and_returns(self, packs: list[list[Pack]], old: StepTensors | None = None,
+                               ref: StepTensors | None = None, values: StepTensors | None = None, *,
+                               kl_coef: float | None = None
+                               ) -> tuple[StepTensors, StepTensors | None, dict[str, float]]:
+        """`compute_advantages`, and with a critic (`values`: its V_old, `CriticStep.compute_values`) the returns it
+        is trained on: G = A + V_old on trained tokens (0 elsewhere) from the raw GAE advantages A, which are then
+        whitened over the global batch when `normalize_advantages`. Returns `(advantages, returns | None,
+        metrics)`; with a critic the metrics add the global `critic/values_mean` and `critic/returns_mean`.
+
+        KL-in-reward (`kl_coef` of the config != 0): β = `kl_coef` (the loop's KL controller's value; None: the
+        config's), and the metrics add `rollout/kl_coef` (β) and `rollout/reward_kl`, the global
+        `kl_control.mean_sequence_kl` of this batch (what an adaptive controller is updated with)."""
+        if (values is None) != (self.critic is None):
+            raise ValueError(f"advantage_estimator={self.loss_cfg.advantage_estimator!r} with values "
+                             f"{'given' if values is not None else 'missing'}: GAE needs the critic's values "
+                             "(compute_values) and the other estimators read none")
         seqs = []  # (step, sample id) -> (micro-batch i, sequence j within it, response length)
         for s, step in enumerate(packs):
             for i, p in enumerate(step):
@@ -247,16 +279,54 @@ class RankStep:
         if needs_kl and (old is None or ref is None or any(o is None for o in old)):
             raise ValueError("KL-in-reward needs the old and ref log-probs of every step before the advantages; "
                              "run compute_log_probs(packs) (without first_from_forward) first")
-        adv = token_advantages(
-            self.loss_cfg, laid_out([[p.advantages for p in step] for step in packs]), lengths, mask,
-            old_log_probs=laid_out(old) if needs_kl else None, ref_log_probs=laid_out(ref) if needs_kl else None,
-            reduce_sum=self.reduce.sum)
+        kw = dict(old_log_probs=laid_out(old) if needs_kl else None, ref_log_probs=laid_out(ref) if needs_kl else None)
+        if needs_kl:
+            kw["kl_coef"] = kl_coef
+        base = laid_out([[p.advantages for p in step] for step in packs])
+        if values is None:
+            adv, returns = token_advantages(self.loss_cfg, base, lengths, mask, **kw, reduce_sum=self.reduce.sum), None
+        else:  # the returns: A + V before the whitening (the value loss's targets), 0 on untrained tokens
+            adv, returns = token_advantages_and_returns(self.loss_cfg, base, lengths, mask, **kw,
+                                                        values=laid_out(values).to(base.dtype),
+                                                        reduce_sum=self.reduce.sum)
+            returns = torch.where(mask != 0, returns, torch.zeros((), dtype=returns.dtype))
         total, count = self.reduce.sum([float((adv * mask).sum()), float(mask.sum())])
         mean = float(torch.tensor(total, dtype=adv.dtype) / torch.tensor(count, dtype=adv.dtype).clamp(min=1))
-        per_seq = dict(zip([(s, i, j) for (s, _), i, j, _ in seqs], torch.split(adv, lengths)))
-        out = [[torch.cat([per_seq[(s, i, j)] for j in range(p.num_sequences)]) if p.num_sequences
-                else p.advantages.clone() for i, p in enumerate(step)] for s, step in enumerate(packs)]
-        return out, {"rollout/advantages": mean}
+
+        def per_pack(flat: torch.Tensor, fill) -> StepTensors:  # batch order -> [step][micro-batch] -> [R]
+            per_seq = dict(zip([(s, i, j) for (s, _), i, j, _ in seqs], torch.split(flat, lengths)))
+            return [[torch.cat([per_seq[(s, i, j)] for j in range(p.num_sequences)]) if p.num_sequences
+                     else fill(p) for i, p in enumerate(step)] for s, step in enumerate(packs)]
+
+        out = per_pack(adv, lambda p: p.advantages.clone())
+        metrics = {"rollout/advantages": mean}
+        if needs_kl:
+            kl = reward_kl(self.loss_cfg, kw["old_log_probs"], kw["ref_log_probs"], mask)
+            metrics |= {"rollout/kl_coef": self.loss_cfg.kl_coef if kl_coef is None else float(kl_coef),
+                        "rollout/reward_kl": mean_sequence_kl(kl, lengths, mask, reduce_sum=self.reduce.sum)}
+        if returns is not None:
+            returns = per_pack(returns, lambda p: torch.zeros_like(p.loss_mask, dtype=torch.float32))
+            metrics |= {"critic/values_mean": token_mean_global(values, packs, self.reduce),
+                        "critic/returns_mean": token_mean_global(returns, packs, self.reduce)}
+        return out, returns, metrics
+
+    # ------------------------------------------------------------------ critic
+    def compute_values(self, packs: list[list[Pack]]) -> tuple[StepTensors, dict[str, float]]:
+        """The critic's values V_old of every pack (`CriticStep.compute_values`), after the log-probs."""
+        return self._need_critic().compute_values(packs)
+
+    def train_critic(self, packs: list[list[Pack]], values: StepTensors, returns: StepTensors,
+                     progress: TrainProgress | None = None) -> dict[str, float]:
+        """One critic optimizer step per global batch (`CriticStep.train`), resumable through
+        `progress.critic_steps`; `critic/*` metrics."""
+        progress = TrainProgress() if progress is None else progress
+        return self._need_critic().train(packs, values, returns, progress.critic_steps)
+
+    def _need_critic(self) -> CriticStep:
+        if self.critic is None:
+            raise ValueError(f"advantage_estimator={self.loss_cfg.advantage_estimator!r} trains no critic; use "
+                             "advantage_estimator='gae' for PPO with a critic")
+        return self.critic
 
     # ------------------------------------------------------------------ train
     def loss_inputs(self, packs: list[Pack], old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None,

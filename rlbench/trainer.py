@@ -18,8 +18,9 @@ checkpoints only through the backend (`committed_steps`, `latest_step`, `committ
 all-reduces instead of the identity). Colocated with `offload`, the trainer state and the engine's KV cache take
 turns on the device: `_enter("rollout")` / `_enter("train")` switch between them.
 
-`step()` runs `Trainer.stages()` in order, each a method of the Trainer: a new stage (a critic's values after the
-log-probs, a critic update before the actor's) is one more entry in the table.
+`step()` runs `Trainer.stages()` in order, each a method of the Trainer. PPO with a critic (`rlbench.critic_loop`,
+a mixin) adds the critic's values to the model passes, its returns to the advantages and its update before the
+actor's to the train stage.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 from rlbench.algorithms import sample_advantages
 from rlbench.compile_cache import compile_seconds, use_compile_cache
 from rlbench.configs import RunConfig
+from rlbench.critic_loop import CriticLoop
 from rlbench.interrupts import defer_sigint
 from rlbench.memory_plan import memory_plan
 from rlbench.metrics import MetricsLogger, build_sinks, to_floats
@@ -82,7 +84,7 @@ def prepare_run(cfg: RunConfig) -> None:
     get_reward_fn(cfg.rollout.rm_type)
 
 
-class Trainer:
+class Trainer(CriticLoop):
     """One RL run over built components (see the module docstring).
 
     Args:
@@ -123,6 +125,7 @@ class Trainer:
         self._inflight: _InFlight | None = None  # a step() interrupted after its first optimizer step
         self._eval_rollout_id: int | None = None  # step()'s eval runs for the rollout it is finishing
         self.skipped_streak = 0  # optimizer steps skipped in a row (non-finite loss / grad norm)
+        self.init_kl_controller()  # KL-in-reward's β (rlbench.critic_loop)
         self.sync_weights()  # the engine always starts from the trainer's weights (version 0)
         if cfg.checkpoint.load_dir:
             self.load(cfg.checkpoint.load_dir)
@@ -144,7 +147,7 @@ class Trainer:
         try:
             return self._run(fl)
         except BaseException:
-            if fl.progress.per_step:  # weights changed: keep the step, the next step() finishes it
+            if fl.progress.started:  # weights changed: keep the step, the next step() finishes it
                 self._inflight = fl
             else:  # nothing trained yet: back to the state before the step
                 self._restore(fl.snapshot)
@@ -165,8 +168,8 @@ class Trainer:
         """`step()`'s stages in order: (name, bound method); each adds its metrics to `fl.metrics`.
 
         rollout = generate + rewards + one scalar per sample (group statistics); model_passes = pack + old/ref
-        log-probs (a critic's values would follow here); advantages = the token-level half on the ranks, from
-        the scalars and the passes. Interrupts (docs/reliability.md): a step stopped before its first optimizer
+        log-probs (+ the critic's values); advantages = the token-level half on the ranks, from the scalars and
+        the passes (+ the critic's returns); train = the critic's update, then the actor's. Interrupts (docs/reliability.md): a step stopped before its first optimizer
         step finished is rolled back whole, whatever stage it was in; a later one resumes at the stage it was in.
         """
         return [("eval0", self._stage_eval0), ("rollout", self._stage_rollout),
@@ -186,10 +189,13 @@ class Trainer:
     def _stage_model_passes(self, fl: _InFlight) -> None:
         self.pack(fl.batch)
         fl.metrics |= self.compute_log_probs(fl.batch, first_from_forward=True)
+        if self.has_critic:
+            fl.metrics |= self.compute_values(fl.batch)
         fl.metrics |= self._phase_peak("log_probs")
 
     def _stage_advantages(self, fl: _InFlight) -> None:
         fl.metrics |= self.compute_advantages(fl.batch)
+        self.update_kl_controller(fl.metrics, len(fl.batch.samples))
 
     def _stage_train(self, fl: _InFlight) -> None:
         fl.metrics |= self.train_step(fl.batch, progress=fl.progress)
@@ -288,7 +294,7 @@ class Trainer:
         """
         gbs = self.cfg.batch.global_batch_size
         steps = [batch.samples[start : start + gbs] for start in range(0, len(batch.samples), gbs)]
-        batch.packs, batch.advantages = self.rank_step.pack(steps), None
+        batch.packs, batch.advantages, batch.values, batch.returns = self.rank_step.pack(steps), None, None, None
         return batch.packs
 
     def compute_log_probs(self, batch: RolloutBatch, *, first_from_forward: bool = False) -> dict[str, float]:
@@ -308,20 +314,31 @@ class Trainer:
 
     def compute_advantages(self, batch: RolloutBatch) -> dict[str, float]:
         """The token-level advantages of every pack, from the scored scalars and the model passes
-        (`RankStep.compute_advantages`: REINFORCE++ returns, KL-in-reward, whitening over the global batch).
+        (`RankStep.advantages_and_returns`: REINFORCE++ returns, GAE from the critic's values, KL-in-reward,
+        whitening over the global batch).
 
-        Sets `batch.advantages` (`[step][micro-batch] -> [R]`); returns `rollout/advantages` (mean over trained
-        tokens).
+        Sets `batch.advantages` (`[step][micro-batch] -> [R]`) and with a critic `batch.returns`; returns
+        `rollout/advantages` (mean over trained tokens), with a critic `critic/values_mean`, `critic/returns_mean`.
         """
         self._enter("train")
         if batch.packs is None:
             self.pack(batch)
-        batch.advantages, metrics = self.rank_step.compute_advantages(batch.packs, batch.old_log_probs,
-                                                                      batch.ref_log_probs)
+        if self.has_critic and batch.values is None:
+            self.compute_values(batch)
+        batch.advantages, batch.returns, metrics = self.rank_step.advantages_and_returns(
+            batch.packs, batch.old_log_probs, batch.ref_log_probs, batch.values, kl_coef=self.kl_coef_now())
         return metrics
 
     def train_step(self, batch: RolloutBatch, progress: TrainProgress | None = None) -> dict[str, float]:
-        """One optimizer step per packed global batch; returns `train/*` averaged over the steps.
+        """The train stage: with a critic its update first (`train_critic`: `critic/*`), then the actor's
+        (`train_actor`: `train/*`), which the first `num_critic_only_steps` rollouts skip. `progress` resumes an
+        interrupted call."""
+        progress = TrainProgress() if progress is None else progress
+        metrics = self.train_critic(batch, progress) if self.has_critic else {}
+        return metrics if self.critic_only() else metrics | self.train_actor(batch, progress)
+
+    def train_actor(self, batch: RolloutBatch, progress: TrainProgress | None = None) -> dict[str, float]:
+        """One actor optimizer step per packed global batch; returns `train/*` averaged over the steps.
 
         Runs the model passes and the advantages first when they have not run for these packs.
         `policy_version` goes up by one per optimizer step applied (a skipped non-finite step changes no
@@ -412,7 +429,7 @@ class Trainer:
             "history": list(self.history),
             "eval_history": list(self.eval_history),
             "rng": _rng_state(),
-        }
+        } | ({"kl_ctl": self.kl_ctl.state_dict()} if self.kl_ctl is not None else {})
 
     def load_state_dict(self, state: dict) -> None:
         self.rollout_id, self.policy_version = int(state["rollout_id"]), int(state["policy_version"])
@@ -420,6 +437,8 @@ class Trainer:
         self.rollouts.load_state_dict(state["rollouts"])
         self.history, self.eval_history = list(state["history"]), list(state["eval_history"])
         _set_rng_state(state["rng"])
+        if self.kl_ctl is not None and "kl_ctl" in state:
+            self.kl_ctl.load_state_dict(state["kl_ctl"])
 
     def close(self) -> None:
         """Flush the metric sinks and stop the reward worker processes."""
@@ -431,7 +450,8 @@ class Trainer:
     def _snapshot(self) -> dict:
         """What a step changes before its first optimizer step (restored when it is stopped there)."""
         return {"dataset": copy.deepcopy(self.dataset.state_dict()), "rollouts": self.rollouts.state_dict(),
-                "eval_history": len(self.eval_history), "last_rollout": self.last_rollout, "rng": _rng_state()}
+                "eval_history": len(self.eval_history), "last_rollout": self.last_rollout, "rng": _rng_state(),
+                "kl_ctl": self.kl_ctl.state_dict() if self.kl_ctl is not None else None}
 
     def _restore(self, snap: dict) -> None:
         self.dataset.load_state_dict(snap["dataset"])
@@ -439,6 +459,8 @@ class Trainer:
         del self.eval_history[snap["eval_history"]:]
         self.last_rollout = snap["last_rollout"]
         _set_rng_state(snap["rng"])
+        if snap["kl_ctl"] is not None:
+            self.kl_ctl.load_state_dict(snap["kl_ctl"])
 
     def _resync_if_stale(self) -> None:
         if self._engine_stale:

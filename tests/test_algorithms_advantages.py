@@ -132,7 +132,7 @@ def test_compute_advantages_dispatch_and_shaping():
     got = compute_advantages(cfg, REWARDS, LENGTHS, MASK, group_size=4, old_log_probs=old, ref_log_probs=ref)
     raw = reinforce_pp_advantages(REWARDS, LENGTHS, MASK, old - ref, 0.1, 0.9)  # k1 KL = old − ref
     torch.testing.assert_close(got, whiten(raw, MASK), rtol=0, atol=1e-12)
-    cfg = LossConfig(advantage_estimator="ppo", gamma=0.9, lambd=0.8)
+    cfg = LossConfig(advantage_estimator="gae", gamma=0.9, lambd=0.8)
     values = torch.randn(sum(LENGTHS), generator=G, dtype=D)
     got = compute_advantages(cfg, REWARDS, LENGTHS, MASK, group_size=4, values=values)
     # last sample alone: GAE by hand
@@ -153,5 +153,5 @@ def test_config_rules_for_estimators():
     with pytest.raises(ValueError, match="no effect"):
         LossConfig(advantage_estimator="grpo", kl_coef=0.1)
     with pytest.raises(ValueError, match="cannot both"):
-        LossConfig(advantage_estimator="ppo", kl_coef=0.1, use_kl_loss=True, kl_loss_coef=0.1)
+        LossConfig(advantage_estimator="gae", kl_coef=0.1, use_kl_loss=True, kl_loss_coef=0.1)
     assert LossConfig(advantage_estimator="gspo").policy_loss == "gspo"

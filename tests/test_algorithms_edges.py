@@ -76,7 +76,7 @@ def test_gae_issue_example_skips_the_masked_step():
     # the masked step holds the carried A_2 and A_2 + V_1 (verl's lastgaelam and returns), read by no loss
     torch.testing.assert_close(adv, torch.tensor([[-0.23, 0.7, 0.7]], dtype=D), rtol=0, atol=1e-15)
     torch.testing.assert_close(ret, torch.tensor([[0.27, 0.9, 1.0]], dtype=D), rtol=0, atol=1e-15)
-    cfg = LossConfig(advantage_estimator="ppo", gamma=0.9, lambd=0.0)
+    cfg = LossConfig(advantage_estimator="gae", gamma=0.9, lambd=0.0)
     got = compute_advantages(cfg, torch.tensor([1.0], dtype=D), [3], m[0].to(D), group_size=1, values=v[0])
     torch.testing.assert_close(got, torch.tensor([-0.23, 0.7, 0.7], dtype=D), rtol=0, atol=1e-15)
 
@@ -107,7 +107,7 @@ def test_gae_matches_masked_loop_reference(gamma, lam):
     # garbage at masked positions must not matter: NaN values, −inf log-probs (NaN KL)
     values_g = torch.where(mask > 0, values, torch.tensor(NAN, dtype=D))
     old_g = torch.where(mask > 0, kl_old, torch.tensor(-INF, dtype=D))
-    cfg = LossConfig(advantage_estimator="ppo", gamma=gamma, lambd=lam, kl_coef=0.05)
+    cfg = LossConfig(advantage_estimator="gae", gamma=gamma, lambd=lam, kl_coef=0.05)
     got = compute_advantages(cfg, rewards, lengths, mask, group_size=2, values=values_g, old_log_probs=old_g,
                              ref_log_probs=kl_ref)
     exp = []
@@ -447,7 +447,7 @@ def test_non_finite_values_at_masked_positions_in_is_weights_and_advantages():
         if exp.batch_stats is not None:
             torch.testing.assert_close(got.batch_stats, exp.batch_stats, rtol=0, atol=1e-13)
     rewards = torch.tensor([1.0, 0.0, 0.5, -1.0, 2.0, 0.3], dtype=D)[: len(LENS)]
-    for est in ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"):
+    for est in ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"):
         cfg = LossConfig(advantage_estimator=est, normalize_advantages=True, kl_coef=0.05,
                          kl_loss_type="k3", gamma=0.9, lambd=0.95)
         kw = dict(group_size=1 if est != "reinforce_plus_plus_baseline" else 5)

@@ -10,9 +10,11 @@ from rlbench.configs import (
     BatchConfig,
     CheckpointConfig,
     ClusterConfig,
+    CriticConfig,
     DataConfig,
     EvalConfig,
     LossConfig,
+    OptimConfig,
     RolloutConfig,
     RunConfig,
     TaskConfig,
@@ -81,10 +83,32 @@ def test_component_rules(build, match):
         build()
 
 
-def test_kl_reward_shaping_is_rejected_with_a_fix():
+def test_kl_reward_shaping_needs_a_reference_model():
+    """KL-in-reward runs on the ranks (`RankStep.advantages_and_returns`): accepted with a reference model."""
     loss = LossConfig(advantage_estimator="reinforce_plus_plus_baseline", normalize_advantages=True, kl_coef=0.05)
-    with pytest.raises(ValueError, match=r"kl_coef=0.05 .* use use_kl_loss=True"):
-        _cfg(loss=loss, backend=TrainConfig(model="tiny", device="cpu", ref_model="tiny"))
+    with pytest.raises(ValueError, match=r"kl_coef=0.05 need a reference model; set backend.ref_model"):
+        _cfg(loss=loss, backend=TrainConfig(model="tiny", device="cpu"))
+    cfg = _cfg(loss=loss, backend=TrainConfig(model="tiny", device="cpu", ref_model="tiny"))
+    assert cfg.loss.kl_coef == 0.05 and cfg.backend.critic is None
+
+
+def test_gae_builds_a_critic_and_refuses_one_nothing_reads():
+    cfg = _cfg(loss=LossConfig(advantage_estimator="gae"), backend=TrainConfig(model="tiny", device="cpu"))
+    assert cfg.backend.critic == CriticConfig()  # slime: the estimator implies the critic
+    critic = TrainConfig(model="tiny", device="cpu", critic=CriticConfig(lr=1e-5))
+    assert _cfg(loss=LossConfig(advantage_estimator="gae"), backend=critic).backend.critic.lr == 1e-5
+    with pytest.raises(ValueError, match=r"advantage_estimator='grpo' reads no values; use advantage_estimator='gae'"):
+        _cfg(backend=critic)
+    with pytest.raises(ValueError, match=r"advantage_estimator='ppo' is called 'gae'"):
+        LossConfig(advantage_estimator="ppo")
+    with pytest.raises(ValueError, match=r"--train-backend megatron: the critic runs on the FSDP backend only"):
+        _cfg(loss=LossConfig(advantage_estimator="gae"), backend=TrainConfig(model="tiny", device="cpu"),
+             train_backend="megatron")
+    with pytest.raises(ValueError, match=r"context_parallel_size=2: the value head has no CP path"):
+        TrainConfig(model="tiny", device="cpu", cp_size=2, critic=CriticConfig())
+    optim = TrainConfig(model="tiny", device="cpu", critic=CriticConfig(lr=1e-7, lr_warmup_iters=3),
+                        optim=OptimConfig(lr=1e-6, min_lr=5e-7)).critic_optim
+    assert (optim.lr, optim.min_lr, optim.warmup_steps) == (1e-7, 1e-7, 3)  # min_lr capped at the critic's lr
 
 
 def test_replace_revalidates():

@@ -20,6 +20,7 @@ EXPECTED = {
     "run-qwen3-0.6B-colocate-1gpu.sh": ("local", 1, None, True, False),
     "run-qwen3-4B-colocate-Ngpu.sh": ("ray", 8, 8, True, True),
     "run-qwen3-4B-disaggregated.sh": ("ray", 4, 4, False, False),
+    "run-qwen3-0.6B-ppo-critic-1gpu.sh": ("local", 1, None, True, True),  # KL-in-reward (kl_coef), no KL loss
 }
 CPU_SIZE = ["--device", "cpu", "--param-dtype", "fp32", "--num-rollout", "1", "--rollout-batch-size", "2",
             "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--rollout-max-response-len", "8",
@@ -49,7 +50,8 @@ def test_example_flags_resolve(script, tmp_path):
     cluster = cfg["cluster"]
     assert (cluster["backend"], cluster["actor_num_gpus_per_node"], cluster["rollout_num_gpus"], cluster["colocate"]) \
         == (backend, train_gpus, rollout_gpus, colocate)
-    assert cfg["loss"]["use_kl_loss"] is kl and (cfg["backend"]["ref_model"] == "tiny") is kl
+    loss = cfg["loss"]
+    assert (loss["use_kl_loss"] or loss["kl_coef"] > 0) is kl and (cfg["backend"]["ref_model"] == "tiny") is kl
     assert (cfg["backend"]["model"], cfg["task"], cfg["eval"]["interval"]) == ("tiny", None, 10)
     assert cfg["data"]["path"] == cfg["eval"]["data_path"] == str(tmp_path / "prompts.jsonl")
     assert cfg["backend"]["device"] == "cuda" and cfg["rollout"]["rm_type"] == "math"
@@ -66,3 +68,14 @@ def test_one_gpu_example_trains_a_step_on_cpu(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout/id"] for r in rows] == [0.0]
     assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").is_file()
+
+
+def test_ppo_example_builds_the_critic(tmp_path):
+    """The PPO script: GAE with a critic of its own LR, warm-up and critic-only steps, KL-in-reward (not a loss)."""
+    proc = _run("run-qwen3-0.6B-ppo-critic-1gpu.sh", tmp_path, "--print-config")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cfg = json.loads(proc.stdout)
+    loss, critic = cfg["loss"], cfg["backend"]["critic"]
+    assert (loss["advantage_estimator"], loss["lambd"], loss["value_clip"], loss["kl_coef"], loss["use_kl_loss"]) \
+        == ("gae", 0.95, 0.2, 0.01, False)
+    assert critic == {"load": None, "lr": 5e-6, "lr_warmup_iters": 5, "num_critic_only_steps": 2}

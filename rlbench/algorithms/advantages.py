@@ -6,7 +6,7 @@ and response-space token tensors `[R]` (samples concatenated, `seq_lengths` summ
     REINFORCE++   token rewards r_t = −β·kl_t, + R_i at the last trained token; G_t = r_t + γ G_{t+1};
                   then whitened over the global batch (required)
     REINFORCE++-baseline   A_t = (R_i − mean_g) − β·kl_t, then whitened (required)
-    PPO (GAE)     δ_t = r_t + γ V_{t+1} − V_t (V after the last token = 0, truncated or not),
+    GAE (PPO)     δ_t = r_t + γ V_{t+1} − V_t (V after the last token = 0, truncated or not),
                   A_t = δ_t + γλ A_{t+1}, ret = A + V
 
 KL-in-reward (`kl_in_reward`): kl_t is `cfg.kl_loss_type` on π_old vs π_ref (k1 = logπ_old − logπ_ref, k3, ...),
@@ -301,7 +301,7 @@ def _plus_penalty(cfg, x: TokenInputs):
 
 def _gae(cfg, x: TokenInputs):
     if x.values is None:
-        raise ValueError("advantage_estimator='ppo' needs critic values [R]")
+        raise ValueError("advantage_estimator='gae' needs critic values [R]")
     rewards = last_token_values(x.base, x.seq_lengths, x.loss_mask)
     tok = shaped_token_rewards(rewards, x.seq_lengths, x.loss_mask, x.kl_penalty)
     steps = to_padded((x.loss_mask != 0).to(tok.dtype), x.seq_lengths)  # masked tokens are not time steps
@@ -317,7 +317,7 @@ ADVANTAGE_FNS: dict[str, Estimator] = {
     "rloo": Estimator(_scalar_fn(rloo_advantages), _broadcast),
     "reinforce_plus_plus": Estimator(_raw_reward, _rpp),
     "reinforce_plus_plus_baseline": Estimator(_scalar_fn(dr_grpo_advantages), _plus_penalty),
-    "ppo": Estimator(_raw_reward, _gae),
+    "gae": Estimator(_raw_reward, _gae),
 }
 """`LossConfig.advantage_estimator` -> its `Estimator`."""
 
@@ -372,13 +372,13 @@ def token_advantages_and_returns(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`(advantages [R], returns [R] | None)` from the per-sample scalars `base` (broadcast, `[R]`) and the model
     passes' outputs. The advantages are whitened over the global batch when `cfg.normalize_advantages`; the
-    returns never are (`ppo`: A + V before whitening, the value loss's target, as verl; REINFORCE++: G; None for
+    returns never are (`gae`: A + V before whitening, the value loss's target, as verl; REINFORCE++: G; None for
     the estimators without returns).
 
     Args:
         base: `[R]` `sample_advantages` broadcast over each sample's response tokens.
         old_log_probs, ref_log_probs: `[R]`; needed when β != 0 (`kl_in_reward`).
-        values: `[R]` critic values for `ppo`.
+        values: `[R]` critic values for `gae`.
         kl_coef: β of KL-in-reward this step (the KL controller's `value`); None: `cfg.kl_coef`.
         reduce_sum: sums lists of floats over the ranks holding the rest of the batch, for the whitening
             statistics (None: these samples are the whole batch).
@@ -412,7 +412,7 @@ def compute_advantages(
         seq_lengths: response length of each sample; loss_mask `[R]`.
         old_log_probs, ref_log_probs: `[R]`; needed when `cfg.kl_coef != 0` (KL reward shaping uses
             `cfg.kl_loss_type` on old vs ref).
-        values: `[R]` critic values for `ppo`.
+        values: `[R]` critic values for `gae`.
         kl_coef: β of KL-in-reward (the KL controller's value); None: `cfg.kl_coef`.
     """
     if rewards.numel() != len(seq_lengths) or sum(seq_lengths) != loss_mask.numel():

@@ -7,6 +7,8 @@ Layout under `root/`:
         trainer_state.pt     scheduler state, step, world size (rank 0)
         rng_rank{r}.pt       each rank's torch (+CUDA) RNG state
         <extra name>         the caller's extra files (`save(..., extra={"loop_state.pt": obj})`, rank 0)
+        <part name>/         a second trained model's dcp/ or full.pt and trainer_state.pt (`parts`: the PPO
+                             critic's `critic/`), committed with the rest
     latest_checkpointed_iteration.txt   the tracker: the ONLY source of "latest"
 
 Atomicity: everything (extras included) is written to `iter_XXXXXXX.tmp/`; only after every rank finished
@@ -28,6 +30,7 @@ import errno
 import os
 import shutil
 import warnings
+from typing import Any, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -45,6 +48,19 @@ from rlbench.interrupts import defer_sigint
 
 TRACKER = "latest_checkpointed_iteration.txt"
 LOW_SPACE_BYTES = 1 << 20  # a torch write failure with less free space than this is reported as a full disk
+
+
+class StatePart(Protocol):
+    """A trained model checkpointed beside the main one, in `<checkpoint>/<name>/` (the PPO critic): its model,
+    optimizer, LR scheduler, optimizer-step count (set by `load_checkpoint`) and the metadata saved with it."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    step: int
+
+    @property
+    def checkpoint_meta(self) -> dict: ...
 
 
 def iter_dir(root: str, step: int) -> str:
@@ -223,7 +239,7 @@ def _write_state(path: str, fmt: str, model: nn.Module, optimizer, env: DistEnv)
 
 def save_checkpoint(
     root: str, step: int, model: nn.Module, optimizer, scheduler, env: DistEnv, fmt: str = "sharded",
-    extra_meta: dict | None = None, extra: dict | None = None,
+    extra_meta: dict | None = None, extra: dict | None = None, parts: dict[str, StatePart] | None = None,
 ) -> str:
     """Write checkpoint `step` atomically (collective: every rank calls it). Returns its directory.
 
@@ -231,11 +247,14 @@ def save_checkpoint(
     adds the model name/overrides and its `optim_config`), which `load_checkpoint` checks (`resume.py`).
 
     `extra` maps file names to objects that rank 0 `torch.save`s inside the checkpoint before it is committed
-    (the Trainer's loop state): they are committed, or not, together with the model and optimizer."""
+    (the Trainer's loop state): they are committed, or not, together with the model and optimizer. `parts`
+    (directory name -> `StatePart`) go into sub-directories of the same checkpoint, in the same format."""
     final, tmp = iter_dir(root, step), iter_dir(root, step) + ".tmp"
-    for name in extra or {}:
+    for name in [*(extra or {}), *(parts or {})]:
         if os.path.basename(name) != name or name in ("dcp", "full.pt", "trainer_state.pt") or name.startswith("rng_rank"):
             raise ValueError(f"extra checkpoint file {name!r} must be a plain file name the backend does not use")
+    if set(extra or {}) & set(parts or {}):
+        raise ValueError(f"checkpoint names {sorted(set(extra) & set(parts))} are both an extra file and a part")
     try:
         if env.is_main:
             os.makedirs(root, exist_ok=True)
@@ -245,11 +264,17 @@ def save_checkpoint(
         _write_state(tmp, fmt, model, optimizer, env)
         save_synced(_rng_state(), os.path.join(tmp, f"rng_rank{env.rank}.pt"))
         if env.is_main:
-            meta = {"scheduler": scheduler.state_dict(), "step": step, "world_size": env.world_size, "format": fmt}
-            meta |= {"model_config": model_config_dict(model)} | (extra_meta or {})
-            save_synced(meta, os.path.join(tmp, "trainer_state.pt"))
+            _write_meta(tmp, model, scheduler, step, env, fmt, extra_meta)
             for name, obj in (extra or {}).items():
                 save_synced(obj, os.path.join(tmp, name))
+        for name, part in (parts or {}).items():
+            sub = os.path.join(tmp, name)
+            if env.is_main:
+                os.makedirs(sub)
+            barrier(env)
+            _write_state(sub, fmt, part.model, part.optimizer, env)
+            if env.is_main:
+                _write_meta(sub, part.model, part.scheduler, part.step, env, fmt, part.checkpoint_meta)
         barrier(env)
         if env.is_main:
             _commit(root, tmp, final, step)
@@ -264,6 +289,12 @@ def save_checkpoint(
         raise _save_error(os_error, root, tmp, final, env) from exc
     barrier(env)
     return final
+
+
+def _write_meta(path: str, model, scheduler, step: int, env: DistEnv, fmt: str, extra_meta: dict | None) -> None:
+    meta = {"scheduler": scheduler.state_dict(), "step": step, "world_size": env.world_size, "format": fmt}
+    meta |= {"model_config": model_config_dict(model)} | (extra_meta or {})
+    save_synced(meta, os.path.join(path, "trainer_state.pt"))
 
 
 def _os_error(exc: BaseException | None, depth: int = 0) -> OSError | None:
@@ -349,16 +380,37 @@ def commit(root: str, tmp: str, final: str, step: int) -> None:
 
 
 def load_checkpoint(
-    root: str, model: nn.Module, optimizer, scheduler, env: DistEnv, step: int | None = None, optim_cfg=None
+    root: str, model: nn.Module, optimizer, scheduler, env: DistEnv, step: int | None = None, optim_cfg=None,
+    parts: dict[str, tuple[StatePart, Any]] | None = None,
 ) -> int:
     """Restore model, optimizer, scheduler and RNG from `step` (default: the tracker). Returns the step.
 
     A model that differs from the checkpoint's raises `ResumeError` naming the fields before anything is
-    read into the model; with `optim_cfg` the new optimizer hyper-parameters win (`resume.apply_optim_config`)."""
+    read into the model; with `optim_cfg` the new optimizer hyper-parameters win (`resume.apply_optim_config`).
+    `parts` (name -> (`StatePart`, its optim config or None)) are restored from their sub-directories, each
+    part's `step` set to the saved one; a checkpoint without one of them raises ValueError before any read."""
     step = latest_step(root) if step is None else step
     path = committed_dir(root, step) if step is not None else None
     if path is None:
         raise ValueError(f"no finished checkpoint {step} under {root!r}; save one first or pass a valid step")
+    for name in parts or {}:
+        if not os.path.isdir(os.path.join(path, name)):
+            raise ValueError(f"checkpoint {path!r} has no {name}/ (saved by a run without it); resume it with the "
+                             f"run's own config, or start the {name} fresh in a new run (no --load)")
+    main_step = _load_state(path, model, optimizer, scheduler, env, optim_cfg)
+    for name, (part, part_optim) in (parts or {}).items():
+        part.step = _load_state(os.path.join(path, name), part.model, part.optimizer, part.scheduler, env, part_optim)
+    rng_file = os.path.join(path, f"rng_rank{env.rank}.pt")
+    if os.path.isfile(rng_file):  # absent when resuming on a larger world
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return main_step
+
+
+def _load_state(path: str, model: nn.Module, optimizer, scheduler, env: DistEnv, optim_cfg) -> int:
+    """Model, optimizer and scheduler from one checkpoint directory (the main one or a part's); its step."""
     meta = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
     check_model_config(meta, model, path)
     if meta["format"] == "sharded":
@@ -372,12 +424,6 @@ def load_checkpoint(
     scheduler.load_state_dict(meta["scheduler"])
     if optim_cfg is not None:
         apply_optim_config(optimizer, scheduler, meta.get("optim_config"), optim_cfg, path=path, announce=env.is_main)
-    rng_file = os.path.join(path, f"rng_rank{env.rank}.pt")
-    if os.path.isfile(rng_file):  # absent when resuming on a larger world
-        rng = torch.load(rng_file, weights_only=False)
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
     return meta["step"]
 
 

@@ -47,14 +47,19 @@ def weight_files(path: str) -> dict[str, str]:
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, path: str) -> None:
-    """Each rank reads only its own rows of each tensor (safetensors slicing); no full model anywhere."""
+def load_hf_weights(model: nn.Module, path: str, *, optional: tuple[str, ...] = ()) -> list[str]:
+    """Each rank reads only its own rows of each tensor (safetensors slicing); no full model anywhere.
+
+    Parameters whose name starts with one of `optional` may be absent from the files (a value head on a causal LM
+    directory); returns those absent names, left for the caller to initialise. Any other absent tensor raises."""
     files = weight_files(path)
     targets = dict(model.named_parameters())  # tied weights appear once
     targets |= {n: b for n, b in model.named_buffers() if n in files}
-    missing = sorted(n for n in targets if n not in files)
+    absent = sorted(n for n in targets if n not in files)
+    missing = [n for n in absent if not n.startswith(optional)] if optional else absent
     if missing:
         raise ValueError(f"{path!r} lacks tensors {missing[:5]} (of {len(missing)}); is it the same architecture?")
+    targets = {n: t for n, t in targets.items() if n in files}
     handles: dict[str, object] = {}
     with contextlib.ExitStack() as stack:
         for name, tensor in targets.items():
@@ -64,17 +69,21 @@ def load_hf_weights(model: nn.Module, path: str) -> None:
             local, index = local_slice(tensor)
             if local.numel():
                 local.copy_(handles[file].get_slice(name)[index].to(local.dtype))
+    return absent
 
 
 @torch.no_grad()
-def random_init(model: nn.Module, config: PretrainedConfig, seed: int, device: torch.device) -> None:
+def random_init(model: nn.Module, config: PretrainedConfig, seed: int, device: torch.device,
+                names: list[str] | None = None) -> None:
     """HF-style init (normal(0, initializer_range), norms = 1, biases = 0), identical for any world size.
 
     Every rank draws the full tensor from a generator seeded by (seed, parameter index) on `device`,
-    one tensor at a time, and keeps its own rows.
+    one tensor at a time, and keeps its own rows. `names`: only these parameters (None: all).
     """
     std = getattr(config, "initializer_range", 0.02)
     for i, (name, param) in enumerate(model.named_parameters()):
+        if names is not None and name not in names:
+            continue
         local, index = local_slice(param)
         full = torch.empty(param.shape, dtype=torch.float32, device=device)
         if name.endswith("norm.weight"):

@@ -9,12 +9,14 @@ be built and validated without loading CUDA code (tests/test_imports.py checks i
     loss.py        LossConfig, MISConfig                       sglang.py    SGLangEngineConfig
     weights.py     WeightSyncConfig                            cluster.py   ClusterConfig, the Ray layout rules
     checkpoint.py  CheckpointConfig                            metrics.py   LoggingConfig
+    critic.py      CriticConfig (the PPO critic, TrainConfig.critic)
 """
 
 from rlbench.configs.backend import FSDPOptions, OptimConfig, TrainConfig
 from rlbench.configs.batch import BatchConfig
 from rlbench.configs.checkpoint import CheckpointConfig
 from rlbench.configs.cluster import ClusterConfig
+from rlbench.configs.critic import CriticConfig
 from rlbench.configs.data import DataConfig, TaskConfig
 from rlbench.configs.engine import MegakernelConfig, TorchEngineConfig
 from rlbench.configs.loss import LossConfig, MISConfig
@@ -26,7 +28,7 @@ from rlbench.configs.sglang import SGLangEngineConfig
 from rlbench.configs.weights import WeightSyncConfig
 
 __all__ = [
-    "BatchConfig", "CheckpointConfig", "ClusterConfig", "DataConfig", "EvalConfig", "FSDPOptions", "LoggingConfig",
+    "BatchConfig", "CheckpointConfig", "ClusterConfig", "CriticConfig", "DataConfig", "EvalConfig", "FSDPOptions", "LoggingConfig",
     "LossConfig", "MISConfig", "MegakernelConfig", "MegatronConfig", "OptimConfig", "RolloutConfig", "RunConfig",
     "SGLangEngineConfig", "TaskConfig", "TorchEngineConfig", "TrainConfig", "WeightSyncConfig",
 ]

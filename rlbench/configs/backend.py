@@ -12,6 +12,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from rlbench.configs.critic import CriticConfig
+
 if TYPE_CHECKING:
     import torch
 
@@ -159,6 +161,8 @@ class TrainConfig:
     """the FSDP2 backend's own settings (refused by megatron when changed)"""
     model_overrides: dict = field(default_factory=dict)
     """config overrides for a preset model (e.g. vocab_size)"""
+    critic: CriticConfig | None = None
+    """the PPO critic trained beside the actor (`advantage_estimator="gae"`); None = no critic"""
 
     def __post_init__(self) -> None:
         if self.device not in ("cuda", "cpu"):
@@ -185,6 +189,11 @@ class TrainConfig:
                              "own attention (rlbench_cp: SDPA on CPU, flex on CUDA); use 'sdpa' or 'flex_attention'")
         if self.logprob_chunk_size < 1:
             raise ValueError(f"logprob_chunk_size={self.logprob_chunk_size} must be >= 1")
+        if self.critic is not None and self.cp_size > 1:
+            raise ValueError(f"a critic (--critic-*) with context_parallel_size={self.cp_size}: the value head has no "
+                             "CP path yet; use context_parallel_size=1 for PPO with a critic")
+        if self.critic is not None:
+            self.critic_optim  # noqa: B018 (validates the critic's schedule now, not at init)
 
     def _check_cp_attention(self) -> None:
         name, f = self.fsdp.cp_attention, self.fsdp
@@ -201,6 +210,16 @@ class TrainConfig:
         if f.cp_recompute:
             warnings.warn(f"cp_recompute has no effect with cp_attention={name!r} (its backward re-gathers K/V "
                           "by itself)", UserWarning, stacklevel=4)
+
+    @property
+    def critic_optim(self) -> OptimConfig:
+        """The critic's optimizer and schedule: the actor's `optim` with `critic.lr` (None: the actor's) and
+        `critic.lr_warmup_iters` (slime's `--critic-lr`, `--critic-lr-warmup-iters`); min_lr is capped at that lr."""
+        if self.critic is None:
+            raise ValueError("critic_optim: no critic configured (TrainConfig.critic is None)")
+        lr = self.optim.lr if self.critic.lr is None else self.critic.lr
+        return dataclasses.replace(self.optim, lr=lr, min_lr=min(self.optim.min_lr, lr),
+                                   warmup_steps=self.critic.lr_warmup_iters)
 
     @property
     def attention(self) -> str:

@@ -15,7 +15,7 @@ ADVANTAGE_ESTIMATORS = (
     "rloo",
     "reinforce_plus_plus",
     "reinforce_plus_plus_baseline",
-    "ppo",
+    "gae",
 )
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
 KL_CTL_TYPES = ("fixed", "adaptive")
@@ -87,7 +87,8 @@ class LossConfig:
     """Advantage estimator, policy loss, KL, entropy, aggregation and train–inference mismatch correction."""
 
     advantage_estimator: str = "grpo"
-    """grpo | gspo | dr_grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | ppo (GAE)."""
+    """grpo | gspo | dr_grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | gae (PPO with a critic:
+    the run trains a value model, `TrainConfig.critic`)."""
     grpo_std_normalization: bool = True
     """GRPO/GSPO: divide by the group's unbiased std + 1e-6 (slime: --disable-grpo-std-normalization)."""
     normalize_advantages: bool = False
@@ -147,6 +148,9 @@ class LossConfig:
     """OPSM threshold δ."""
 
     def __post_init__(self) -> None:
+        if self.advantage_estimator == "ppo":  # slime's name; "ppo" here is the clipped policy loss (policy_loss)
+            raise ValueError("advantage_estimator='ppo' is called 'gae' in rlbench (PPO's critic-based advantages; "
+                             "'ppo' names the clipped policy loss, policy_loss='ppo'): use advantage_estimator='gae'")
         _choice("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS)
         if self.policy_loss is None:
             self.policy_loss = "gspo" if self.advantage_estimator == "gspo" else "ppo"
@@ -217,6 +221,11 @@ class LossConfig:
             raise ValueError(
                 "loss_aggregation='seq_sum_constant' needs loss_aggregation_constant (e.g. max response length)"
             )
+
+    @property
+    def needs_critic(self) -> bool:
+        """Whether the advantages read a critic's values (GAE): the run trains a value model."""
+        return self.advantage_estimator == "gae"
 
     @property
     def needs_ref(self) -> bool:

@@ -17,6 +17,7 @@ from rlbench.configs.batch import BatchConfig
 from rlbench.configs.checkpoint import CheckpointConfig
 from rlbench.configs.checks import did_you_mean
 from rlbench.configs.cluster import ClusterConfig, check_batch_layout, check_engine_layout
+from rlbench.configs.critic import CriticConfig
 from rlbench.configs.data import DataConfig, TaskConfig
 from rlbench.configs.engine import TorchEngineConfig
 from rlbench.configs.loss import LossConfig
@@ -213,13 +214,20 @@ class RunConfig:
                 f"advantage_estimator={loss.advantage_estimator!r} with n_samples_per_prompt=1 gives zero "
                 "advantages (a group of one); use n_samples_per_prompt >= 2"
             )
-        if loss.kl_coef != 0:
-            raise ValueError(
-                f"kl_coef={loss.kl_coef} (KL reward shaping) is not wired into the Trainer yet; "
-                "use use_kl_loss=True with kl_loss_coef instead"
-            )
-        if loss.advantage_estimator == "ppo":
-            raise ValueError("advantage_estimator='ppo' needs a critic, which rlbench does not have yet; use 'grpo'")
+        self._check_critic()
+
+    def _check_critic(self) -> None:
+        """`advantage_estimator="gae"` trains a critic (the default one unless `backend.critic` says otherwise, as
+        slime's estimator implies `--critic-*`); a critic nothing reads is refused, and so is one on megatron."""
+        estimator, critic = self.loss.advantage_estimator, self.backend.critic
+        if self.loss.needs_critic and critic is None:
+            self.backend = dataclasses.replace(self.backend, critic=CriticConfig())
+        elif not self.loss.needs_critic and critic is not None:
+            raise ValueError(f"backend.critic is set (--critic-*) but advantage_estimator={estimator!r} reads no "
+                             "values; use advantage_estimator='gae' (PPO with a critic) or drop the critic")
+        if self.backend.critic is not None and self.train_backend == "megatron":
+            raise ValueError("a critic (--advantage-estimator gae, --critic-*) with --train-backend megatron: the "
+                             "critic runs on the FSDP backend only; use --train-backend fsdp for PPO with a critic")
 
     @property
     def optimizer_steps_per_rollout(self) -> int:

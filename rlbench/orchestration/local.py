@@ -123,8 +123,8 @@ def rollout_slots(cfg: RunConfig) -> int:
 
 
 def build_backend(cfg: RunConfig, env=None):
-    """The training backend of `cfg.train_backend` (FSDP or megatron-core), initialised (process group, model,
-    optimizer); log-probs at the sampling temperature. `env`: a process group set up by the caller (a Ray trainer
+    """The training backend of `cfg.train_backend` (FSDP, with its critic when `backend.critic` is set, or
+    megatron-core), initialised (process group, model(s), optimizer(s)); log-probs at the sampling temperature. `env`: a process group set up by the caller (a Ray trainer
     rank's `DistEnv`); None: the backend makes one (torchrun's environment or a world of one)."""
     backend_cfg = cfg.backend
     if cfg.checkpoint.save_dir and not backend_cfg.checkpoint_dir:
@@ -133,6 +133,10 @@ def build_backend(cfg: RunConfig, env=None):
         from rlbench.backends.megatron.backend import MegatronBackend
 
         backend = MegatronBackend(backend_cfg, cfg.megatron, env=env, temperature=cfg.rollout.temperature)
+    elif backend_cfg.critic is not None:  # PPO: the actor backend that owns the critic
+        from rlbench.backends.fsdp.critic import FSDPActorCritic
+
+        backend = FSDPActorCritic(backend_cfg, env=env, temperature=cfg.rollout.temperature)
     else:
         from rlbench.backends.fsdp.actor import FSDPBackend
 

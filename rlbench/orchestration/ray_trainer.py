@@ -73,6 +73,7 @@ class RayTrainer(Trainer):
         self._packed: RolloutBatch | None = None
         self._fit_target: int | None = None  # fit()'s last rollout: no generation is started beyond it
         self._log_probs_of: RolloutBatch | None = None  # the batch whose log-probs the ranks hold
+        self._values_of: RolloutBatch | None = None  # ... whose critic values
         self._advantages_of: RolloutBatch | None = None  # ... and whose advantages
         self._pending: concurrent.futures.Future | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlbench-rollout")
@@ -121,7 +122,7 @@ class RayTrainer(Trainer):
         shards = split_steps_by_dp(batch.samples, b.global_batch_size, self.dp_size, b.balance_data)
         ranks = [shards[dp] for dp in self.cluster.dp_ranks]
         batch.packs = self.cluster.call_trainers_with_shards("pack", self.cluster.put_shards(ranks))
-        self._packed, self._log_probs_of, self._advantages_of = batch, None, None  # packs only, so far
+        self._packed, self._log_probs_of, self._values_of, self._advantages_of = batch, None, None, None
         return batch.packs
 
     def compute_log_probs(self, batch: RolloutBatch, *, first_from_forward: bool = False) -> dict[str, float]:
@@ -140,14 +141,33 @@ class RayTrainer(Trainer):
         self._enter("train")
         if self._log_probs_of is not batch:
             self.compute_log_probs(batch)
-        per_rank = self.cluster.call_trainers("compute_advantages")
+        if self.has_critic and self._values_of is not batch:
+            self.compute_values(batch)
+        per_rank = self.cluster.call_trainers("compute_advantages", self.kl_coef_now())
         self._advantages_of = batch
         per_sample = {k: v for _, values in per_rank for k, v in values.items()}
         adv = [per_sample[s.index] for s in batch.samples]  # in batch order: the one-process float32 sum
         masks = [torch.tensor(s.loss_mask[: len(a)], dtype=torch.float32) for s, a in zip(batch.samples, adv)]
         return dict(per_rank[0][0]) | {"rollout/advantages": token_mean(adv, masks)}
 
-    def train_step(self, batch: RolloutBatch, progress=None) -> dict[str, float]:
+    def compute_values(self, batch: RolloutBatch) -> dict[str, float]:
+        """The critic's values on every rank (kept there); `perf/*` of the slowest rank."""
+        self._enter("train")
+        if self._packed is not batch:
+            self.pack(batch)
+        per_rank = self.cluster.call_trainers("compute_values")
+        self._values_of, self._advantages_of = batch, None
+        return {k: v for k, v in max_merge(per_rank).items() if k.startswith("perf/")}
+
+    def train_critic(self, batch: RolloutBatch, progress=None) -> dict[str, float]:
+        """One critic optimizer step per global batch on every rank; `critic/*` global, `perf/*` the slowest's."""
+        self._enter("train")
+        if self._advantages_of is not batch:
+            self.compute_advantages(batch)
+        per_rank = self.cluster.call_trainers("train_critic")
+        return dict(per_rank[0]) | {k: v for k, v in max_merge(per_rank).items() if k.startswith("perf/")}
+
+    def train_actor(self, batch: RolloutBatch, progress=None) -> dict[str, float]:
         """One optimizer step per global batch on every rank; `train/*` are global, `perf/*` the slowest rank's.
 
         `policy_version` goes up by the optimizer steps applied. `progress` is not used: on Ray an interrupted

@@ -72,6 +72,7 @@ class TrainWorker:
         self.backend = self.step = None
         self.packs: list[list] = []  # [step][micro-batch] -> Pack of the batch being trained
         self.old = self.ref = self.adv = None  # its old / ref log-probs and advantages, [step][micro-batch] -> [R]
+        self.values = self.returns = None  # PPO with a critic: its values V_old and returns, same layout
         self.engines: list = []
         self.group: BroadcastGroup | None = None
         self.layouts: list | None = None  # disaggregated rank 0: each engine's weight_layout(), read at the first sync
@@ -119,6 +120,7 @@ class TrainWorker:
     def pack(self, steps: list) -> dict:
         """Pack this rank's samples (`[step] -> list[Sample]`, fetched from the object store by Ray)."""
         self.packs, self.old, self.ref, self.adv = self.step.pack(steps), None, None, None
+        self.values = self.returns = None
         self.sample_index = [[s.index for s in step] for step in steps]  # [step][sample id] -> Sample.index
         return {"micro_batches": [len(p) for p in self.packs], "tokens": sum(p.num_tokens for s in self.packs for p in s)}
 
@@ -128,17 +130,35 @@ class TrainWorker:
         self.adv = None  # advantages may read the passes (KL-in-reward): computed after them
         return metrics
 
-    def compute_advantages(self) -> tuple[dict, dict]:
-        """Token-level advantages of the packs (kept here); returns the global `rollout/advantages` and each
-        sample's advantages by `Sample.index` (the driver reports their one-process mean)."""
+    def compute_values(self) -> dict:
+        """The critic's values of the packs (kept here); returns `perf/values_*`."""
+        self.values, metrics = self.step.compute_values(self.packs)
+        self.adv = self.returns = None  # the advantages read the values (GAE): computed after them
+        return metrics
+
+    def compute_advantages(self, kl_coef: float | None = None) -> tuple[dict, dict]:
+        """Token-level advantages of the packs (kept here, with a critic's returns); returns the global
+        `rollout/advantages` (and `critic/*_mean`) and each sample's advantages by `Sample.index` (the driver
+        reports their one-process mean). `kl_coef`: β of KL-in-reward (the driver's KL controller)."""
         if self.step.needs_log_probs(self.old, self.ref):
             self.compute_log_probs()
-        self.adv, metrics = self.step.compute_advantages(self.packs, self.old, self.ref)
+        if self.step.critic is not None and self.values is None:
+            self.compute_values()
+        self.adv, self.returns, metrics = self.step.advantages_and_returns(self.packs, self.old, self.ref, self.values,
+                                                                           kl_coef=kl_coef)
         per_sample = {}
         for index, step_packs, step_adv in zip(self.sample_index, self.packs, self.adv):
             for p, a in zip(step_packs, step_adv):
                 per_sample |= {index[i]: x for i, x in zip(p.sample_ids, torch.split(a, p.response_lengths))}
         return metrics, per_sample
+
+    def train_critic(self) -> dict:
+        """One critic optimizer step per global batch on the kept returns; `critic/*` (global)."""
+        if self.adv is None:
+            self.compute_advantages()
+        metrics = self.step.train_critic(self.packs, self.values, self.returns)
+        metrics["perf/peak_memory_gb"] = _peak_memory_gb(self.device)
+        return metrics
 
     def train(self) -> dict:
         if self.step.needs_log_probs(self.old, self.ref):

@@ -50,6 +50,10 @@ class RolloutBatch:
     """Set by `Trainer.compute_log_probs`: `[step][micro-batch] -> [R]` reference log-probs (or None)."""
     advantages: list | None = None
     """Set by `Trainer.compute_advantages`: `[step][micro-batch] -> [R]` token-level advantages."""
+    values: list | None = None
+    """PPO with a critic, set by `Trainer.compute_values`: `[step][micro-batch] -> [R]` the critic's V_old."""
+    returns: list | None = None
+    """PPO with a critic, set by `Trainer.compute_advantages`: `[step][micro-batch] -> [R]` the critic's targets."""
 
     @property
     def groups(self) -> list[list[Sample]]:

@@ -25,7 +25,7 @@ def text_reward(response: str, label) -> float:
 
 
 def tiny_config(workdir: str, *, save_dir: str | None = None, save_interval: int | None = None, ref: bool = False,
-                eval_interval: int | None = None):
+                eval_interval: int | None = None, critic: bool = False):
     """The `tiny` preset, float32 on CPU: 2 prompts x 4 samples, 2 optimizer steps per rollout, 2+ micro-batches
     each (a small token budget), weights synced in several buckets."""
     cfg = presets.cpu_test(model="tiny", workdir=workdir, level=1, n_eval=8)
@@ -33,7 +33,10 @@ def tiny_config(workdir: str, *, save_dir: str | None = None, save_interval: int
     data = os.path.join(workdir, "prompts.jsonl")  # no task: its rows would name their own reward ("math")
     with open(data, "w") as f:
         f.writelines(json.dumps({"prompt": f"{i}+{i % 3}=?", "label": str(i + i % 3)}) + "\n" for i in range(12))
-    backend = dc.replace(cfg.backend, ref_model="tiny" if ref else None, ref_update_interval=1 if ref else None)
+    # with a critic the reference is read (KL-in-reward) and must stay the starting model: checkpoints do not hold
+    # the reference, so a resume after an update_ref would compare against another one
+    backend = dc.replace(cfg.backend, ref_model="tiny" if ref else None,
+                         ref_update_interval=1 if ref and not critic else None)
     return cfg.replace(
         task=None,
         data=dc.replace(cfg.data, path=data),
@@ -45,6 +48,10 @@ def tiny_config(workdir: str, *, save_dir: str | None = None, save_interval: int
         eval=dc.replace(cfg.eval, interval=eval_interval, data_path=data, max_prompts=2, n_samples_per_prompt=2,
                         pass_k=(1, 2)),
         checkpoint=dc.replace(cfg.checkpoint, save_dir=save_dir, save_interval=save_interval),
+        # PPO with a critic (the critic trains first, then the actor; KL-in-reward when there is a reference)
+        loss=dc.replace(cfg.loss, advantage_estimator="gae", normalize_advantages=True, lambd=0.95,
+                        **(dict(kl_coef=0.05, kl_ctl_type="adaptive", kl_target=1e-3, kl_horizon=100.0) if ref
+                           else {})) if critic else cfg.loss,
     )
 
 
@@ -61,7 +68,16 @@ def state(trainer) -> dict:
     opt = [v.full_tensor().clone() if hasattr(v, "full_tensor") else (v.clone() if torch.is_tensor(v) else v)
            for s in b.optimizer.state.values() for _, v in sorted(s.items())]
     engine = {n: t.detach().clone() for n, t in trainer.engine.model.named_parameters()}
-    return {"params": params, "opt": opt, "sched": b.scheduler.state_dict(), "engine": engine,
+    sched = b.scheduler.state_dict()
+    critic = getattr(b, "critic", None)
+    if critic is not None:  # PPO: the critic's weights, AdamW state and schedule too
+        params |= {f"critic.{n}": p.full_tensor().clone() for n, p in critic.model.named_parameters()}
+        opt += [v.full_tensor().clone() if hasattr(v, "full_tensor") else (v.clone() if torch.is_tensor(v) else v)
+                for s in critic.optimizer.state.values() for _, v in sorted(s.items())]
+        sched = {"actor": sched, "critic": critic.scheduler.state_dict(), "critic_step": critic.step}
+    if getattr(trainer, "kl_ctl", None) is not None:  # KL-in-reward's β, the loop's state
+        sched = {"sched": sched, "kl_ctl": trainer.kl_ctl.state_dict()}
+    return {"params": params, "opt": opt, "sched": sched, "engine": engine,
             "counters": (trainer.rollout_id, trainer.policy_version, trainer.version, trainer.engine.weight_version,
                          b.step),
             "data": trainer.dataset.state_dict(), "rollouts": trainer.rollouts.state_dict(),

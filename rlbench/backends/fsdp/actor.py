@@ -66,8 +66,11 @@ class FSDPBackend(CommittedCheckpoints):
             self.env = init_distributed(cfg.device, cp_size=cfg.cp_size, cpu_offload=cfg.fsdp.cpu_offload)
         if self.env.device.type == "cpu":
             retain_freed_host_memory()  # the step's large temporaries reuse freed blocks (no page faults)
+        if cfg.critic is not None and getattr(self, "critic", None) is None:
+            raise ValueError("TrainConfig.critic is set: build the backend with a critic, "
+                             "rlbench.backends.fsdp.critic.FSDPActorCritic (build_backend picks it from the config)")
         torch.manual_seed(cfg.seed)
-        self.model, self.hf_config = build_sharded_model(cfg.model, cfg, self.env, offload=cfg.fsdp.cpu_offload)
+        self.model, self.hf_config = self.build_model()
         _check_kv_head_chunk(cfg, self.hf_config)
         if cfg.ref_model is not None:
             # Same precision policy and kernels as the actor, params streamed from CPU per layer.
@@ -89,6 +92,10 @@ class FSDPBackend(CommittedCheckpoints):
         self.step = 0
         return self.step
 
+    def build_model(self):
+        """`(model, hf_config)` of the trained model: the causal LM of `cfg.model` (the critic: a value model)."""
+        return build_sharded_model(self.cfg.model, self.cfg, self.env, offload=self.cfg.fsdp.cpu_offload)
+
     @property
     def pack_buckets(self) -> bool:
         """Whether packs should come in few bucketed lengths (`make_step_packs(bucket=True)`, RankStep reads it):
@@ -100,9 +107,23 @@ class FSDPBackend(CommittedCheckpoints):
         """Response-space `(logp [R], entropy [R] | None)` of one packed micro-batch."""
         if self._parking.asleep:
             raise ValueError("the backend is asleep (its device memory is released); call wake_up() first")
-        dev = self.env.device
         if self.env.cp_size > 1:
             return self._forward_pack_cp(model, pack, with_entropy)
+        inputs, index = self.pack_inputs(pack)
+        tokens = inputs["input_ids"][0]  # [T]
+        logits = kept_logits(model, index, **inputs)
+        return token_logprobs(
+            logits, tokens[index + 1], self.temperature, chunk_size=self.cfg.logprob_chunk_size,
+            with_entropy=with_entropy, lse_fn=_engine_lse() if self.cfg.batch_invariant else None,
+        )
+
+    def pack_inputs(self, pack) -> tuple[dict, torch.Tensor]:
+        """`(model kwargs, response_index [R])` of one pack on the device: `input_ids [1, T]`, `position_ids [1, T]`,
+        the attention mask (None: transformers builds the documents' mask from the position ids) and the forward's
+        extras; `response_index` holds the positions predicting the response tokens."""
+        if self._parking.asleep:
+            raise ValueError("the backend is asleep (its device memory is released); call wake_up() first")
+        dev = self.env.device
         tokens = to_device(pack.tokens, dev)  # [T]
         positions = to_device(pack.position_ids, dev)  # [T]
         # flex on CUDA: our document BlockMask. On CPU (inductor's CPU flex template fails to compile a
@@ -113,12 +134,7 @@ class FSDPBackend(CommittedCheckpoints):
         extra = {}
         if self.cfg.batch_invariant:  # tiles from the pack's host position ids: no device sync before the layers
             extra["rl_tiles"] = _forward_tiles(pack.position_ids[None], self.hf_config, dev)
-        logits = kept_logits(model, index, input_ids=tokens[None], position_ids=positions[None], attention_mask=mask,
-                             **extra)
-        return token_logprobs(
-            logits, tokens[index + 1], self.temperature, chunk_size=self.cfg.logprob_chunk_size,
-            with_entropy=with_entropy, lse_fn=_engine_lse() if self.cfg.batch_invariant else None,
-        )
+        return dict(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask, **extra), index
 
     def _forward_pack_cp(self, model, pack, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward_pack` of one CP rank: the model sees the rank's slice; the result is the FULL `[R]`.
@@ -173,7 +189,7 @@ class FSDPBackend(CommittedCheckpoints):
         self._check_same_count(len(packs))  # unequal counts would desynchronise the forwards' collectives
         outs = []
         for pack in packs:
-            with self._pass_grad_mode(), _reset_on_error(net):
+            with self._pass_grad_mode(), reset_on_error(net):
                 logp, ent = self.forward_pack(net, pack, with_entropy)
                 logp, ent = logp.detach(), (ent.detach() if ent is not None else None)
             outs.append(PackOutputs(logp.cpu(), ent.cpu() if ent is not None else None, list(pack.response_lengths)))
@@ -241,7 +257,7 @@ class FSDPBackend(CommittedCheckpoints):
             raise_if_interrupted()  # a held Ctrl-C stops here, between micro-batches (grads cleared next call)
             if self.cfg.fsdp.no_sync_accumulation:
                 self.model.set_requires_gradient_sync(i == len(packs) - 1)
-            with _reset_on_error(self.model):  # a CUDA OOM or a Ctrl-C in a backward hook stops mid-pass
+            with reset_on_error(self.model):  # a CUDA OOM or a Ctrl-C in a backward hook stops mid-pass
                 logp, ent = self.forward_pack(self.model, pack, self.cfg.with_entropy)
                 loss, metrics = loss_fn(logp, ent, to_device(inputs, self.env.device))
                 (loss * scale).backward()
@@ -325,16 +341,28 @@ class FSDPBackend(CommittedCheckpoints):
         (file name -> object) is written inside it by rank 0 and committed with it. Returns its directory."""
         step = self.step if step is None else step
         args = (self.model, self.optimizer, self.scheduler, self.env)
-        meta = {"model": self.cfg.model, "model_overrides": dict(self.cfg.model_overrides),
-                "optim_config": dataclasses.asdict(self.cfg.optim)}  # checked on load (resume.py)
-        return save_checkpoint(self._checkpoint_root(), step, *args, fmt=self.cfg.fsdp.checkpoint_format, extra_meta=meta,
-                               extra=extra)
+        parts = {name: part for name, (part, _) in self.checkpoint_parts().items()}
+        return save_checkpoint(self._checkpoint_root(), step, *args, fmt=self.cfg.fsdp.checkpoint_format,
+                               extra_meta=self.checkpoint_meta, extra=extra, parts=parts)
+
+    @property
+    def checkpoint_meta(self) -> dict:
+        """What a checkpoint records of this model beside its state (checked on load: resume.py)."""
+        return {"model": self.cfg.model, "model_overrides": dict(self.cfg.model_overrides),
+                "optim_config": dataclasses.asdict(self.cfg.optim)}
 
     def load(self, step: int | None = None) -> int:
         root = self._checkpoint_root()
+        parts = self.checkpoint_parts()
         self.step = load_checkpoint(root, self.model, self.optimizer, self.scheduler, self.env, step,
-                                    optim_cfg=self.cfg.optim)
+                                    optim_cfg=self.cfg.optim, parts=parts)
         return self.step
+
+    def checkpoint_parts(self) -> dict:
+        """Trained models checkpointed beside the actor, in sub-directories of its checkpoint: name ->
+        (a `rlbench.backends.checkpoint.StatePart`, its `OptimConfig`); `load` sets each part's `step`. None here;
+        the critic's backend has one."""
+        return {}
 
     def export_hf(self, path: str, dtype: torch.dtype | None = None) -> None:
         """A plain HF directory of the current actor weights (from_pretrained loads it)."""
@@ -463,7 +491,7 @@ def reset_fsdp_iteration(root) -> None:
 
 
 @contextlib.contextmanager
-def _reset_on_error(root):
+def reset_on_error(root):
     """Run a forward / backward; if it raises (anything, Ctrl-C included), reset FSDP2's state before the error
     propagates (`reset_fsdp_iteration`), so the backend is usable by the next call."""
     try:

@@ -15,7 +15,12 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 from rlbench.backends.hf_weights import load_hf_weights, model_config, random_init
 from rlbench.configs.backend import TrainConfig
@@ -62,8 +67,12 @@ def _checkpoint_forward(layer: nn.Module) -> None:
     layer.forward = forward_with_recompute
 
 
+VALUE_HEAD = "score"
+"""The value head's parameter prefix (transformers' `*ForTokenClassification`, verl's critic layout)."""
+
+
 def build_sharded_model(
-    name: str, cfg: TrainConfig, env: DistEnv, *, offload: bool = False
+    name: str, cfg: TrainConfig, env: DistEnv, *, offload: bool = False, value_head: bool = False
 ) -> tuple[PreTrainedModel, PretrainedConfig]:
     """An FSDP2 model on `env.device` (sharded params on CPU when `offload`), weights loaded or random.
 
@@ -72,14 +81,21 @@ def build_sharded_model(
         cfg: sharding/precision/attention options.
         env: the process's mesh; FSDP shards over `env.shard_mesh` (dp x cp flattened).
         offload: FSDP CPUOffloadPolicy (params, grads and optimizer state on CPU).
+        value_head: a value model instead of the causal LM: the same decoder with a scalar head
+            (`AutoModelForTokenClassification`, one label, no dropout: `score`, Linear(hidden, 1) over the last
+            hidden state) and no LM head. From a causal-LM directory the head is initialised (`random_init`);
+            a directory that has `score.*` (a saved critic) loads it.
     """
     hf_config = model_config(name, cfg.model_overrides)
     hf_config._attn_implementation = cfg.attention
     hf_config.use_cache = False
+    if value_head:
+        hf_config.num_labels, hf_config.classifier_dropout = 1, 0.0  # dropout would make values random in train()
+    auto = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
     with params_on_meta():
-        model = AutoModelForCausalLM.from_config(
-            hf_config, dtype=torch.float32, attn_implementation=cfg.attention
-        )
+        model = auto.from_config(hf_config, dtype=torch.float32, attn_implementation=cfg.attention)
+    if value_head:  # an exported critic names its class (fully_shard renames the module's)
+        hf_config.architectures = [type(model).__name__]
     if cfg.cp_size > 1:  # context parallel: every attention layer reads the forward's rl_cp= context
         from rlbench.distributed.cp_kernels import cp_kernel  # importing the kernel registers its attention
 
@@ -114,7 +130,9 @@ def build_sharded_model(
     model.to_empty(device="cpu" if offload else env.device)
     restore_buffers(model, buffers, env.device)  # on the compute device even with CPU offload
     if os.path.isdir(name):
-        load_hf_weights(model, name)
+        absent = load_hf_weights(model, name, optional=(f"{VALUE_HEAD}.",) if value_head else ())
+        if absent:  # a causal LM's directory: the value head starts from the seeded init
+            random_init(model, hf_config, cfg.seed, env.device, names=absent)
     else:
         random_init(model, hf_config, cfg.seed, env.device)
     return model, hf_config
