@@ -55,7 +55,8 @@ class ScalarHeadModel(nn.Module):
         hidden = hidden_size(backbone)
         if head is None:
             param = next(backbone.parameters())
-            head = nn.Linear(hidden, 1, device=param.device, dtype=param.dtype)
+            # built on meta and zeroed: no draw from the global RNG (building a model must not shift a run's seeds)
+            head = nn.Linear(hidden, 1, device="meta", dtype=param.dtype).to_empty(device=param.device)
             nn.init.zeros_(head.weight)
             nn.init.zeros_(head.bias)
         if tuple(head.weight.shape) != (1, hidden):
