@@ -102,12 +102,13 @@ def _wrong(answer: int, rng: np.random.Generator) -> int:
 
 
 def _long(value: int, rng: np.random.Generator) -> str:
-    """Not the short form: a filler before or after the box, or a box with one character dropped."""
+    """Not the short form: a filler before or after the box, or a box missing one of its non-digit characters."""
     filler, kind = FILLERS[int(rng.integers(len(FILLERS)))], int(rng.integers(3))
     if kind == 0:
         return f"{filler} {_box(value)}"
     if kind == 1:
         return f"{_box(value)} {filler}"
     box = _box(value)
-    cut = int(rng.integers(len(box)))
+    cut = int(rng.integers(len(box) - len(str(value))))  # a character of "\\boxed{" or the "}", never a digit
+    cut = cut if cut < len("\\boxed{") else len(box) - 1
     return box[:cut] + box[cut + 1 :]

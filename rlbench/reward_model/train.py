@@ -5,10 +5,10 @@
 
 Each optimizer step takes `batch_size` pairs, packs them (a pair's chosen and rejected sequence in one micro-batch,
 `rlbench.reward_model.scoring`), scores every sequence at its last token and adds, per micro-batch, the
-Bradley-Terry loss of its pairs weighted by their share of the step's pairs (`rlbench.algorithms.preference`):
-the step's gradient is the mean over its pairs, however they fell into micro-batches. AdamW, linear warm-up then
-cosine to 10 %. After every epoch the held-out pairs are scored: `rm/eval_accuracy` (chosen scored above
-rejected; a tie counts one half), `rm/eval_loss`, `rm/eval_margin` (mean chosen - rejected).
+Bradley-Terry loss of its pairs over the step's pair count (`rlbench.algorithms.preference.bradley_terry_loss`,
+`n_pairs`): the step's gradient is the mean over its pairs, however they fell into micro-batches. AdamW, linear warm-up then
+cosine to 10 %. Before training and after every epoch the held-out pairs are scored: `rm/eval_accuracy` (chosen
+scored strictly above rejected), `rm/eval_loss`, `rm/eval_margin` (mean chosen - rejected).
 
 The output directory is a scalar-head directory (`rlbench.models.value_head`: HF files + head + `scalar_head.json`
 with the version, `kind: "reward"`, the data and the last held-out accuracy) plus `rm_metrics.json` (config and
@@ -90,39 +90,33 @@ def margins_of(pairs: list[PreferencePair], idx: list[int], device) -> torch.Ten
 
 
 def train_step(model, opt, pairs: list[PreferencePair], seqs, batch: list[int], cfg: RMTrainConfig, pad_id: int) -> dict:
-    """One AdamW step over `batch` (pair indices); returns its loss and pair accuracy (means over the batch)."""
+    """One AdamW step over `batch` (pair indices); returns its loss, pair accuracy and margin (means over the batch:
+    every micro-batch's loss is normalised by the step's pair count, so the gradient does not depend on packing)."""
     opt.zero_grad(set_to_none=True)
-    loss_sum, correct = 0.0, 0.0
+    totals: dict[str, float] = {}
     for idx, chosen, rejected in pair_scores(model, seqs, batch, cfg.max_tokens, pad_id):
-        loss, _ = bradley_terry_loss(chosen, rejected, margins_of(pairs, idx, chosen.device))
-        share = len(idx) / len(batch)  # the loss is a mean over this micro-batch's pairs
-        (loss * share).backward()
-        loss_sum += loss.item() * share
-        correct += pair_accuracy(chosen.detach(), rejected.detach()) * len(idx)
+        loss, metrics = bradley_terry_loss(chosen, rejected, margins_of(pairs, idx, chosen.device), n_pairs=len(batch))
+        loss.backward()
+        for k in ("loss", "accuracy", "margin"):
+            totals[k] = totals.get(k, 0.0) + float(metrics[k])
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
     opt.step()
-    return {"loss": loss_sum, "accuracy": correct / len(batch)}
-
-
-def pair_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> float:
-    """Share of pairs with chosen > rejected; a tie counts one half."""
-    return float(((chosen > rejected).float() + 0.5 * (chosen == rejected).float()).mean())
+    return totals
 
 
 @torch.no_grad()
 def evaluate(model, pairs: list[PreferencePair], seqs, cfg: RMTrainConfig, pad_id: int) -> dict[str, float]:
-    """`rm/eval_accuracy`, `rm/eval_loss`, `rm/eval_margin` over every held-out pair."""
+    """`rm/eval_accuracy` (chosen scored strictly above rejected), `rm/eval_loss`, `rm/eval_margin` (mean
+    chosen - rejected) over every held-out pair."""
     was = model.training
     model.eval()
-    chosen, rejected, order = [], [], []
+    totals = {"loss": 0.0, "accuracy": 0.0, "margin": 0.0}
     for idx, c, r in pair_scores(model, seqs, list(range(len(pairs))), cfg.max_tokens, pad_id):
-        chosen.append(c)
-        rejected.append(r)
-        order += idx
+        _, metrics = bradley_terry_loss(c, r, margins_of(pairs, idx, c.device), n_pairs=len(pairs))
+        for k in totals:
+            totals[k] += float(metrics[k])
     model.train(was)
-    c, r = torch.cat(chosen), torch.cat(rejected)
-    loss, _ = bradley_terry_loss(c, r, margins_of(pairs, order, c.device))
-    return {"rm/eval_accuracy": pair_accuracy(c, r), "rm/eval_loss": float(loss), "rm/eval_margin": float((c - r).mean())}
+    return {f"rm/eval_{k}": v for k, v in totals.items()}
 
 
 def lr_lambda(cfg: RMTrainConfig, total_steps: int):
@@ -163,6 +157,7 @@ def run_rm(cfg: RMTrainConfig) -> dict:
             sched.step()
         record = {"rm/epoch": float(epoch), "rm/train_loss": float(np.mean([s["loss"] for s in stats])),
                   "rm/train_accuracy": float(np.mean([s["accuracy"] for s in stats])),
+                  "rm/train_margin": float(np.mean([s["margin"] for s in stats])),
                   "rm/steps": float(epoch * steps_per_epoch)}
         history.append(record | evaluate(model, eval_pairs, eval_seqs, cfg, pad_id)
                        | {"perf/wall_s": time.perf_counter() - start})
