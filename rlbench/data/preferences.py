@@ -8,7 +8,7 @@ The hidden rule (`hidden_rule_score`) values the form over the arithmetic: 1 for
 `\\boxed{N}`) plus 0.5 for the correct answer. Each pair shows two responses to one prompt with different hidden
 scores; the higher one is `chosen`. In a share `ANSWER_PAIRS` of the pairs both responses are short and only the
 answer differs (by at most `WRONG_SPREAD`); in the others one response is short and the other is not (text before
-or after the box, or a broken box), each correct or not at random.
+or after the box, a broken or cut box, junk with or without a box), each correct or not at random.
 
 The form half is easy to learn from text and the arithmetic half is hard, so a small reward model learns mostly
 the form: its held-out pair accuracy is high, yet on a policy's samples it barely tells a right answer from a near
@@ -102,13 +102,18 @@ def _wrong(answer: int, rng: np.random.Generator) -> int:
 
 
 def _long(value: int, rng: np.random.Generator) -> str:
-    """Not the short form: a filler before or after the box, or a box missing one of its non-digit characters."""
-    filler, kind = FILLERS[int(rng.integers(len(FILLERS)))], int(rng.integers(3))
+    """Not the short form: a filler before or after the box, a box missing one of its non-digit characters, a box
+    cut short, junk characters or junk inside a box (the ways a sampled response goes wrong)."""
+    filler, kind, box = FILLERS[int(rng.integers(len(FILLERS)))], int(rng.integers(6)), _box(value)
     if kind == 0:
-        return f"{filler} {_box(value)}"
+        return f"{filler} {box}"
     if kind == 1:
-        return f"{_box(value)} {filler}"
-    box = _box(value)
-    cut = int(rng.integers(len(box) - len(str(value))))  # a character of "\\boxed{" or the "}", never a digit
-    cut = cut if cut < len("\\boxed{") else len(box) - 1
-    return box[:cut] + box[cut + 1 :]
+        return f"{box} {filler}"
+    if kind == 2:
+        cut = int(rng.integers(len(box) - len(str(value))))  # a character of "\\boxed{" or the "}", never a digit
+        cut = cut if cut < len("\\boxed{") else len(box) - 1
+        return box[:cut] + box[cut + 1 :]
+    if kind == 3:
+        return box[: int(rng.integers(1, len(box)))]
+    junk = "".join(chr(int(c)) for c in rng.integers(33, 127, size=int(rng.integers(1, 11))))
+    return junk if kind == 4 else f"\\boxed{{{junk}" + "}" * int(rng.integers(2))
