@@ -8,6 +8,8 @@
     rlbench bench --hf-checkpoint DIR                   # qwen3-0.6b-shape loop on one GPU, per-phase times
     rlbench bench e2e [--preset qwen3-4b-shape] [--no-trl]  # the whole loop beside TRL's GRPOTrainer (benchmarks/e2e.py)
     rlbench sft --preset small --task arithmetic --out runs/sft
+    rlbench rm --data prefs.jsonl --hf-checkpoint runs/sft --out runs/rm     # a reward model (docs/reward_model.md)
+    rlbench train --reward-model runs/rm --reward-weights math:1,rm:0.5      # ... served beside the rule reward
     rlbench experiment cp-oom --preset qwen3-4b-shape --cp 1 2 4 --ac on off --out runs/cp_oom
 
 Every config field has one flag. Its name is slime's where slime has that setting (`FLAG_NAMES`), otherwise
@@ -184,6 +186,20 @@ def _field_doc(cls, name: str) -> str:
     return field_docs(cls).get(name, "").replace("%", "%%")
 
 
+def _reward_weights(text: str) -> dict:
+    """argparse type of --reward-weights: `math:1,rm:0.5` or a JSON object."""
+    from rlbench.configs.rollout import parse_reward_weights
+
+    try:
+        return parse_reward_weights(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+FLAG_TYPES = {"--reward-weights": {"type": _reward_weights}}
+"""Flags whose argparse options are not those of their field's type (a dict written as name:weight,...)."""
+
+
 def _argparse_kwargs(tp) -> dict:
     """argparse options for a field type: bools get --x/--no-x, tuples take several values."""
     args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -242,7 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "built: cpu presets without --hf-checkpoint, bench)")
             p.add_argument("--sft-dir", default=None, help="where the SFT warm start is cached (default: the user cache)")
         for flag, (_, _, tp, doc) in config_flags().items():
-            p.add_argument(flag, help=doc, **_argparse_kwargs(tp))
+            p.add_argument(flag, help=doc, **(FLAG_TYPES.get(flag) or _argparse_kwargs(tp)))
+    rm = sub.add_parser("rm", help="train a reward model on preference pairs (see rlbench rm --help)", add_help=False)
+    rm.add_argument("rest", nargs=argparse.REMAINDER)
     sft = sub.add_parser("sft", help="SFT warm start (see python -m rlbench.sft --help)", add_help=False)
     sft.add_argument("rest", nargs=argparse.REMAINDER)
     exp = sub.add_parser("experiment", help="an experiment (cp-oom, fsdp-vs-megatron; see rlbench experiment NAME --help)", add_help=False)
@@ -293,8 +311,13 @@ def flag_message(message: str) -> str:
 
 
 def check_paths(args: argparse.Namespace) -> None:
-    """Raise ValueError naming the flag when a given model path or data file does not exist."""
+    """Raise ValueError naming the flag when a given model path, data file or reward model does not exist."""
     given = vars(args)
+    rm = given.get("reward_model")
+    if rm is not None and not os.path.isfile(os.path.join(os.path.expanduser(rm), "scalar_head.safetensors")):
+        what = "has no scalar_head.safetensors" if os.path.isdir(os.path.expanduser(rm)) else "is no directory"
+        raise ValueError(f"--reward-model {rm}: {what} (from {os.getcwd()}); give the directory `rlbench rm --out DIR` "
+                         "wrote")
     for dest in MODEL_FLAGS:
         value = given.get(dest)
         flag = "--" + dest.replace("_", "-")
@@ -462,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
 
         sft_main(argv[1:])
         return 0
+    if argv[:1] == ["rm"]:
+        return run_rm_command(argv[1:])
     if argv[:1] == ["experiment"]:
         from rlbench.experiments import run_experiment
 
@@ -509,6 +534,48 @@ def run_command(args: argparse.Namespace) -> int:
     if cfg.logging.jsonl_path:
         print(f"[rlbench] metrics -> {cfg.logging.jsonl_path}", flush=True)
     run_train(cfg)
+    return 0
+
+
+RM_FLAG_NAMES = {"model": "--hf-checkpoint"}
+"""`rlbench rm` flags that are not `--{field}` of `RMTrainConfig` (slime's name for the starting model)."""
+
+
+def build_rm_parser() -> argparse.ArgumentParser:
+    """`rlbench rm` flags: one per `RMTrainConfig` field (`--{field}`, or `RM_FLAG_NAMES`), help from its docstring."""
+    from rlbench.configs.reward_model import RMTrainConfig
+
+    parser = _Parser(prog="rlbench rm", description="Train a reward model (HF causal LM + scalar head) on "
+                     "preference pairs with the Bradley-Terry loss (docs/reward_model.md)",
+                     argument_default=argparse.SUPPRESS)
+    parser.add_argument("--debug", action="store_true", default=False,
+                        help="on an error, raise it with its traceback instead of the one-line message")
+    hints = typing.get_type_hints(RMTrainConfig)
+    for f in dataclasses.fields(RMTrainConfig):
+        flag = RM_FLAG_NAMES.get(f.name, "--" + f.name.replace("_", "-"))
+        parser.add_argument(flag, dest=f.name, help=_field_doc(RMTrainConfig, f.name), **_argparse_kwargs(hints[f.name]))
+    return parser
+
+
+def run_rm_command(argv: list[str]) -> int:
+    """`rlbench rm ...`: build the config from the flags, train, save, print the final metrics as JSON."""
+    args = build_rm_parser().parse_args(argv)
+    debug = vars(args).pop("debug")
+    from rlbench.configs.reward_model import RMTrainConfig
+
+    try:
+        cfg = RMTrainConfig(**vars(args))
+        from rlbench.reward_model.train import run_rm
+
+        metrics = run_rm(cfg)
+    except ValueError as exc:
+        if debug:
+            raise
+        flags = {f.name: RM_FLAG_NAMES.get(f.name, "--" + f.name.replace("_", "-")) for f in dataclasses.fields(RMTrainConfig)}
+        message = re.sub(r"(?<![\w.-])([a-z_]+)=", lambda m: f"{flags.get(m.group(1), m.group(1))}=", str(exc))
+        print(f"rlbench rm: error: {message} (--debug: the traceback)", file=sys.stderr)
+        return 2
+    print(json.dumps({k: v for k, v in metrics.items() if k != "history"}), flush=True)
     return 0
 
 

@@ -155,6 +155,31 @@ def score_batch(
     return rewards
 
 
+def combine_rewards(weights: dict[str, float], terms: dict[str, Sequence[float]]) -> list[float]:
+    """The weighted sum per sample: `sum(weights[name] * terms[name][i])`, added in the order of `weights`.
+
+    Args:
+        weights: name -> weight (`RolloutConfig.reward_mix`).
+        terms: name -> one value per sample, for every name in `weights` (all the same length).
+    Returns:
+        one float per sample.
+    """
+    missing = [name for name in weights if name not in terms]
+    if missing:
+        raise ValueError(f"no values for reward term(s) {missing}; got {sorted(terms)}")
+    lengths = {len(terms[name]) for name in weights}
+    if len(lengths) > 1:
+        raise ValueError(f"reward terms of different lengths: { {name: len(terms[name]) for name in weights} }")
+    n = lengths.pop() if lengths else 0
+    out = []
+    for i in range(n):
+        total = 0.0
+        for name, weight in weights.items():
+            total += weight * float(terms[name][i])
+        out.append(total)
+    return out
+
+
 def check_reward(value: Any, where: str) -> float:
     """`value` as a finite float, or `RewardError` (`where` names the function and sample)."""
     if not isinstance(value, numbers.Real) and hasattr(value, "item"):

@@ -38,7 +38,20 @@ def _run(script: str, tmp_path: pathlib.Path, *argv: str) -> subprocess.Complete
 
 
 def test_every_example_is_tested():
-    assert sorted(p.name for p in EXAMPLES.glob("*.sh")) == sorted(EXPECTED)
+    assert sorted(p.name for p in EXAMPLES.glob("*.sh")) == sorted([*EXPECTED, "train_rm.sh"])
+
+
+def test_train_rm_example_writes_a_reward_model_on_cpu(tmp_path):
+    env = dict(os.environ, MODEL="tiny", DATA=str(tmp_path / "prefs.jsonl"), OUT=str(tmp_path / "rm"),
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], OMP_NUM_THREADS="1")
+    proc = subprocess.run(["bash", str(EXAMPLES / "train_rm.sh"), "--epochs", "1", "--num-threads", "1"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len((tmp_path / "prefs.jsonl").read_text().splitlines()) == 2000  # the synthetic pairs, written first
+    final = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
+    assert final["rm/epoch"] == 1.0 and final["rm/eval_pairs"] == 200 and final["rm/eval_accuracy"] >= 0.9
+    stamp = json.loads((tmp_path / "rm" / "scalar_head.json").read_text())
+    assert stamp["version"] == final["version"] and f"--reward-model {tmp_path / 'rm'}" in proc.stdout
 
 
 @pytest.mark.parametrize("script", sorted(EXPECTED))

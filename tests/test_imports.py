@@ -106,6 +106,9 @@ RULES = [
     ("rlbench.engine", ["rlbench.backends", "rlbench.rollout", "rlbench.trainer", "rlbench.orchestration"], []),
     ("rlbench.rollout", ["rlbench.engine", "rlbench.backends", "rlbench.trainer", "rlbench.orchestration"],
      ["rlbench.engine.protocol"]),
+    # reward models are trained and served over models/ and packing; the rollout manager gets one built
+    ("rlbench.reward_model", ["rlbench.engine", "rlbench.backends", "rlbench.rollout", "rlbench.trainer",
+                              "rlbench.orchestration"], []),
     ("rlbench.weights", ["rlbench.engine", "rlbench.backends", "rlbench.rollout", "rlbench.trainer"], []),
     ("rlbench.engine.megakernel.layout", ["rlbench"], []),
     ("rlbench.numerics", ["rlbench"], ["rlbench.numerics", "rlbench.models"]),

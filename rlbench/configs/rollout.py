@@ -12,10 +12,18 @@ REWARD_NAMES = ("math", "exact", "countdown")
 (tests/test_registries.py ties the two)."""
 
 
+RM_NAME = "rm"
+"""The reward model's name in `RolloutConfig.reward_weights`."""
+
+
 def check_rm_type(rm_type) -> None:
     """Check a reward name without importing anything: a registry name, or `"module.path:function"`."""
     if callable(rm_type):
         return
+    if isinstance(rm_type, str) and rm_type.startswith(f"{RM_NAME}:"):
+        raise ValueError(f"rm_type={rm_type!r}: a reward model is not a rule reward; give its directory as "
+                         f"reward_model (--reward-model {rm_type[len(RM_NAME) + 1:] or 'DIR'}) and weigh it with "
+                         "reward_weights (--reward-weights math:1,rm:0.5)")
     if not isinstance(rm_type, str):
         raise ValueError(f"rm_type={rm_type!r} must be a registry name, 'module.path:function' or a callable")
     rewards = sys.modules.get("rlbench.rewards")  # once loaded, its registry (names registered at run time too)
@@ -33,6 +41,48 @@ def check_rm_type(rm_type) -> None:
             f"rm_type={rm_type!r} is not 'module.path:function' (e.g. 'my_pkg.rewards:score'); "
             f"or use a registry name: {sorted(names)}"
         )
+
+
+def parse_reward_weights(text: str) -> dict[str, float]:
+    """`"math:1,rm:0.5"` (or a JSON object) -> `{"math": 1.0, "rm": 0.5}`; a "module:function" name keeps its colon
+    (the weight is after the last one)."""
+    text = text.strip()
+    if text.startswith("{"):
+        import json
+
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"reward_weights {text!r} is not a JSON object ({exc.msg}); write name:weight,...") from None
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, weight = part.rpartition(":")
+        try:
+            out[name.strip()] = float(weight)
+        except ValueError:
+            sep = ""
+        if not sep or not name.strip():
+            raise ValueError(f"reward_weights {text!r}: {part!r} is not name:weight; write e.g. math:1,rm:0.5")
+    return out
+
+
+def check_reward_weights(weights) -> dict[str, float]:
+    """The weights as `{name: float}`, each name "rm" or a rule reward (`check_rm_type`), each weight finite."""
+    import math
+
+    if not isinstance(weights, dict) or not weights:
+        raise ValueError(f"reward_weights={weights!r} must be a non-empty dict name -> weight (e.g. math:1,rm:0.5)")
+    out = {}
+    for name, weight in weights.items():
+        if name != RM_NAME:
+            try:
+                check_rm_type(name)
+            except ValueError as exc:
+                raise ValueError(f"reward_weights name {name!r}: {exc}") from None
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight):
+            raise ValueError(f"reward_weights[{name!r}]={weight!r} must be a finite number")
+        out[name] = float(weight)
+    return out
 
 
 @dataclass
@@ -62,6 +112,17 @@ class RolloutConfig:
     stops, and the rollout waits only for those still scoring at the end (`rlbench.rollout.reward_pool`).
     None: half the cores (at most 8) on a GPU run, 0 on a CPU run; 0: inline, after generation. Rewards a worker
     cannot import by name (registered at run time, `__main__:fn`) are scored inline either way."""
+    reward_model: str | None = None
+    """A reward-model directory (`rlbench rm --out DIR`: HF model + scalar head) that scores every (prompt,
+    response) after generation; its score is logged as rollout/rm_score, the rm_type reward beside it as
+    rollout/rule_reward. None: rule rewards only."""
+    reward_weights: dict[str, float] | None = None
+    """The training reward as a weighted sum, name -> weight: rule rewards by name (as rm_type) and "rm" (the
+    reward model's score), e.g. {"math": 1, "rm": 0.5} (--reward-weights math:1,rm:0.5). None: the rm_type reward
+    alone, or the reward model's score alone when reward_model is set. Evaluation always uses rm_type."""
+    reward_model_device: str | None = None
+    """Where the reward model scores: None: the rollout engine's device (on a GPU its weights are copied there
+    only while it scores); "cpu" keeps it off the GPU."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (zero advantage) and sample more prompts to refill."""
     over_sampling_batch_size: int | None = None
@@ -93,6 +154,31 @@ class RolloutConfig:
         if self.reward_timeout is not None and self.reward_timeout < 0:
             raise ValueError(f"reward_timeout={self.reward_timeout} must be > 0 seconds (None or 0: no limit)")
         check_rm_type(self.rm_type)
+        self._check_reward_mix()
+
+    def _check_reward_mix(self) -> None:
+        if isinstance(self.reward_weights, str):
+            self.reward_weights = parse_reward_weights(self.reward_weights)
+        if self.reward_weights is not None:
+            self.reward_weights = check_reward_weights(self.reward_weights)
+            if RM_NAME in self.reward_weights and self.reward_model is None:
+                raise ValueError(f"reward_weights={self.reward_weights} weighs 'rm' but no reward_model is set; "
+                                 "give its directory (--reward-model DIR) or drop 'rm'")
+            if self.reward_model is not None and RM_NAME not in self.reward_weights:
+                raise ValueError(f"reward_model={self.reward_model!r} is set but reward_weights={self.reward_weights} "
+                                 "has no 'rm' term; add one (e.g. rm:0.5) or drop the reward model")
+        if self.reward_model is not None and not (isinstance(self.reward_model, str) and self.reward_model):
+            raise ValueError(f"reward_model={self.reward_model!r} must be a directory path or None")
+        dev = self.reward_model_device
+        if dev is not None and not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
+            raise ValueError(f"reward_model_device={dev!r} must be None (the engine's device), 'cpu', 'cuda' or 'cuda:N'")
+
+    @property
+    def reward_mix(self) -> dict[str, float] | None:
+        """The weights the training reward is summed with; None: the rm_type reward as it is (no mixing)."""
+        if self.reward_weights is not None:
+            return dict(self.reward_weights)
+        return {RM_NAME: 1.0} if self.reward_model is not None else None
 
     @property
     def prompts_per_round(self) -> int:

@@ -163,11 +163,26 @@ def build_data(cfg: RunConfig) -> tuple[Any, PromptDataset, list]:
     return tokenizer, dataset, eval_items
 
 
-def build_rollouts(cfg: RunConfig, engine, dataset, tokenizer) -> RolloutManager:
-    """The rollout manager over `engine` (reward worker processes: `rollout.reward_workers`, None: by device)."""
+def build_rollouts(cfg: RunConfig, engine, dataset, tokenizer, device: torch.device | str = "cpu") -> RolloutManager:
+    """The rollout manager over `engine` (reward worker processes: `rollout.reward_workers`, None: by device), with
+    the reward model of `rollout.reward_model` on `rollout.reward_model_device`, else on `device` (the engine's)."""
     workers = cfg.rollout.reward_workers
     return RolloutManager(cfg.rollout, engine, dataset, tokenizer, reward_workers=(
-        default_reward_workers(cfg.backend.device) if workers is None else workers))
+        default_reward_workers(cfg.backend.device) if workers is None else workers),
+        reward_model=build_reward_model(cfg, device))
+
+
+def build_reward_model(cfg: RunConfig, device: torch.device | str):
+    """The `RewardModel` of `rollout.reward_model` (None when unset), announced with its version."""
+    path = cfg.rollout.reward_model
+    if path is None:
+        return None
+    from rlbench.reward_model.serve import RewardModel
+
+    rm = RewardModel(path, device=cfg.rollout.reward_model_device or device)
+    if cfg.logging.console:
+        print(f"[rlbench] reward model {path} version {rm.version} on {rm.device}", flush=True)
+    return rm
 
 
 def build_components(cfg: RunConfig) -> Components:
@@ -179,7 +194,8 @@ def build_components(cfg: RunConfig) -> Components:
     engine = build_engine(cfg, device, tokenizer)
     model = getattr(engine, "model", None) or backend.model  # an SGLang engine holds no torch model here
     num_params = sum(p.numel() for p in model.parameters())
-    return Components(tokenizer, dataset, eval_items, backend, engine, build_rollouts(cfg, engine, dataset, tokenizer),
+    return Components(tokenizer, dataset, eval_items, backend, engine,
+                      build_rollouts(cfg, engine, dataset, tokenizer, device),
                       WeightSync(cfg.weights, backend, engine), device, num_params)
 
 

@@ -4,8 +4,11 @@
     batch = manager.generate(rollout_id=0)        # RolloutBatch: samples (rewards set), metrics
     scores = manager.evaluate(eval_items, cfg.eval)   # eval/reward, eval/pass@k, ...
 
-Only the engine protocol (`generate(prompts, SamplingParams, seeds)`) is used, so any engine works. With
-`reward_workers` > 0 rewards are scored in worker processes (`reward_pool.RewardPool`); an engine whose `generate`
+Only the engine protocol (`generate(prompts, SamplingParams, seeds)`) is used, so any engine works. A reward model
+(`reward_model=`, `rlbench.reward_model.serve.RewardModel`, any object with `score_samples(samples)` and `version`)
+scores each round's samples in one batched call after generation; the training reward is then the weighted sum
+`cfg.reward_mix` of it and the rule rewards (the rm_type reward is kept per sample in `metadata["rule_reward"]`, the
+model's score in `metadata["rm_score"]`). Evaluation scores with the rule reward alone. With `reward_workers` > 0 rewards are scored in worker processes (`reward_pool.RewardPool`); an engine whose `generate`
 takes `on_finish` (the torch engine) reports each sample as it stops, so scoring overlaps generation.
 Sampling seeds derive from (rollout seed, rollout id, refill round, prompt), so a resumed run draws
 exactly what the uninterrupted run drew. Advantages are not computed here (the Trainer's `score`
@@ -23,9 +26,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from rlbench.configs.rollout import RM_NAME
 from rlbench.engine.protocol import Generation, SamplingParams
 from rlbench.metrics import pass_at_k, summarize
-from rlbench.rewards import score_batch
+from rlbench.rewards import RewardError, check_reward, combine_rewards, describe_sample, score_batch
 from rlbench.rollout.reward_pool import RewardPool, poolable
 from rlbench.types import Sample, Status
 
@@ -77,9 +81,11 @@ class RolloutManager:
         dataset: a `PromptDataset` (or anything with `next_batch(n) -> list[PromptItem]`).
         tokenizer: decodes responses for the reward and supplies the stop (eos) token.
         reward_workers: processes that score rewards (0: inline, in this thread, after generation).
+        reward_model: the reward model `cfg.reward_model` names, built (`score_samples(samples) -> list[float]`,
+            `version`, `version_id`); None when the config has none.
     """
 
-    def __init__(self, cfg, engine, dataset, tokenizer, reward_workers: int = 0) -> None:
+    def __init__(self, cfg, engine, dataset, tokenizer, reward_workers: int = 0, reward_model=None) -> None:
         self.cfg = cfg
         self.engine = engine
         self.dataset = dataset
@@ -90,6 +96,13 @@ class RolloutManager:
         self.reward_pool = RewardPool(reward_workers, cfg.reward_timeout) if reward_workers > 0 else None
         self._reports_finish = "on_finish" in inspect.signature(engine.generate).parameters
         self._reward_wait = 0.0  # seconds spent waiting for rewards after generation, this rollout
+        if (cfg.reward_model is not None) != (reward_model is not None):
+            raise ValueError(f"rollout.reward_model={cfg.reward_model!r} but the manager was given "
+                             f"{'no' if reward_model is None else 'a'} reward model; build it from the config "
+                             "(rlbench.orchestration.local.build_rollouts)")
+        self.reward_model = reward_model
+        self.reward_mix = cfg.reward_mix  # None: the rule reward is the training reward, untouched
+        self._rm_time = 0.0  # seconds the reward model scored, this rollout
 
     def sampling(self, n: int, temperature: float | None = None, max_new_tokens: int | None = None) -> SamplingParams:
         """The engine's SamplingParams for `n` samples per prompt."""
@@ -105,12 +118,14 @@ class RolloutManager:
         """One rollout of `rollout_batch_size` groups (refilled by over-sampling under dynamic sampling)."""
         c = self.cfg
         start = time.perf_counter()
-        self._reward_wait = 0.0
+        self._reward_wait = self._rm_time = 0.0
         kept, dropped, all_groups = [], [], []
         rounds = 0
         while len(kept) < c.rollout_batch_size and rounds < c.max_sampling_rounds:
             items = self.dataset.next_batch(c.prompts_per_round)
             groups = self._sample_groups(items, c.n_samples_per_prompt, prompt_seeds(c.seed, rollout_id, rounds, len(items), c.n_samples_per_prompt))
+            if self.reward_mix is not None:
+                self._mix_rewards([s for g in groups for s in g])
             for group in groups:
                 (dropped if c.dynamic_sampling and _equal_rewards(group) else kept).append(group)
             all_groups += groups
@@ -131,9 +146,51 @@ class RolloutManager:
             "rollout/dynamic_filter/refilled_with_dropped": float(refill),
             "perf/rollout_time": time.perf_counter() - start,
         }
+        if self.reward_mix is not None:
+            metrics |= self._mix_metrics(samples)
         gen_tokens = sum(s.response_length for g in all_groups for s in g)
         metrics["perf/rollout_tokens_per_sec"] = gen_tokens / max(metrics["perf/rollout_time"], 1e-9)
         return RolloutBatch(samples=samples, metrics=metrics, rollout_id=rollout_id)
+
+    def _mix_rewards(self, samples: list[Sample]) -> None:
+        """Set each sample's training reward to `reward_mix` over its terms: "rm" from the reward model (one
+        batched call), the rm_type name from the rule reward already scored, other names scored by that function."""
+        start = time.perf_counter()
+        rule = [float(s.reward) for s in samples]
+        terms: dict[str, list[float]] = {}
+        for name in self.reward_mix:
+            if name == RM_NAME:
+                terms[name] = self._rm_scores(samples)
+            elif name == self.cfg.rm_type:
+                terms[name] = rule
+            else:
+                terms[name] = score_batch([s.response for s in samples], labels=[s.label for s in samples],
+                                          rm_type=name, timeout=self.cfg.reward_timeout)
+        for i, (s, total) in enumerate(zip(samples, combine_rewards(self.reward_mix, terms))):
+            s.metadata["rule_reward"] = rule[i]
+            if RM_NAME in terms:
+                s.metadata["rm_score"], s.metadata["rm_version"] = terms[RM_NAME][i], self.reward_model.version
+            s.reward = total
+        self._rm_time += time.perf_counter() - start
+
+    def _rm_scores(self, samples: list[Sample]) -> list[float]:
+        """The reward model's score of every sample, each checked finite (a NaN names the sample)."""
+        scores = self.reward_model.score_samples(samples)
+        if len(scores) != len(samples):
+            raise RewardError(f"reward model {self.reward_model.version} returned {len(scores)} scores for "
+                              f"{len(samples)} samples")
+        return [check_reward(v, f"reward model {self.reward_model.version} on {describe_sample(s, i)}")
+                for i, (s, v) in enumerate(zip(samples, scores))]
+
+    def _mix_metrics(self, samples: list[Sample]) -> dict[str, float]:
+        """`rollout/rule_reward` (the rm_type reward) and, with a reward model, `rollout/rm_score` and
+        `rollout/rm_version` (`version_id`) of the kept samples; `perf/rm_time`."""
+        out = {"rollout/rule_reward": float(np.mean([s.metadata["rule_reward"] for s in samples])),
+               "perf/rm_time": self._rm_time}
+        if self.reward_model is not None:
+            out["rollout/rm_score"] = float(np.mean([s.metadata["rm_score"] for s in samples]))
+            out["rollout/rm_version"] = float(self.reward_model.version_id)
+        return out
 
     def _sample_groups(self, items, n: int, seeds: list[int], **sampling) -> list[list[Sample]]:
         """Generate n samples for each prompt item and score them; one group (list of n Samples) per item.
