@@ -314,10 +314,13 @@ def check_paths(args: argparse.Namespace) -> None:
     """Raise ValueError naming the flag when a given model path, data file or reward model does not exist."""
     given = vars(args)
     rm = given.get("reward_model")
-    if rm is not None and not os.path.isfile(os.path.join(os.path.expanduser(rm), "scalar_head.safetensors")):
-        what = "has no scalar_head.safetensors" if os.path.isdir(os.path.expanduser(rm)) else "is no directory"
-        raise ValueError(f"--reward-model {rm}: {what} (from {os.getcwd()}); give the directory `rlbench rm --out DIR` "
-                         "wrote")
+    if rm is not None:
+        from rlbench.models.value_head import value_dir_problem
+
+        what = value_dir_problem(os.path.expanduser(rm))
+        if what:
+            raise ValueError(f"--reward-model {rm}: {what} (from {os.getcwd()}); give the directory `rlbench rm "
+                             "--out DIR` wrote")
     for dest in MODEL_FLAGS:
         value = given.get(dest)
         flag = "--" + dest.replace("_", "-")

@@ -8,16 +8,16 @@ from dataclasses import dataclass
 
 @dataclass
 class RMTrainConfig:
-    """Train a sequence-scoring model (HF causal LM + scalar head) on preference pairs with the Bradley-Terry loss."""
+    """Train a sequence-scoring model (HF decoder + scalar head, `*ForTokenClassification`) on preference pairs with the Bradley-Terry loss."""
 
     data: str | None = None
     """Preference pairs: a .jsonl with `prompt`, `chosen`, `rejected` (optional `margin`) per line."""
     model: str = "tiny"
-    """Where the model starts: an HF causal-LM directory (with or without a scalar head) or a model preset
-    (random init) (--hf-checkpoint)."""
+    """Where the model starts: an HF causal-LM directory (zero head), a value-model directory (its head: a reward
+    model or a critic export) or a model preset (random init, zero head) (--hf-checkpoint)."""
     out: str | None = None
-    """Directory for the trained model: HF files + scalar_head.safetensors + scalar_head.json (the version
-    stamp) + rm_metrics.json; None saves nothing."""
+    """Directory for the trained model: an HF token-classification directory + tokenizer + version.json (the
+    version stamp) + rm_metrics.json; None saves nothing."""
     eval_data: str | None = None
     """Held-out pairs (same format); None: hold out `eval_fraction` of `data`."""
     eval_fraction: float = 0.1

@@ -1,151 +1,180 @@
-"""A Hugging Face causal LM with a scalar head: one number per position (reward models, critics).
+"""Value models: an HF decoder with a scalar head, one number per position (the PPO critic and the reward model).
 
-    model = ScalarHeadModel.from_pretrained("runs/rm", device="cpu")     # HF dir (+ head when saved with one)
-    values = model(input_ids, position_ids=position_ids)                 # [B, T] fp32, one per position
-    model.save_pretrained("runs/rm", tokenizer, meta={"kind": "reward"}) # HF dir + head + stamp
+    model = load_value_model("runs/sft")                       # a causal-LM dir: its decoder + a zero head
+    values = token_values(model, input_ids, position_ids)      # [B, T] fp32, one value per position
+    version = save_value_model(model, tokenizer, "runs/rm", {"kind": "reward"})
+    model = load_value_model("runs/rm", require_head=True)     # a value-model dir (`rlbench rm` or a critic)
 
-The head is `nn.Linear(hidden_size, 1)` over the decoder's last hidden state (after the final norm); the
-lm-head is kept but never run, so the directory stays a loadable causal LM and an actor directory (no head file)
-starts a scalar-head model with a zero head (every value 0 at first: a Bradley-Terry loss starts at log 2, a
-critic at V = 0). Packed sequences work as in the trainer: one `[1, T]` row with `position_ids` restarting per
-sequence and no attention mask (transformers builds the per-document causal mask; `use_cache=False`).
+The model is transformers' `*ForTokenClassification` with one label and no dropout (`value_config`): the decoder
+and `score = Linear(hidden, 1)` over its last hidden state (after the final norm), no LM head; the layout of verl's
+critic and reward models. `rlbench rm` writes it, the FSDP critic (`build_sharded_model(value_head=True)`) trains
+and exports it, so `--critic-load` takes a reward model and `--reward-model` a critic export, and
+`AutoModelForTokenClassification.from_pretrained(DIR)` loads either.
 
-On-disk layout (`save_pretrained`):
+Initialisation (one rule for both): a head not loaded from a directory (a causal-LM directory or a preset) starts
+at zero, weight and bias (`zero_head_`). Every value is 0 at first (a critic's V = 0, a Bradley-Terry loss of log 2),
+no random draw is made, so the start is the same for any seed and world size. The first step's gradient reaches
+only the head (the backbone's gradient flows through the head's weight); from the second step on both move.
 
-    DIR/config.json, DIR/model.safetensors (or shards), tokenizer files   a standard HF causal-LM directory
-    DIR/scalar_head.safetensors   {"weight": [1, hidden_size], "bias": [1]}, float32
-    DIR/scalar_head.json          {"format": 1, "hidden_size": H, "version": "<16 hex>", ...caller's meta}
+Packed input works as in the trainer: one `[1, T]` row with `position_ids` restarting per sequence and no attention
+mask (transformers builds the per-document causal mask; `use_cache=False`).
 
-`version` is the first 16 hex digits of the SHA-256 of every `*.safetensors` file in the directory (sorted by
-name, the head included), so two directories with the same weights carry the same version, and any change of a
-weight changes it.
+On-disk layout (`save_value_model`):
+
+    DIR/config.json          architectures [<Arch>ForTokenClassification], num_labels 1, classifier_dropout 0.0
+    DIR/model*.safetensors   the decoder (`model.*`) and the head (`score.weight` [1, H], `score.bias` [1])
+    DIR/tokenizer files      when saved with one (a reward model must have them: it scores text)
+    DIR/version.json         {"format": 2, "version": "<16 hex>", "kind": "reward" | "critic", ...writer's meta}
+
+The stamp is a file beside the weights, not fields of config.json: transformers carries a config's extra fields
+through every load and save, so a model trained further from this directory would keep a stale stamp. `version` is
+the first 16 hex digits of the SHA-256 of every `*.safetensors` file in the directory (sorted by name), so two
+directories with the same weights carry the same version and any changed weight changes it.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
 
 import torch
-from safetensors.torch import load_file, save_file
-from torch import nn
-from transformers import PreTrainedModel
+from transformers import AutoConfig, AutoModelForTokenClassification, PretrainedConfig, PreTrainedModel
 
-from rlbench.models.build import load_model, save_pretrained
+from rlbench.models.build import save_pretrained
+from rlbench.models.presets import build_config
 
-HEAD_FILE = "scalar_head.safetensors"
-"""The head's weights in a scalar-head directory."""
-META_FILE = "scalar_head.json"
-"""The head's stamp: format, hidden size, version, and what the writer added (`meta`)."""
-FORMAT = 1
+VALUE_HEAD = "score"
+"""The head's parameter prefix (transformers' `*ForTokenClassification`)."""
+STAMP_FILE = "version.json"
+"""The version stamp beside the weights: format, version, kind and what the writer added."""
+FORMAT = 2
 
 
-class ScalarHeadModel(nn.Module):
-    """`backbone` (an HF causal LM) with `head = nn.Linear(hidden_size, 1)` over its last hidden state.
+def value_config(config: PretrainedConfig) -> PretrainedConfig:
+    """A copy of a causal-LM (or value-model) config made a value model's: one label, no classifier dropout (it
+    would make values random in train mode)."""
+    config = copy.deepcopy(config)
+    config.num_labels, config.classifier_dropout = 1, 0.0
+    config.use_cache = False
+    return config
+
+
+@torch.no_grad()
+def zero_head_(model: torch.nn.Module) -> None:
+    """The initialisation rule of the module docstring: the `score` head's weight and bias to 0 (plain or sharded
+    parameters)."""
+    for name, param in model.named_parameters():
+        if name.startswith(f"{VALUE_HEAD}."):
+            param.zero_()
+
+
+def value_dir_problem(path: str | os.PathLike) -> str | None:
+    """None when `path` is a value-model directory (config.json of a token-classification model with one label),
+    else what it is instead (for an error message)."""
+    file = os.path.join(os.fspath(path), "config.json")
+    if not os.path.isdir(os.fspath(path)):
+        return "is no directory"
+    if not os.path.isfile(file):
+        return "has no config.json"
+    with open(file, encoding="utf-8") as f:
+        config = json.load(f)
+    archs = config.get("architectures") or []
+    labels = len(config["id2label"]) if "id2label" in config else config.get("num_labels", 2)  # transformers' rule
+    if not any(a.endswith("ForTokenClassification") for a in archs) or labels != 1:
+        return (f"holds {archs or 'a model without architectures'} with {labels} label(s), not a value model "
+                "(a ForTokenClassification with one label: no trained head)")
+    return None
+
+
+def build_value_model(preset: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                      seed: int = 0, attn_implementation: str = "sdpa", **overrides) -> PreTrainedModel:
+    """A preset's value model: the decoder initialised as `rlbench.models.build_model` does (torch seeded with
+    `seed`, the caller's RNG state kept), the head at zero."""
+    config = value_config(build_config(preset, **overrides))
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
+        torch.manual_seed(seed)
+        model = AutoModelForTokenClassification.from_config(config, dtype=dtype,
+                                                            attn_implementation=attn_implementation)
+    zero_head_(model)
+    return model
+
+
+def load_value_model(path: str | os.PathLike, *, device: str | torch.device = "cpu",
+                     dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa",
+                     require_head: bool = False) -> PreTrainedModel:
+    """Load a value-model directory, or a causal-LM directory's decoder with a zero head.
 
     Args:
-        backbone: the causal LM; its decoder (`backbone.base_model`) runs, its lm-head does not.
-        head: the scalar head; None makes a zero-initialised one in the backbone's dtype and device.
+        path: a local HF directory.
+        device, dtype, attn_implementation: as `rlbench.models.load_model`.
+        require_head: raise instead of starting a zero head when the directory is no value model (a reward model
+            must have been trained).
+
+    Raises:
+        ValueError: no config.json; no value model with `require_head`.
     """
-
-    def __init__(self, backbone: PreTrainedModel, head: nn.Linear | None = None) -> None:
-        super().__init__()
-        self.backbone = backbone
-        hidden = hidden_size(backbone)
-        if head is None:
-            param = next(backbone.parameters())
-            # built on meta and zeroed: no draw from the global RNG (building a model must not shift a run's seeds)
-            head = nn.Linear(hidden, 1, device="meta", dtype=param.dtype).to_empty(device=param.device)
-            nn.init.zeros_(head.weight)
-            nn.init.zeros_(head.bias)
-        if tuple(head.weight.shape) != (1, hidden):
-            raise ValueError(f"scalar head weight has shape {tuple(head.weight.shape)}, the backbone's hidden size "
-                             f"is {hidden}; the head must be nn.Linear({hidden}, 1)")
-        self.head = head
-
-    @property
-    def config(self):
-        """The backbone's HF config."""
-        return self.backbone.config
-
-    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The decoder's last hidden state `[B, T, H]` (no lm-head, no KV cache)."""
-        out = self.backbone.base_model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                                       use_cache=False)
-        return out.last_hidden_state
-
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """One value per position.
-
-        Args:
-            input_ids: `[B, T]` long (a pack: `[1, T]` with restarting `position_ids`).
-            position_ids: `[B, T]` long, or None (0..T-1 per row).
-            attention_mask: `[B, T]` padding mask, or None (packed / unpadded input).
-
-        Returns:
-            `[B, T]` float32: the head at every position (a sequence's score is the value at its last token).
-        """
-        hidden = self.hidden_states(input_ids, position_ids, attention_mask)  # [B, T, H]
-        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()  # [B, T]
-
-    def save_pretrained(self, path: str | os.PathLike, tokenizer=None, meta: dict | None = None) -> str:
-        """Write the layout of the module docstring into `path`; returns the version written into the stamp."""
-        path = os.fspath(path)
-        save_pretrained(self.backbone, tokenizer, path)
-        head = {"weight": self.head.weight.detach().float().cpu().contiguous(),
-                "bias": self.head.bias.detach().float().cpu().contiguous()}
-        save_file(head, os.path.join(path, HEAD_FILE))
-        version = weights_version(path)
-        stamp = dict(meta or {}) | {"format": FORMAT, "hidden_size": hidden_size(self.backbone), "version": version}
-        with open(os.path.join(path, META_FILE), "w", encoding="utf-8") as f:
-            json.dump(stamp, f, indent=1)
-        return version
-
-    @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, *, device: str | torch.device = "cpu",
-                        dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa",
-                        require_head: bool = False) -> ScalarHeadModel:
-        """Load an HF causal-LM directory, with its scalar head when `scalar_head.safetensors` is there.
-
-        Args:
-            path: a scalar-head directory, or any HF causal-LM directory (then the head starts at zero).
-            device, dtype, attn_implementation: as `rlbench.models.load_model` (the head takes the same dtype).
-            require_head: raise instead of starting a zero head when the directory has none (a reward model
-                must have been trained).
-
-        Raises:
-            ValueError: no config.json; no head file with `require_head`; a head of the wrong shape.
-        """
-        path = os.fspath(path)
-        has_head = os.path.isfile(os.path.join(path, HEAD_FILE))
-        if require_head and not has_head:
-            raise ValueError(f"{path!r} has no {HEAD_FILE}, so it holds no trained scalar head; give a directory "
-                             "written by `rlbench rm` (ScalarHeadModel.save_pretrained)")
-        backbone = load_model(path, device=device, dtype=dtype, attn_implementation=attn_implementation)
-        model = cls(backbone)
-        if has_head:
-            state = load_file(os.path.join(path, HEAD_FILE))
-            if set(state) != {"weight", "bias"} or tuple(state["weight"].shape) != tuple(model.head.weight.shape):
-                raise ValueError(f"{os.path.join(path, HEAD_FILE)} holds {sorted((k, tuple(v.shape)) for k, v in state.items())}; "
-                                 f"expected weight {tuple(model.head.weight.shape)} and bias (1,) for this backbone")
-            with torch.no_grad():
-                model.head.weight.copy_(state["weight"])
-                model.head.bias.copy_(state["bias"])
-        return model
+    path = os.fspath(path)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"{path!r} is not a Hugging Face model directory (no config.json); pass a local HF dir")
+    problem = value_dir_problem(path)
+    if require_head and problem:
+        raise ValueError(f"{path!r} {problem}; give a directory written by `rlbench rm` or a critic's export_hf")
+    config = value_config(AutoConfig.from_pretrained(path))
+    # transformers initialises weights absent from the files with the global RNG: keep the caller's seeds
+    with torch.random.fork_rng(devices=[]):
+        model, info = AutoModelForTokenClassification.from_pretrained(
+            path, config=config, dtype=dtype, attn_implementation=attn_implementation, output_loading_info=True)
+    missing = [k for k in info["missing_keys"] if not k.startswith(f"{VALUE_HEAD}.")]
+    if missing:
+        raise ValueError(f"{path!r} lacks tensors {sorted(missing)[:5]} (of {len(missing)}); is it a decoder of the "
+                         "same architecture?")
+    if info["missing_keys"]:  # a causal LM's directory: the head starts at zero
+        zero_head_(model)
+    model = model.to(device)
+    if torch.device(device).type == "cpu":
+        # the loaded tensors are views of the memory-mapped file, at offsets that need not be aligned: own copies
+        # (aligned like any allocation) give the same kernels, so the same bits, as a model built in memory
+        with torch.no_grad():
+            for param in model.parameters():
+                param.data = param.data.clone()
+    return model
 
 
-def hidden_size(backbone: PreTrainedModel) -> int:
-    """The width of the backbone's last hidden state."""
-    config = backbone.config.get_text_config() if hasattr(backbone.config, "get_text_config") else backbone.config
-    return int(config.hidden_size)
+def token_values(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                 **kwargs) -> torch.Tensor:
+    """`[B, T]` float32: the head at every position (a sequence's score is the value at its last token).
+
+    Args:
+        model: a value model (plain or FSDP-wrapped).
+        input_ids: `[B, T]` long (a pack: `[1, T]` with restarting `position_ids`).
+        position_ids: `[B, T]` long, or None (0..T-1 per row).
+        kwargs: further forward arguments (`attention_mask` for padded rows; the trainer's packed-attention inputs).
+    """
+    out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs).logits  # [B, T, 1]
+    return out[..., 0].float()
+
+
+def save_value_model(model: PreTrainedModel, tokenizer, path: str | os.PathLike, meta: dict | None = None) -> str:
+    """Write the layout of the module docstring into `path`; returns the version written into the stamp."""
+    save_pretrained(model, tokenizer, path)
+    return write_stamp(path, meta)
+
+
+def write_stamp(path: str | os.PathLike, meta: dict | None = None) -> str:
+    """Hash the directory's weights into `version.json` (with `meta`); returns the version."""
+    version = weights_version(path)
+    stamp = dict(meta or {}) | {"format": FORMAT, "version": version}
+    with open(os.path.join(os.fspath(path), STAMP_FILE), "w", encoding="utf-8") as f:
+        json.dump(stamp, f, indent=1)
+    return version
 
 
 def read_stamp(path: str | os.PathLike) -> dict:
-    """The `scalar_head.json` of a scalar-head directory (`{}` when it has none)."""
-    file = os.path.join(os.fspath(path), META_FILE)
+    """The `version.json` of a value-model directory (`{}` when it has none)."""
+    file = os.path.join(os.fspath(path), STAMP_FILE)
     if not os.path.isfile(file):
         return {}
     with open(file, encoding="utf-8") as f:

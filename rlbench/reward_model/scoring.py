@@ -1,4 +1,4 @@
-"""Packed sequence scoring with a scalar-head model: the one forward both RM training and serving run.
+"""Packed sequence scoring with a value model: the one forward both RM training and serving run.
 
     packs = pack_units(sequences, units=[[0, 1], [2, 3]], max_tokens=4096)   # a pair's two sequences stay together
     scores = sequence_scores(model, pack)                                    # [n]: the head at each last token
@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from rlbench.models.value_head import token_values
 from rlbench.packing import Pack, first_fit_count, pack_samples, partition
 
 
@@ -57,12 +58,12 @@ def last_token_index(pack: Pack) -> torch.Tensor:
 def sequence_scores(model, pack: Pack, device: torch.device | str | None = None) -> torch.Tensor:
     """`[n]` float32 scores of the pack's sequences (in `pack.sample_ids` order), with grad when enabled.
 
-    `model(input_ids [1, T], position_ids [1, T]) -> [1, T]` (a `ScalarHeadModel`); `device` None: the model's.
+    `model`: a value model (`rlbench.models.value_head`, read by `token_values`); `device` None: the model's.
     On CUDA the forward runs under bf16 autocast (fp32 weights stay fp32).
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
     tokens = pack.tokens.to(device)[None]  # [1, T]
     positions = pack.position_ids.to(device)[None]  # [1, T]
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        values = model(tokens, position_ids=positions)[0]  # [T]
-    return values.float()[last_token_index(pack).to(device)]  # [n]
+        values = token_values(model, tokens, positions)[0]  # [T]
+    return values[last_token_index(pack).to(device)]  # [n]

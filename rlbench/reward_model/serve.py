@@ -2,7 +2,7 @@
 
     rm = RewardModel("runs/rm", device="cuda")      # the directory `rlbench rm` wrote
     scores = rm.score(prompts, responses)           # one float per pair; prompts as the policy saw them
-    rm.version                                      # the directory's stamp (`scalar_head.json`)
+    rm.version                                      # the directory's stamp (`version.json`)
 
 Scoring re-encodes the text with the reward model's own tokenizer (`rlbench.reward_model.data.encode_pair`, the
 encoding it was trained on), so the RM need not share the policy's vocabulary. The prompt is the rendered text the
@@ -13,7 +13,7 @@ copied onto the device only for the duration of a `score` call, which the rollou
 has generated the round, before the trainer takes the device back (while the trainer state is parked, when the
 run offloads). So the RM adds its weights plus one packed micro-batch of activations to the rollout phase's peak and
 nothing to the training phase's; the copy is one host-to-device transfer of the weights per rollout round
-(~0.1 s for a 0.6B model in bf16). Weights the forward never reads (an untied lm-head) stay on the host.
+(~0.1 s for a 0.6B model in bf16; a value model has no LM head).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 from rlbench.models import load_tokenizer
 from rlbench.models.build import restore_buffers
-from rlbench.models.value_head import ScalarHeadModel, read_stamp, weights_version
+from rlbench.models.value_head import load_value_model, read_stamp, weights_version
 from rlbench.reward_model.data import encode_pair
 from rlbench.reward_model.scoring import pack_units, sequence_scores
 
@@ -35,10 +35,10 @@ SCORE_TOKENS = 8192
 
 
 class RewardModel:
-    """A frozen scalar-head reward model (`rlbench.models.value_head` layout) that scores text pairs.
+    """A frozen reward model (`rlbench.models.value_head` layout) that scores text pairs.
 
     Args:
-        path: a directory written by `rlbench rm` (HF files, tokenizer, `scalar_head.safetensors`).
+        path: a value-model directory with tokenizer files (`rlbench rm`'s output, or a critic's export).
         device: where it scores ("cpu", "cuda", "cuda:N"); on CUDA the weights are copied in per call.
         dtype: parameter dtype; None: bf16 on CUDA, fp32 on CPU.
 
@@ -58,7 +58,7 @@ class RewardModel:
         self.path = path
         self.device = torch.device(device)
         dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        self.model = ScalarHeadModel.from_pretrained(path, dtype=dtype, require_head=True).eval().requires_grad_(False)
+        self.model = load_value_model(path, dtype=dtype, require_head=True).eval().requires_grad_(False)
         self.tokenizer = load_tokenizer(path)
         self.version: str = read_stamp(path).get("version") or weights_version(path)
         """The stamp's version (16 hex digits of the weights' SHA-256)."""
@@ -76,13 +76,8 @@ class RewardModel:
         return int(self.version[:8], 16)
 
     def _used_params(self):
-        """(name, parameter) of what the forward reads: the decoder and the head, each shared tensor once."""
-        seen = set()
-        for prefix, module in (("backbone.base_model", self.model.backbone.base_model), ("head", self.model.head)):
-            for name, p in module.named_parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield f"{prefix}.{name}", p
+        """(name, parameter) of every weight (the forward reads them all: the decoder and the head)."""
+        yield from self.model.named_parameters()
 
     @contextlib.contextmanager
     def _on_device(self):

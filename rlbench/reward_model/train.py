@@ -1,4 +1,4 @@
-"""Reward-model training: a causal LM + scalar head fitted to preference pairs with the Bradley-Terry loss.
+"""Reward-model training: a value model (decoder + scalar head) fitted to preference pairs with the Bradley-Terry loss.
 
     metrics = run_rm(RMTrainConfig(data="prefs.jsonl", model="runs/sft", out="runs/rm", epochs=2))
     rlbench rm --data prefs.jsonl --hf-checkpoint runs/sft --out runs/rm --epochs 2
@@ -10,9 +10,10 @@ Bradley-Terry loss of its pairs over the step's pair count (`rlbench.algorithms.
 cosine to 10 %. Before training and after every epoch the held-out pairs are scored: `rm/eval_accuracy` (chosen
 scored strictly above rejected), `rm/eval_loss`, `rm/eval_margin` (mean chosen - rejected).
 
-The output directory is a scalar-head directory (`rlbench.models.value_head`: HF files + head + `scalar_head.json`
-with the version, `kind: "reward"`, the data and the last held-out accuracy) plus `rm_metrics.json` (config and
-per-epoch history); `--reward-model DIR` serves it in an RL run (`rlbench.reward_model.serve`).
+The output directory is a value-model directory (`rlbench.models.value_head`: an HF token-classification model,
+the critic's layout, + tokenizer + `version.json` with the version, `kind: "reward"`, the data and the last held-out
+accuracy) plus `rm_metrics.json` (config and per-epoch history); `--reward-model DIR` serves it in an RL run
+(`rlbench.reward_model.serve`), `--critic-load DIR` starts a PPO critic from it.
 """
 
 from __future__ import annotations
@@ -30,8 +31,7 @@ from rlbench.algorithms.preference import bradley_terry_loss
 from rlbench.configs.reward_model import RMTrainConfig
 from rlbench.data.tokenizer import build_tokenizer
 from rlbench.models import build_config, load_tokenizer
-from rlbench.models.build import build_model
-from rlbench.models.value_head import ScalarHeadModel
+from rlbench.models.value_head import build_value_model, load_value_model, save_value_model
 from rlbench.reward_model.data import PreferencePair, encode_pair, load_preferences, render_prompt
 from rlbench.reward_model.scoring import pack_units, sequence_scores
 
@@ -48,13 +48,13 @@ def split_pairs(cfg: RMTrainConfig) -> tuple[list[PreferencePair], list[Preferen
     return [pairs[i] for i in sorted(order[n_eval:])], [pairs[i] for i in sorted(order[:n_eval])]
 
 
-def build_rm(cfg: RMTrainConfig) -> tuple[ScalarHeadModel, object]:
-    """(model, tokenizer): the directory's (its head too when it has one), or a preset's random init with the
-    char-level tokenizer sized to the preset's vocabulary."""
+def build_rm(cfg: RMTrainConfig) -> tuple[torch.nn.Module, object]:
+    """(value model, tokenizer): the directory's (its head too when it is a value model, else a zero head), or a
+    preset's random init (zero head) with the char-level tokenizer sized to the preset's vocabulary."""
     if os.path.isdir(cfg.model):
-        return ScalarHeadModel.from_pretrained(cfg.model, device=cfg.device), load_tokenizer(cfg.model)
+        return load_value_model(cfg.model, device=cfg.device), load_tokenizer(cfg.model)
     tokenizer = build_tokenizer(build_config(cfg.model).vocab_size)
-    return ScalarHeadModel(build_model(cfg.model, device=cfg.device, seed=cfg.seed)), tokenizer
+    return build_value_model(cfg.model, device=cfg.device, seed=cfg.seed), tokenizer
 
 
 def encode_pairs(pairs: list[PreferencePair], tokenizer, apply_chat_template: bool) -> list[list[int]]:
@@ -169,12 +169,12 @@ def run_rm(cfg: RMTrainConfig) -> dict:
     return metrics
 
 
-def save_rm(model: ScalarHeadModel, tokenizer, cfg: RMTrainConfig, metrics: dict) -> str:
-    """Write the model (scalar-head layout, `kind: "reward"`) and `rm_metrics.json` to `cfg.out`; returns the
+def save_rm(model, tokenizer, cfg: RMTrainConfig, metrics: dict) -> str:
+    """Write the model (value-model layout, `kind: "reward"`) and `rm_metrics.json` to `cfg.out`; returns the
     version."""
     meta = {"kind": "reward", "data": os.path.abspath(cfg.data), "eval_accuracy": metrics["rm/eval_accuracy"],
             "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    version = model.save_pretrained(cfg.out, tokenizer, meta=meta)
+    version = save_value_model(model, tokenizer, cfg.out, meta)
     with open(os.path.join(cfg.out, "rm_metrics.json"), "w", encoding="utf-8") as f:
         json.dump(metrics | {"version": version, "config": dataclasses.asdict(cfg)}, f, indent=1)
     return version

@@ -6,7 +6,8 @@
     metrics = backend.train_critic(packs, inputs, value_loss_fn)   # one critic optimizer step: critic/*
 
 `FSDPCritic` is an `FSDPBackend` whose model is a value model (`build_sharded_model(value_head=True)`: the decoder
-with a Linear(hidden, 1) head over the last hidden state, transformers' token-classification layout) and whose
+with a Linear(hidden, 1) head over the last hidden state, transformers' token-classification layout, the reward
+model's too: `rlbench.models.value_head`) and whose
 `forward_pack` returns values instead of log-probs; everything else (sharding, compile, the packed forward's
 inputs, gradient accumulation with the global-sum loss, clipping, the skipped non-finite step, interrupt safety) is
 the actor's. The value of response token t is read at the position that predicts it (`Pack.response_index`, where
@@ -21,6 +22,7 @@ same atomic directory (`rlbench.backends.checkpoint`, `parts`), so a resume rest
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -32,6 +34,8 @@ from rlbench.backends.fsdp.actor import FSDPBackend, reset_on_error
 from rlbench.backends.fsdp.model import build_sharded_model
 from rlbench.configs.backend import TrainConfig
 from rlbench.distributed.mesh import DistEnv
+from rlbench.models import load_tokenizer
+from rlbench.models.value_head import token_values, write_stamp
 
 CRITIC_DIR = "critic"
 """The critic's sub-directory inside each checkpoint."""
@@ -50,8 +54,9 @@ def critic_train_config(cfg: TrainConfig) -> TrainConfig:
 
 
 class FSDPCritic(FSDPBackend):
-    """The value model (see the module docstring); `env` is the actor's. `export_hf(path)` writes an HF
-    token-classification directory, which `--critic-load` of a later run loads with its head."""
+    """The value model (see the module docstring); `env` is the actor's. `export_hf(path)` writes a value-model
+    directory (`rlbench.models.value_head` layout, `kind: "critic"`), which `--critic-load` of a later run loads with
+    its head."""
 
     def build_model(self):
         return build_sharded_model(self.cfg.model, self.cfg, self.env, offload=self.cfg.fsdp.cpu_offload,
@@ -63,8 +68,19 @@ class FSDPCritic(FSDPBackend):
         inputs, index = self.pack_inputs(pack)
         with warnings.catch_warnings():  # the head's [1, T, 1] output is a view; nothing here writes into it
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-            values = model(**inputs, use_cache=False).logits[0, :, 0]  # [T]
-        return values.float()[index], None
+            values = token_values(model, **inputs)[0]  # [T]
+        return values[index], None
+
+    def export_hf(self, path: str, dtype: torch.dtype | None = None) -> None:
+        """The value-model layout: the HF directory, the tokenizer of the critic's starting directory when it has
+        one (so `--reward-model` can score text with it), the version stamp."""
+        super().export_hf(path, dtype=dtype)
+        if self.env.is_main:
+            src = self.cfg.model
+            if os.path.isdir(src) and any(os.path.isfile(os.path.join(src, f))
+                                          for f in ("tokenizer.json", "tokenizer_config.json")):
+                load_tokenizer(src).save_pretrained(path)
+            write_stamp(path, {"kind": "critic"})
 
     def compute_values(self, packs: Sequence[Any]) -> list[torch.Tensor]:
         """No-grad values `[R]` (fp32, CPU) of each pack, in the training forward's kernels (`_pass_grad_mode`), so a

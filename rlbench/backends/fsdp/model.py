@@ -26,6 +26,7 @@ from rlbench.backends.hf_weights import load_hf_weights, model_config, random_in
 from rlbench.configs.backend import TrainConfig
 from rlbench.distributed.mesh import DistEnv
 from rlbench.models.build import params_on_meta, restore_buffers
+from rlbench.models.value_head import VALUE_HEAD, value_config, zero_head_
 
 _RECOMPILE_LIMIT = 64  # compiled variants kept per decoder-layer code object (grad modes x bucketed pack lengths)
 # `torch.compile` kwargs of every decoder layer (tests swap the backend). Static shapes, one graph per pack length T,
@@ -67,10 +68,6 @@ def _checkpoint_forward(layer: nn.Module) -> None:
     layer.forward = forward_with_recompute
 
 
-VALUE_HEAD = "score"
-"""The value head's parameter prefix (transformers' `*ForTokenClassification`, verl's critic layout)."""
-
-
 def build_sharded_model(
     name: str, cfg: TrainConfig, env: DistEnv, *, offload: bool = False, value_head: bool = False
 ) -> tuple[PreTrainedModel, PretrainedConfig]:
@@ -81,16 +78,16 @@ def build_sharded_model(
         cfg: sharding/precision/attention options.
         env: the process's mesh; FSDP shards over `env.shard_mesh` (dp x cp flattened).
         offload: FSDP CPUOffloadPolicy (params, grads and optimizer state on CPU).
-        value_head: a value model instead of the causal LM: the same decoder with a scalar head
-            (`AutoModelForTokenClassification`, one label, no dropout: `score`, Linear(hidden, 1) over the last
-            hidden state) and no LM head. From a causal-LM directory the head is initialised (`random_init`);
-            a directory that has `score.*` (a saved critic) loads it.
+        value_head: a value model instead of the causal LM (`rlbench.models.value_head`: the same decoder with
+            `score`, Linear(hidden, 1) over the last hidden state, transformers' token-classification layout) and no
+            LM head. A value-model directory (a saved critic, `rlbench rm`'s output) loads its head; from a
+            causal-LM directory or a preset the head starts at zero (`zero_head_`).
     """
     hf_config = model_config(name, cfg.model_overrides)
     hf_config._attn_implementation = cfg.attention
     hf_config.use_cache = False
     if value_head:
-        hf_config.num_labels, hf_config.classifier_dropout = 1, 0.0  # dropout would make values random in train()
+        hf_config = value_config(hf_config)
     auto = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
     with params_on_meta():
         model = auto.from_config(hf_config, dtype=torch.float32, attn_implementation=cfg.attention)
@@ -131,8 +128,10 @@ def build_sharded_model(
     restore_buffers(model, buffers, env.device)  # on the compute device even with CPU offload
     if os.path.isdir(name):
         absent = load_hf_weights(model, name, optional=(f"{VALUE_HEAD}.",) if value_head else ())
-        if absent:  # a causal LM's directory: the value head starts from the seeded init
-            random_init(model, hf_config, cfg.seed, env.device, names=absent)
+        if absent:  # a causal LM's directory: the value head starts at zero
+            zero_head_(model)
     else:
         random_init(model, hf_config, cfg.seed, env.device)
+        if value_head:
+            zero_head_(model)
     return model, hf_config
