@@ -6,7 +6,7 @@
 set -euo pipefail
 MODEL=${MODEL:-tiny}                    # where the RM starts: an HF causal-LM directory (e.g. the SFT policy) or a preset
 DATA=${DATA:-data/prefs.jsonl}          # one JSON object per line: {"prompt": ..., "chosen": ..., "rejected": ...}
-OUT=${OUT:-runs/rm}                     # HF directory + scalar_head.safetensors + scalar_head.json (the version)
+OUT=${OUT:-runs/rm}                     # HF token-classification directory + tokenizer + version.json (the version)
 LR=${LR:-1e-3}                          # for the tiny preset; ~1e-5 for a real checkpoint
 
 if [ ! -f "$DATA" ]; then

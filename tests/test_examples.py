@@ -50,7 +50,7 @@ def test_train_rm_example_writes_a_reward_model_on_cpu(tmp_path):
     assert len((tmp_path / "prefs.jsonl").read_text().splitlines()) == 2000  # the synthetic pairs, written first
     final = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
     assert final["rm/epoch"] == 1.0 and final["rm/eval_pairs"] == 200 and final["rm/eval_accuracy"] >= 0.9
-    stamp = json.loads((tmp_path / "rm" / "scalar_head.json").read_text())
+    stamp = json.loads((tmp_path / "rm" / "version.json").read_text())
     assert stamp["version"] == final["version"] and f"--reward-model {tmp_path / 'rm'}" in proc.stdout
 
 

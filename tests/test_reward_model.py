@@ -19,7 +19,7 @@ from rlbench.data.preferences import (
     make_arithmetic_preferences,
 )
 from rlbench.data.tasks import write_jsonl
-from rlbench.models.value_head import ScalarHeadModel, read_stamp
+from rlbench.models.value_head import load_value_model, read_stamp, token_values
 from rlbench.reward_model.data import encode_pair, load_preferences, render_prompt
 from rlbench.reward_model.serve import RewardModel
 from rlbench.reward_model.train import build_rm, encode_pairs, run_rm, split_pairs, train_step
@@ -109,7 +109,7 @@ def test_the_step_gradient_does_not_depend_on_packing(prefs):
         torch.manual_seed(0)
         model, tok = build_rm(cfg)
         with torch.no_grad():
-            model.head.weight.normal_(0, 0.1)  # a zero head sends no gradient into the backbone
+            model.score.weight.normal_(0, 0.1)  # a zero head sends no gradient into the backbone
         pairs, _ = split_pairs(cfg)
         seqs = encode_pairs(pairs, tok, True)
         assert max(len(seqs[2 * i]) + len(seqs[2 * i + 1]) for i in range(8)) <= 80 < sum(map(len, seqs[:16]))
@@ -123,12 +123,13 @@ def test_the_step_gradient_does_not_depend_on_packing(prefs):
 def test_served_scores_equal_a_forward_of_each_sequence(prefs, tmp_path):
     run_rm(_cfg(prefs, out=str(tmp_path / "rm"), epochs=1, batch_size=64))
     rm = RewardModel(tmp_path / "rm")
-    model = ScalarHeadModel.from_pretrained(tmp_path / "rm", require_head=True).eval()
+    model = load_value_model(tmp_path / "rm", require_head=True).eval()
     prompts = [render_prompt(rm.tokenizer, p) for p in ("1+2=?", "3+4=?", "9+9=?")]
     responses = ["\\boxed{3}", "so \\boxed{7}", "\\boxe{18"]
     scores = rm.score(prompts, responses)
     with torch.no_grad():
-        alone = [model(torch.tensor([encode_pair(rm.tokenizer, p, r)]))[0, -1].item() for p, r in zip(prompts, responses)]
+        alone = [token_values(model, torch.tensor([encode_pair(rm.tokenizer, p, r)]))[0, -1].item()
+                 for p, r in zip(prompts, responses)]
     assert scores == pytest.approx(alone, rel=1e-5, abs=1e-6)
     assert scores[0] > scores[1] and scores[0] > scores[2]  # the short form wins
     assert rm.version == read_stamp(tmp_path / "rm")["version"] and rm.version_id == int(rm.version[:8], 16)
@@ -143,6 +144,11 @@ def test_a_model_without_a_trained_head_is_refused(tmp_path):
         RewardModel(tmp_path / "nope")
     save_pretrained(build_model("tiny"), None, tmp_path)
     with pytest.raises(ValueError, match="no tokenizer files"):
+        RewardModel(tmp_path)
+    from rlbench.data.tokenizer import build_tokenizer
+
+    save_pretrained(build_model("tiny"), build_tokenizer(128), tmp_path)  # a causal LM: no trained head
+    with pytest.raises(ValueError, match=r"\['Qwen3ForCausalLM'\], not a value model.*rlbench rm"):
         RewardModel(tmp_path)
 
 

@@ -90,7 +90,7 @@ def test_reward_weights_and_reward_model_flags(rm_dir, tmp_path):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--reward-weights", "math"])
     bad = build_parser().parse_args(["train", "--reward-model", str(tmp_path)])
-    with pytest.raises(ValueError, match="has no scalar_head.safetensors"):
+    with pytest.raises(ValueError, match="has no config.json"):
         check_paths(bad)
 
 

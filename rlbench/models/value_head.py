@@ -82,9 +82,11 @@ def value_dir_problem(path: str | os.PathLike) -> str | None:
         config = json.load(f)
     archs = config.get("architectures") or []
     labels = len(config["id2label"]) if "id2label" in config else config.get("num_labels", 2)  # transformers' rule
-    if not any(a.endswith("ForTokenClassification") for a in archs) or labels != 1:
-        return (f"holds {archs or 'a model without architectures'} with {labels} label(s), not a value model "
-                "(a ForTokenClassification with one label: no trained head)")
+    if not any(a.endswith("ForTokenClassification") for a in archs):
+        return (f"holds {archs or 'a model without architectures'}, not a value model (a ForTokenClassification "
+                "with one label): it has no trained head")
+    if labels != 1:
+        return f"holds {archs} with {labels} labels, not a value model (one label: a scalar head)"
     return None
 
 
