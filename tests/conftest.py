@@ -110,3 +110,18 @@ def no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32 = BASELINE["matmul_tf32"]
+
+
+@pytest.fixture(scope="session")
+def sft_dir(tmp_path_factory):
+    """The end-to-end tests' SFT warm start (tiny, arithmetic level 1), built once per session and shared by
+    tests/test_e2e_grpo.py and tests/test_e2e_ppo.py (cached across sessions in $RLBENCH_TEST_CACHE when set)."""
+    from rlbench.sft import SFTConfig, run_sft
+
+    torch.set_num_threads(1)
+    root = os.environ.get("RLBENCH_TEST_CACHE") or str(tmp_path_factory.mktemp("cache"))
+    out = os.path.join(root, "sft-tiny-arith1")
+    if not os.path.isfile(os.path.join(out, "config.json")):
+        run_sft(SFTConfig(preset="tiny", task="arithmetic", task_kwargs={"level": 1}, out=out, batch_size=32,
+                          eval_every=20, num_eval=32, max_steps=600, target_pass_at_1=0.3, num_threads=1))
+    return out

@@ -1,6 +1,6 @@
 """End to end on CPU: SFT warm start (tiny, arithmetic level 1), then GRPO through the real engine, backend,
-packing, losses and weight sync. Learning must show on HELD-OUT prompts, PPO KL must be exactly 0 on each
-step's first micro-batch, and resuming from a checkpoint must reproduce the uninterrupted run exactly.
+packing, losses and weight sync. Learning must show on HELD-OUT prompts, and resuming from a checkpoint must
+reproduce the uninterrupted run exactly. The warm start is `sft_dir` (tests/conftest.py, shared with test_e2e_ppo).
 
 Noise (measured, docs/training.md): 20 GRPO steps, seeds 0/1/2, fixed eval seed.
 """
@@ -8,14 +8,11 @@ Noise (measured, docs/training.md): 20 GRPO steps, seeds 0/1/2, fixed eval seed.
 from __future__ import annotations
 
 import dataclasses as dc
-import os
 
 import pytest
-import torch
 
 from rlbench import Trainer, presets
 from rlbench.configs.backend import OptimConfig
-from rlbench.sft import SFTConfig, run_sft
 
 pytestmark = pytest.mark.slow
 
@@ -23,18 +20,6 @@ STEPS = 20
 # Measured (docs/training.md): gain +0.043/+0.039/+0.055 for seeds 0/1/2 (start 0.336, fixed eval seed),
 # seed-to-seed std of the end value 0.008. The margin is half the smallest gain.
 PASS1_MARGIN = 0.02
-
-
-@pytest.fixture(scope="session")
-def sft_dir(tmp_path_factory):
-    """The warm start (cached across sessions in $RLBENCH_TEST_CACHE when set)."""
-    torch.set_num_threads(1)
-    root = os.environ.get("RLBENCH_TEST_CACHE") or str(tmp_path_factory.mktemp("cache"))
-    out = os.path.join(root, "sft-tiny-arith1")
-    if not os.path.isfile(os.path.join(out, "config.json")):
-        run_sft(SFTConfig(preset="tiny", task="arithmetic", task_kwargs={"level": 1}, out=out, batch_size=32,
-                          eval_every=20, num_eval=32, max_steps=600, target_pass_at_1=0.3, num_threads=1))
-    return out
 
 
 def grpo_config(sft: str, work: str, *, seed: int = 0, steps: int = STEPS, rbs: int = 16, gbs: int = 64):

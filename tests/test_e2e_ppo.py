@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses as dc
 
 import pytest
-from test_e2e_grpo import grpo_config, sft_dir  # noqa: F401  (sft_dir: the shared warm-start fixture)
+from test_e2e_grpo import grpo_config
 
 from rlbench import Trainer
 from rlbench.configs import CriticConfig, LossConfig
@@ -26,7 +26,7 @@ def ppo_config(sft: str, work: str, *, seed: int = 0):
                        backend=dc.replace(cfg.backend, critic=CriticConfig(lr=1e-3)))
 
 
-def test_ppo_with_a_critic_improves_held_out_pass_at_1(sft_dir, tmp_path):  # noqa: F811
+def test_ppo_with_a_critic_improves_held_out_pass_at_1(sft_dir, tmp_path):
     trainer = Trainer(ppo_config(sft_dir, str(tmp_path)))
     history = trainer.fit()
     start, end = trainer.eval_history[0], trainer.eval_history[-1]
