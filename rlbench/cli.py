@@ -85,13 +85,15 @@ FLAG_NAMES: dict[tuple[str, str], str] = {
     ("backend.critic", "num_critic_only_steps"): "--num-critic-only-steps",
 }
 # Sections whose field names are used bare (`--eps-clip`, `--global-batch-size`, `--lr`).
-BARE_SECTIONS = ("loss", "batch", "backend.optim", "backend.fsdp", "rollout", "backend", "data", "cluster", "megatron", "")
+BARE_SECTIONS = ("loss", "batch", "backend.optim", "backend.fsdp", "rollout", "rollout.multiturn", "backend", "data",
+                 "cluster", "megatron", "")
 SKIP = {("loss", "mis"), ("backend", "model_overrides"), ("backend", "optim"), ("backend", "fsdp"), ("backend", "critic"),
         ("backend", "batch_invariant"), ("engine", "batch_invariant"),  # both follow --true-on-policy-mode
         ("logging", "console_keys"), ("backend.optim", "betas"), ("", "task"), ("engine", "megakernel"),
-        ("engine.megakernel", "sync"), ("engine.megakernel", "gluon"), ("engine.megakernel", "head")}
+        ("engine.megakernel", "sync"), ("engine.megakernel", "gluon"), ("engine.megakernel", "head"),
+        ("rollout", "multiturn")}
 # Nested sections: "parent.field" -> the dataclass held in that field.
-NESTED = ("backend.optim", "backend.fsdp", "backend.critic", "engine.megakernel")
+NESTED = ("backend.optim", "backend.fsdp", "backend.critic", "engine.megakernel", "rollout.multiturn")
 
 PRESETS = ("cpu_demo", "cpu_test", "qwen3_0p6b_gpu")
 CPU_PRESETS = ("cpu_demo", "cpu_test")

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from rlbench.configs.checks import did_you_mean
+from rlbench.configs.checks import did_you_mean, is_import_path
+from rlbench.configs.multiturn import MultiTurnConfig
 
 REWARD_NAMES = ("math", "exact", "countdown")
 """The built-in names of `rlbench.rewards.REWARDS`, so that a config checks `rm_type` without importing it
@@ -135,6 +136,12 @@ class RolloutConfig:
     """Never stop at the eos token: every response is max_response_len tokens (benchmarks: the same work per sample)."""
     seed: int = 0
     """Base sampling seed: rollout r, prompt i, sample j use a seed derived from (seed, r, i, j)."""
+    custom_generate_function_path: str | None = None
+    """"module.path:function" that turns a round's prompts into sample groups (slime's flag;
+    `rlbench.rollout.generate.GenerateFn`), e.g. "rlbench.rollout.multiturn:generate" for tool calling; None:
+    single-turn generation. Imported when the rollout manager is built."""
+    multiturn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Tools, turns and budgets of the multi-turn generate function (ignored by single-turn generation)."""
 
     def __post_init__(self) -> None:
         for name in ("rollout_batch_size", "n_samples_per_prompt", "max_response_len", "max_sampling_rounds"):
@@ -154,6 +161,10 @@ class RolloutConfig:
         if self.reward_timeout is not None and self.reward_timeout < 0:
             raise ValueError(f"reward_timeout={self.reward_timeout} must be > 0 seconds (None or 0: no limit)")
         check_rm_type(self.rm_type)
+        path = self.custom_generate_function_path
+        if path is not None and not (isinstance(path, str) and is_import_path(path)):
+            raise ValueError(f"custom_generate_function_path={path!r} is not 'module.path:function' (e.g. "
+                             "'rlbench.rollout.multiturn:generate'); None generates single-turn")
         self._check_reward_mix()
 
     def _check_reward_mix(self) -> None:

@@ -4,12 +4,15 @@
     batch = manager.generate(rollout_id=0)        # RolloutBatch: samples (rewards set), metrics
     scores = manager.evaluate(eval_items, cfg.eval)   # eval/reward, eval/pass@k, ...
 
-Only the engine protocol (`generate(prompts, SamplingParams, seeds)`) is used, so any engine works. A reward model
+A round's prompts become sample groups through the generate function (`rlbench.rollout.generate`: single-turn by
+default, `rollout.custom_generate_function_path` for another, e.g. multi-turn tool calling), which uses the engine
+through its protocol only, so any engine works. A reward model
 (`reward_model=`, `rlbench.reward_model.serve.RewardModel`, any object with `score_samples(samples)` and `version`)
 scores each round's samples in one batched call after generation; the training reward is then the weighted sum
 `cfg.reward_mix` of it and the rule rewards (the rm_type reward is kept per sample in `metadata["rule_reward"]`, the
-model's score in `metadata["rm_score"]`). Evaluation scores with the rule reward alone. With `reward_workers` > 0 rewards are scored in worker processes (`reward_pool.RewardPool`); an engine whose `generate`
-takes `on_finish` (the torch engine) reports each sample as it stops, so scoring overlaps generation.
+model's score in `metadata["rm_score"]`). Evaluation scores with the rule reward alone. With `reward_workers` > 0 rewards are scored in worker processes (`reward_pool.RewardPool`); a generate
+function that reports samples as they finish (the default does, on the torch engine) has them scored while the rest
+generate.
 Sampling seeds derive from (rollout seed, rollout id, refill round, prompt), so a resumed run draws
 exactly what the uninterrupted run drew. Advantages are not computed here (the Trainer's `score`
 step does it with the configured estimator); groups stay contiguous and in prompt order.
@@ -17,7 +20,6 @@ step does it with the configured estimator); groups stay contiguous and in promp
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -27,13 +29,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rlbench.configs.rollout import RM_NAME
-from rlbench.engine.protocol import Generation, SamplingParams
+from rlbench.engine.protocol import SamplingParams
 from rlbench.metrics import pass_at_k, summarize
 from rlbench.rewards import RewardError, check_reward, combine_rewards, describe_sample, score_batch
+from rlbench.rollout.generate import GenerateArgs, check_groups, load_generate_fn
 from rlbench.rollout.reward_pool import RewardPool, poolable
 from rlbench.types import Sample, Status
-
-_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 
 
 @dataclass
@@ -93,8 +94,9 @@ class RolloutManager:
         self.stop_token_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         self.next_group = 0  # global group / sample ids keep increasing over the run
         self.next_index = 0
+        self.generate_fn = load_generate_fn(cfg.custom_generate_function_path)
+        """Turns a round's prompt items into sample groups (`rlbench.rollout.generate.GenerateFn`)."""
         self.reward_pool = RewardPool(reward_workers, cfg.reward_timeout) if reward_workers > 0 else None
-        self._reports_finish = "on_finish" in inspect.signature(engine.generate).parameters
         self._reward_wait = 0.0  # seconds spent waiting for rewards after generation, this rollout
         if (cfg.reward_model is not None) != (reward_model is not None):
             raise ValueError(f"rollout.reward_model={cfg.reward_model!r} but the manager was given "
@@ -208,19 +210,16 @@ class RolloutManager:
         prompts = [it.prompt_token_ids for it in items]
         if any(p is None for p in prompts):
             raise ValueError("prompt items have no prompt_token_ids; build the PromptDataset with a tokenizer")
-        early: dict[tuple[int, int], tuple[Sample, Future | None]] = {}  # scored while the rest generate
+        early: dict[int, tuple[Sample, Future | None]] = {}  # scored while the rest generate
 
-        def on_finish(g: Generation) -> None:
-            sample = self._to_sample(items[g.prompt_index], g)
-            early[g.prompt_index, g.sample_index] = sample, self._submit(sample, g.prompt_index * n + g.sample_index)
+        def on_sample(index: int, sample: Sample) -> None:
+            early[index] = sample, self._submit(sample, index)
 
-        overlap = {"on_finish": on_finish} if self.reward_pool is not None and self._reports_finish else {}
-        gens = self.engine.generate(prompts, self.sampling(n, **sampling), seeds=seeds, **overlap)
-        if len(gens) != len(items) * n:
-            raise RuntimeError(f"engine returned {len(gens)} generations for {len(items)} prompts x n={n}")
+        args = GenerateArgs(self.engine, self.tokenizer, self.cfg, on_sample if self.reward_pool is not None else None)
+        groups = self.generate_fn(args, items, self.sampling(n, **sampling), seeds)
+        flat = check_groups(groups, len(items), n, self.cfg.custom_generate_function_path or "single_turn")
         start = time.perf_counter()
-        pairs = [early.get((g.prompt_index, g.sample_index)) or (self._to_sample(items[g.prompt_index], g), None)
-                 for g in gens]
+        pairs = [early[i] if i in early and early[i][0] is s else (s, None) for i, s in enumerate(flat)]
         for s, r in zip([s for s, _ in pairs], self._rewards(pairs)):
             s.reward = r
         self._reward_wait += time.perf_counter() - start
@@ -258,20 +257,6 @@ class RolloutManager:
             if future is not None:
                 rewards[i] = future.result()[0]
         return rewards
-
-    def _to_sample(self, item, gen: Generation) -> Sample:
-        """A Sample from a prompt item and one generation (response decoded for the reward)."""
-        return Sample(
-            tokens=list(item.prompt_token_ids) + list(gen.token_ids),
-            response_length=len(gen.token_ids),
-            rollout_log_probs=[float(x) for x in gen.log_probs],
-            weight_version=gen.weight_version,
-            status=_STATUS[gen.finish_reason],
-            prompt=item.prompt,
-            label=item.label,
-            response=self.tokenizer.decode(gen.token_ids, skip_special_tokens=True),
-            metadata=dict(item.metadata),
-        )
 
     def _renumber(self, groups: list[list[Sample]]) -> None:
         """Give kept groups consecutive run-global group ids and samples consecutive indices."""
