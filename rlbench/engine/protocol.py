@@ -168,6 +168,8 @@ class SessionEngine(RolloutEngine, Protocol):
     capacity until released."""
 
     supports_sessions: bool
+    free_slots: int
+    """Samples that can be kept now (slots not held by open sessions): a `keep=True` call needs one per sample."""
 
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seeds: Sequence[int] | None = None, *,
