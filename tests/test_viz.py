@@ -21,7 +21,13 @@ from rlbench.viz.packing_plan import (  # noqa: E402
     plan_packing,
 )
 from rlbench.viz.packing_view import cp_figure, packs_figure  # noqa: E402
-from rlbench.viz.rollout_view import advantage_color, group_html, logprob_color  # noqa: E402
+from rlbench.viz.rollout_view import (  # noqa: E402
+    advantage_color,
+    call_label,
+    group_html,
+    logprob_color,
+    mask_runs,
+)
 
 
 def metrics(i: int) -> dict:
@@ -199,6 +205,31 @@ def test_advantage_colours_diverge():
     assert advantage_color(0.0, 1.0) == "hsl(210, 80%, 100%)"
     html = group_html(make_samples()[:2], None, "advantage")
     assert html.count("hsl(0, 80%, 65%)") == 2 and html.count("hsl(210, 80%, 65%)") == 2
+
+
+def test_multi_turn_samples_show_turns_tool_calls_and_masked_observations():
+    """Two model turns around one observation: the observation's tokens sit in a grey block labelled with its call
+    and "loss mask 0", uncoloured; the model's tokens keep their log-prob colours; the turn count is in the stats."""
+    mask = [1, 1, 0, 0, 0, 1]
+    s = Sample(tokens=[9, 1, 2, 3, 4, 5, 6], response_length=6, loss_mask=mask,
+               rollout_log_probs=[-0.1, -0.2, 0.0, 0.0, 0.0, -3.0], reward=1.0, status=Status.COMPLETED,
+               metadata={"turns": 2, "finish_reason": "stop", "tool_calls": [
+                   {"turn": 1, "name": "calculator", "arguments": {"expression": "1+2"}, "error": "timeout",
+                    "output": "x"}]})
+    assert mask_runs(mask) == [(0, 2, 1), (2, 5, 0), (5, 6, 1)] and mask_runs([]) == []
+    assert call_label(s.metadata["tool_calls"][0]) == "turn 1: calculator(expression='1+2') → timeout"
+    assert call_label({"turn": 2, "name": None, "arguments": None, "error": "malformed"}) == (
+        "turn 2: (malformed call)() → malformed")
+    html = group_html([s], None, "logprob")
+    assert html.count("class='rlbench-obs'") == 1 and html.count("class='rlbench-tok'") == 6
+    before, rest = html.split("class='rlbench-obs'")
+    obs, after = rest.split("</span></div>", 1)
+    assert "turn 1: calculator(expression=&#x27;1+2&#x27;) → timeout · 3 tokens · loss mask 0" in obs
+    assert obs.count("class='rlbench-tok'") == 3 and "background:" not in obs.split("</div>", 1)[1]  # uncoloured
+    assert logprob_color(-0.1) in before and logprob_color(-3.0) in after and "rlbench-tok" in after
+    assert "2 turns" in html
+    zeroed = Sample(tokens=[9, 1, 2], response_length=2, loss_mask=[0, 0], rollout_log_probs=[-0.1, -0.2])
+    assert "rlbench-obs" not in group_html([zeroed], None, "logprob")  # a mask zeroed whole is not an observation
 
 
 def test_rollout_viewer_follows_trainer_and_controls():

@@ -1,5 +1,8 @@
 """RolloutViewer: browse a rollout group by group, response tokens coloured by logprob or advantage.
 
+Multi-turn samples show their turns: each run of loss-mask-0 tokens (a tool observation, not trained on) is a grey
+block headed by the tool call it answers (`metadata["tool_calls"]`), between the model's turns.
+
 Rendering is pure (`group_html`, `tokens_html` return HTML strings) so it is tested without a
 browser; the widget only wires a group dropdown and a colour selector to an `ipywidgets.HTML`.
 """
@@ -70,13 +73,54 @@ def token_values(sample: Any, color_by: str) -> list[float | None]:
     return [None] * n
 
 
+def mask_runs(loss_mask: Sequence[int]) -> list[tuple[int, int, int]]:
+    """`(start, end, mask)` of each run of equal loss-mask values, in order (model turns: 1, observations: 0)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, m in enumerate(loss_mask):
+        if runs and runs[-1][2] == int(m):
+            runs[-1] = (runs[-1][0], i + 1, int(m))
+        else:
+            runs.append((i, i + 1, int(m)))
+    return runs
+
+
+def call_label(call: dict | None) -> str:
+    """One line for a tool call record (`metadata["tool_calls"]` entry): `name(args)`, and its error kind."""
+    if not call:
+        return "appended tokens"
+    args = ", ".join(f"{k}={v!r}" for k, v in (call.get("arguments") or {}).items())
+    text = f"turn {call.get('turn')}: {call.get('name') or '(malformed call)'}({args})"
+    return text + (f" → {call['error']}" if call.get("error") else "")
+
+
 def response_html(sample: Any, tokenizer: Any | None, color_by: str, adv_scale: float) -> str:
-    """The response of one sample as coloured token spans."""
-    pieces = token_pieces(sample.response_tokens, tokenizer)
-    values = token_values(sample, color_by)
+    """The response of one sample as coloured token spans; observations (loss mask 0 after model tokens) as grey
+    blocks labelled with their tool call."""
+    runs = mask_runs(sample.loss_mask)
+    if len({m for _, _, m in runs}) < 2:  # one turn (or a mask zeroed whole, e.g. mask_truncated)
+        return _tokens(sample, 0, sample.response_length, tokenizer, color_by, adv_scale)
+    calls = iter(sample.metadata.get("tool_calls", []) if isinstance(sample.metadata, dict) else [])
+    parts = []
+    for start, end, m in runs:
+        body = _tokens(sample, start, end, tokenizer, color_by if m else "none", adv_scale)
+        if m:
+            parts.append(body)
+        else:
+            label = html.escape(f"{call_label(next(calls, None))} · {end - start} tokens · loss mask 0")
+            parts.append(f"<div class='rlbench-obs' style='margin:3px 0;padding:2px 4px;background:#eee;"
+                         f"border-left:3px solid #999'><div style='font-size:85%;color:#555'>{label}</div>"
+                         f"{body}</div>")
+    return "".join(parts)
+
+
+def _tokens(sample: Any, start: int, end: int, tokenizer: Any | None, color_by: str, adv_scale: float) -> str:
+    """Response tokens `[start, end)` as coloured spans."""
+    ids = sample.response_tokens[start:end]
+    pieces = token_pieces(ids, tokenizer)
+    values = token_values(sample, color_by)[start:end]
     colors: list[str | None] = []
     titles = []
-    for tok, val in zip(sample.response_tokens, values):
+    for tok, val in zip(ids, values):
         if val is None:
             colors.append(None)
             titles.append(f"id {tok}")
@@ -116,8 +160,10 @@ def group_html(samples: Sequence[Any], tokenizer: Any | None = None, color_by: s
     for s in samples:
         status = getattr(s.status, "value", s.status)
         finish = s.metadata.get("finish_reason", status) if isinstance(s.metadata, dict) else status
+        turns = s.metadata.get("turns") if isinstance(s.metadata, dict) else None
         stats = (f"#{s.index} reward <b>{_fmt(s.reward)}</b> · adv {_fmt(s.advantage, '+.3f')} · "
-                 f"{s.response_length} tok · {html.escape(str(finish))} · v{s.weight_version}")
+                 f"{s.response_length} tok · {html.escape(str(finish))} · v{s.weight_version}"
+                 + (f" · {turns} turns" if turns is not None else ""))
         rows.append(f"<div class='rlbench-sample' style='margin:6px 0;padding:4px;border-left:3px solid #ccc'>"
                     f"<div style='font-size:90%;color:#555'>{stats}</div>"
                     f"{response_html(s, tokenizer, color_by, adv_scale)}</div>")
