@@ -2,8 +2,8 @@
 
     python benchmarks/tool_use.py --seeds 0 1 2 --steps 20 --out runs/tool-use
 
-One warm start (`rlbench.rollout.multiturn.warm_start`: the `small` preset on 3-digit arithmetic, level 4, half of the
-transcripts calling the calculator, half answering directly), then per seed two GRPO runs from it with the multi-turn
+One warm start (`rlbench.rollout.multiturn.warm_start`: the `tiny` preset on 2-digit +/- arithmetic, level 3, half of
+the transcripts calling the calculator, half answering directly), then per seed two GRPO runs from it with the multi-turn
 generate function: with the calculator, and without it (`multiturn.tools=()`: every call is answered with an
 unknown-tool error). Held-out success is `eval/pass@1` on the task's eval split every `--eval-every` steps. Prints
 one table per seed and writes `results.json` under `--out`.
@@ -17,6 +17,8 @@ import json
 import os
 import time
 
+import torch
+
 from rlbench import Trainer, presets
 from rlbench.configs import EvalConfig
 from rlbench.configs.multiturn import MultiTurnConfig
@@ -25,17 +27,23 @@ from rlbench.rollout.multiturn.warm_start import ToolSFTConfig, tool_warm_start
 MULTITURN = "rlbench.rollout.multiturn:generate"
 
 
+LEVEL = 3
+WARM_START = dict(preset="tiny", level=LEVEL, tool_fraction=0.5, batch_size=32, lr=3e-3)
+"""The warm start: tiny learns the call format in a few hundred steps; direct answers stay almost always wrong."""
+
+
 def warm_start(out: str, steps: int) -> str:
     """The warm start's HF directory (trained once into `out`)."""
     if os.path.isfile(os.path.join(out, "config.json")):
         return out
-    return tool_warm_start(ToolSFTConfig(preset="small", level=4, tool_fraction=0.5, steps=steps, out=out))
+    return tool_warm_start(ToolSFTConfig(**WARM_START, steps=steps, out=out))
 
 
 def run_config(model: str, workdir: str, seed: int, *, tools: bool, steps: int, eval_every: int, n_eval: int):
-    """GRPO on level-4 arithmetic with the multi-turn generate function (calculator on or off)."""
-    cfg = presets.cpu_test(model=model, workdir=workdir, level=4, seed=seed, n_eval=n_eval)
+    """GRPO on the warm start's arithmetic level with the multi-turn generate function (calculator on or off)."""
+    cfg = presets.cpu_test(model=model, workdir=workdir, level=LEVEL, seed=seed, n_eval=n_eval)
     return cfg.replace(
+        backend=dataclasses.replace(cfg.backend, optim=dataclasses.replace(cfg.backend.optim, lr=5e-4)),
         rollout=dataclasses.replace(cfg.rollout, max_response_len=160, custom_generate_function_path=MULTITURN,
                                     multiturn=MultiTurnConfig(tools=("calculator",) if tools else (), max_turns=3)),
         engine=dataclasses.replace(cfg.engine, max_seq_len=224),
@@ -64,8 +72,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--n-eval", type=int, default=64)
     p.add_argument("--sft-steps", type=int, default=400)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (None: the default)")
     p.add_argument("--out", default="runs/tool-use")
     a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     model = warm_start(os.path.join(a.out, "warm-start"), a.sft_steps)
     results = {}
     for seed in a.seeds:

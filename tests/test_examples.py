@@ -21,6 +21,7 @@ EXPECTED = {
     "run-qwen3-4B-colocate-Ngpu.sh": ("ray", 8, 8, True, True),
     "run-qwen3-4B-disaggregated.sh": ("ray", 4, 4, False, False),
     "run-qwen3-0.6B-ppo-critic-1gpu.sh": ("local", 1, None, True, True),  # KL-in-reward (kl_coef), no KL loss
+    "tool_use.sh": ("local", 1, None, True, False),
 }
 CPU_SIZE = ["--device", "cpu", "--param-dtype", "fp32", "--num-rollout", "1", "--rollout-batch-size", "2",
             "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--rollout-max-response-len", "8",
@@ -68,6 +69,11 @@ def test_example_flags_resolve(script, tmp_path):
     assert (cfg["backend"]["model"], cfg["task"], cfg["eval"]["interval"]) == ("tiny", None, 10)
     assert cfg["data"]["path"] == cfg["eval"]["data_path"] == str(tmp_path / "prompts.jsonl")
     assert cfg["backend"]["device"] == "cuda" and cfg["rollout"]["rm_type"] == "math"
+    multiturn = script == "tool_use.sh"
+    assert (cfg["rollout"]["custom_generate_function_path"] == "rlbench.rollout.multiturn:generate") is multiturn
+    if multiturn:
+        assert cfg["rollout"]["multiturn"] == {"tools": ["calculator"], "max_turns": 4, "max_turn_tokens": 512,
+                                               "tool_timeout": 5.0, "max_observation_chars": 2000}
 
 
 def test_one_gpu_example_trains_a_step_on_cpu(tmp_path):

@@ -126,7 +126,7 @@ def test_three_turn_samples_reach_the_trainer_as_the_engine_ids(tmp_path, taught
     packed_lp = unpack_response(pack, pack.rollout_log_probs)
     assert len(engine.released) == len(samples)
     for i, (s, session) in enumerate(zip(samples, engine.released)):
-        assert packed_ids[i].tolist() == session.token_ids  # byte for byte: the ids the engine conditioned on
+        assert packed_ids[i].tolist() == s.tokens == session.token_ids  # byte for byte: the engine's ids
         assert packed_mask[i].tolist() == session.loss_mask
         assert packed_lp[i].tolist() == pytest.approx(session.log_probs, abs=0)
     obs_ids = {out: tok(observation_text(out), add_special_tokens=False)["input_ids"] for out in ("a", "b")}

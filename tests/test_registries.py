@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlbench.configs import backend, cluster, data, engine, loss, rollout
+from rlbench.configs import backend, cluster, data, engine, loss, multiturn, rollout
 
 
 def _tied():
@@ -15,6 +15,7 @@ def _tied():
     from rlbench.data import tasks
     from rlbench.distributed import cp_kernels
     from rlbench.engine import attention, quantize
+    from rlbench.rollout.multiturn import tools
 
     return {
         "advantage estimators": (loss.ADVANTAGE_ESTIMATORS, advantages.ADVANTAGE_FNS),
@@ -29,6 +30,7 @@ def _tied():
         "CP attention kernels": (backend.CP_ATTENTIONS, cp_kernels.CP_KERNELS),
         "cluster backends": (cluster.BACKENDS, orchestration.TRAINERS),
         "synthetic tasks": (data.TASK_NAMES, tasks.TASKS),
+        "tools": (multiturn.BUILTIN_TOOLS, tools.TOOLS),
     }
 
 

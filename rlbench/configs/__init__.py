@@ -5,6 +5,7 @@ be built and validated without loading CUDA code (tests/test_imports.py checks i
     run.py         RunConfig and the cross-section rules      backend.py   TrainConfig (shared by both backends),
     data.py        DataConfig, TaskConfig                                   FSDP-only options, OptimConfig
     rollout.py     RolloutConfig, EvalConfig, reward names     megatron.py  MegatronConfig
+    multiturn.py   MultiTurnConfig (tools, turns, budgets)
     batch.py       BatchConfig                                 engine.py    TorchEngineConfig, MegakernelConfig
     loss.py        LossConfig, MISConfig                       sglang.py    SGLangEngineConfig
     weights.py     WeightSyncConfig                            cluster.py   ClusterConfig, the Ray layout rules
@@ -22,13 +23,15 @@ from rlbench.configs.engine import MegakernelConfig, TorchEngineConfig
 from rlbench.configs.loss import LossConfig, MISConfig
 from rlbench.configs.megatron import MegatronConfig
 from rlbench.configs.metrics import LoggingConfig
+from rlbench.configs.multiturn import MultiTurnConfig
 from rlbench.configs.rollout import EvalConfig, RolloutConfig
 from rlbench.configs.run import RunConfig
 from rlbench.configs.sglang import SGLangEngineConfig
 from rlbench.configs.weights import WeightSyncConfig
 
 __all__ = [
-    "BatchConfig", "CheckpointConfig", "ClusterConfig", "CriticConfig", "DataConfig", "EvalConfig", "FSDPOptions", "LoggingConfig",
-    "LossConfig", "MISConfig", "MegakernelConfig", "MegatronConfig", "OptimConfig", "RolloutConfig", "RunConfig",
-    "SGLangEngineConfig", "TaskConfig", "TorchEngineConfig", "TrainConfig", "WeightSyncConfig",
+    "BatchConfig", "CheckpointConfig", "ClusterConfig", "CriticConfig", "DataConfig", "EvalConfig", "FSDPOptions",
+    "LoggingConfig", "LossConfig", "MISConfig", "MegakernelConfig", "MegatronConfig", "MultiTurnConfig", "OptimConfig",
+    "RolloutConfig", "RunConfig", "SGLangEngineConfig", "TaskConfig", "TorchEngineConfig", "TrainConfig",
+    "WeightSyncConfig",
 ]
