@@ -1,4 +1,4 @@
-"""Learning to use a calculator (CPU, slow: a 400-step warm start, then 15 GRPO steps; ~4 min on 2 idle cores).
+"""Learning to use a calculator (CPU, slow: a 400-step warm start, then 15 GRPO steps; about 1 min on 2 cores).
 
 The tiny preset's tool-use warm start (`benchmarks/tool_use.py`'s: half of its transcripts call the calculator)
 calls the tool about half the time on held-out 2-digit +/- problems. GRPO with the multi-turn generate function
