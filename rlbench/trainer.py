@@ -27,14 +27,12 @@ from __future__ import annotations
 
 import copy
 import os
-import random
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from rlbench.algorithms import sample_advantages
@@ -42,6 +40,14 @@ from rlbench.compile_cache import compile_seconds, use_compile_cache
 from rlbench.configs import RunConfig
 from rlbench.critic_loop import CriticLoop
 from rlbench.interrupts import defer_sigint
+from rlbench.loop_state import (
+    LOOP_STATE,
+    find_checkpoint,
+    point_backend_at,
+    rng_state,
+    seed_everything,
+    set_rng_state,
+)
 from rlbench.memory_plan import memory_plan
 from rlbench.metrics import MetricsLogger, build_sinks, to_floats
 from rlbench.rank_step import RankStep, TrainProgress
@@ -400,7 +406,7 @@ class Trainer(CriticLoop):
             raise RuntimeError(f"step {self.rollout_id} was interrupted after it changed the weights; call step() "
                                "to finish it before save() (its loop state is not consistent yet)")
         self._enter("train")
-        _point_backend_at(self.backend, path)
+        point_backend_at(self.backend, path)
         # one atomic commit: the loop state is written inside the backend's checkpoint before the rename
         self.backend.save(extra={LOOP_STATE: self.state_dict()})
         return path
@@ -410,7 +416,7 @@ class Trainer(CriticLoop):
         `rollout_id`; the engine gets the restored weights. Returns the restored `rollout_id`."""
         if not os.path.isdir(path):
             raise ValueError(f"checkpoint directory {path!r} does not exist; pass the directory given to save()")
-        _point_backend_at(self.backend, path)
+        point_backend_at(self.backend, path)
         step, state = find_checkpoint(self.backend, path, rollout_id)
         self._enter("train")
         self.backend.load(step)
@@ -428,7 +434,7 @@ class Trainer(CriticLoop):
             "rollouts": self.rollouts.state_dict(),
             "history": list(self.history),
             "eval_history": list(self.eval_history),
-            "rng": _rng_state(),
+            "rng": rng_state(),
         } | ({"kl_ctl": self.kl_ctl.state_dict()} if self.kl_ctl is not None else {})
 
     def load_state_dict(self, state: dict) -> None:
@@ -436,7 +442,7 @@ class Trainer(CriticLoop):
         self.dataset.load_state_dict(state["dataset"])
         self.rollouts.load_state_dict(state["rollouts"])
         self.history, self.eval_history = list(state["history"]), list(state["eval_history"])
-        _set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
         if self.kl_ctl is not None and "kl_ctl" in state:
             self.kl_ctl.load_state_dict(state["kl_ctl"])
 
@@ -450,7 +456,7 @@ class Trainer(CriticLoop):
     def _snapshot(self) -> dict:
         """What a step changes before its first optimizer step (restored when it is stopped there)."""
         return {"dataset": copy.deepcopy(self.dataset.state_dict()), "rollouts": self.rollouts.state_dict(),
-                "eval_history": len(self.eval_history), "last_rollout": self.last_rollout, "rng": _rng_state(),
+                "eval_history": len(self.eval_history), "last_rollout": self.last_rollout, "rng": rng_state(),
                 "kl_ctl": self.kl_ctl.state_dict() if self.kl_ctl is not None else None}
 
     def _restore(self, snap: dict) -> None:
@@ -458,7 +464,7 @@ class Trainer(CriticLoop):
         self.rollouts.load_state_dict(snap["rollouts"])
         del self.eval_history[snap["eval_history"]:]
         self.last_rollout = snap["last_rollout"]
-        _set_rng_state(snap["rng"])
+        set_rng_state(snap["rng"])
         if snap["kl_ctl"] is not None:
             self.kl_ctl.load_state_dict(snap["kl_ctl"])
 
@@ -545,19 +551,6 @@ def train_flops(num_params: int, tokens: int, m: dict) -> float:
     return num_params * (6.0 * tokens + 2.0 * forward_tokens)
 
 
-def _point_backend_at(backend, path: str) -> None:
-    """Checkpoints go under `path` (the backend's checkpoint root is a config field)."""
-    os.makedirs(path, exist_ok=True)
-    if backend.cfg.checkpoint_dir != path:
-        import dataclasses
-
-        backend.cfg = dataclasses.replace(backend.cfg, checkpoint_dir=path)
-
-
-LOOP_STATE = "loop_state.pt"
-"""The Trainer's file inside each checkpoint directory (`backend.save(extra=...)`): data position, RNG, history."""
-
-
 @dataclass
 class _InFlight:
     """A step() in progress: the state to roll back to, and how far it got."""
@@ -569,64 +562,6 @@ class _InFlight:
     progress: TrainProgress = field(default_factory=TrainProgress)
     stage: str | None = None  # the stage it is in (None: not started)
     eval_mark: int | None = None  # len(eval_history) before this step's eval
-
-
-def find_checkpoint(backend, path: str, rollout_id: int | None = None) -> tuple[int, dict]:
-    """`(backend step, loop state)` of the latest committed checkpoint under `path` (None) or of the committed
-    one holding `rollout_id`, read through the backend (`latest_step`, `committed_steps`, `committed_file`),
-    which must point at `path`. Checkpoints of the previous layout (the Trainer's own `trainer_XXXXXXX.pt`
-    beside the backend's checkpoints) load too."""
-    legacy = {int(f[8:-3]): os.path.join(path, f) for f in os.listdir(path)
-              if f.startswith("trainer_") and f.endswith(".pt") and f[8:-3].isdigit()}
-    if rollout_id is None:
-        step = backend.latest_step()
-        if step is None:
-            raise ValueError(f"{path!r} has no committed checkpoint; pass the directory given to save()")
-        file = backend.committed_file(step, LOOP_STATE)
-        if file is not None:
-            return step, _read(file)
-        for rid in sorted(legacy, reverse=True):  # previous layout: the newest trainer file of this backend step
-            state = _read(legacy[rid])
-            if state.get("backend_step") == step:
-                return step, state
-        raise ValueError(f"the latest checkpoint under {path!r} (step {step}) has no {LOOP_STATE} (written by "
-                         "backend.save alone?); save with Trainer.save")
-    for step in reversed(backend.committed_steps()):
-        file = backend.committed_file(step, LOOP_STATE)
-        if file is not None:
-            state = _read(file)
-            if state["rollout_id"] == rollout_id:
-                return step, state
-    if rollout_id in legacy:
-        state = _read(legacy[rollout_id])
-        return int(state["backend_step"]), state
-    raise ValueError(f"{path!r} has no committed checkpoint of rollout {rollout_id}; "
-                     "load(path) without rollout_id takes the latest")
-
-
-def _read(file: str) -> dict:
-    try:
-        return torch.load(file, weights_only=False)
-    except Exception as exc:
-        raise ValueError(f"cannot read checkpoint file {file!r} ({type(exc).__name__}: {exc}); "
-                         "load another checkpoint (rollout_id=...) or delete the file") from exc
-
-
-def _rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-
-
-def _set_rng_state(rng: dict) -> None:
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
-
-
-def seed_everything(seed: int) -> None:
-    """Seed python, numpy and torch RNGs."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def _reset_peak_memory() -> None:
