@@ -16,7 +16,6 @@ with the same verdict, so scoring the ~64 responses of an arithmetic RL step cos
 
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 import queue
@@ -24,7 +23,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rlbench.configs.checks import did_you_mean
+from rlbench.configs.checks import import_callable
 from rlbench.configs.rollout import check_rm_type
 from rlbench.data.tasks import is_int, last_boxed, verify_countdown
 
@@ -87,19 +86,7 @@ def get_reward_fn(rm_type: str | RewardFn) -> RewardFn:
     check_rm_type(rm_type)
     if rm_type in REWARDS:
         return REWARDS[rm_type]
-    module_name, _, attr = rm_type.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise ValueError(
-            f"rm_type={rm_type!r}: cannot import module {module_name!r} ({type(exc).__name__}: {exc}); "
-            "check the module is on PYTHONPATH (or installed) and imports cleanly"
-        ) from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n, None))]
-        raise ValueError(f"{rm_type!r}: module {module_name!r} has no callable {attr!r}{did_you_mean(attr, names)}")
-    return fn
+    return import_callable(rm_type, f"rm_type={rm_type!r}")
 
 
 def score_batch(

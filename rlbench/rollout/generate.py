@@ -19,13 +19,12 @@ tool-calling one, on engine sessions. `load_generate_fn(path)` resolves `"module
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rlbench.configs.checks import did_you_mean
+from rlbench.configs.checks import import_callable
 from rlbench.engine.protocol import Generation, RolloutEngine, SamplingParams
 from rlbench.types import Sample, Status
 
@@ -97,17 +96,8 @@ def load_generate_fn(path: str | None) -> GenerateFn:
     """
     if path is None:
         return single_turn
-    module_name, _, attr = path.partition(":")
     where = f"custom_generate_function_path={path!r}"
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise ValueError(f"{where}: cannot import module {module_name!r} ({type(exc).__name__}: {exc}); check the "
-                         "module is on PYTHONPATH (or installed) and imports cleanly") from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n, None))]
-        raise ValueError(f"{where}: module {module_name!r} has no callable {attr!r}{did_you_mean(attr, names)}")
+    fn = import_callable(path, where)
     if inspect.iscoroutinefunction(fn):
         raise ValueError(f"{where} is an async function; define it with plain `def` (rlbench's engines are called "
                          "synchronously, and one call covers a whole round of prompts)")

@@ -14,7 +14,6 @@ does not answer in time is abandoned (its thread keeps running, detached).
 from __future__ import annotations
 
 import ast
-import importlib
 import inspect
 import json
 import operator
@@ -24,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rlbench.configs.checks import did_you_mean
+from rlbench.configs.checks import did_you_mean, import_callable
 from rlbench.configs.multiturn import check_tool_name
 
 
@@ -104,18 +103,8 @@ def resolve_tools(names: Sequence[str]) -> dict[str, Tool]:
         if name in TOOLS:
             tool = TOOLS[name]
         else:
-            module_name, _, attr = name.partition(":")
-            try:
-                module = importlib.import_module(module_name)
-            except Exception as exc:
-                raise ValueError(f"tool {name!r}: cannot import module {module_name!r} ({type(exc).__name__}: {exc}); "
-                                 "check the module is on PYTHONPATH and imports cleanly") from exc
-            fn = getattr(module, attr, None)
-            if not callable(fn):
-                found = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n, None))]
-                raise ValueError(f"tool {name!r}: module {module_name!r} has no callable {attr!r}"
-                                 f"{did_you_mean(attr, found)}")
-            tool = Tool(attr, fn, (inspect.getdoc(fn) or "").split("\n")[0])
+            fn = import_callable(name, f"tool {name!r}")
+            tool = Tool(name.partition(":")[2], fn, (inspect.getdoc(fn) or "").split("\n")[0])
         if tool.name in out:
             raise ValueError(f"two tools of multiturn.tools are named {tool.name!r}; a call picks a tool by name")
         out[tool.name] = tool
