@@ -4,7 +4,7 @@
     rlbench train --preset cpu_demo --num-rollout 5 --lr 1e-4   # the same warm start, 5 steps
     rlbench train --hf-checkpoint DIR --prompt-data mine.jsonl --eval-prompt-data held_out.jsonl --eval-interval 5
     rlbench train --preset cpu_demo --print-config      # the resolved RunConfig as JSON
-    rlbench quickstart --hf-checkpoint DIR --prompt-data mine.jsonl   # no preset: sizes from the device and data
+    rlbench train --hf-checkpoint DIR --prompt-data mine.jsonl   # no preset: sizes from the device and the data
     rlbench bench --hf-checkpoint DIR                   # qwen3-0.6b-shape loop on one GPU, per-phase times
     rlbench bench e2e [--preset qwen3-4b-shape] [--no-trl]  # the whole loop beside TRL's GRPOTrainer (benchmarks/e2e.py)
     rlbench sft --preset small --task arithmetic --out runs/sft
@@ -236,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The `rlbench` parser with its sub-commands (`.commands`: name -> sub-parser)."""
     parser = argparse.ArgumentParser(prog="rlbench", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for name, help_ in (("train", "GRPO/PPO training from a preset + flags"),
+    for name, help_ in (("train", "GRPO/PPO training: your --hf-checkpoint DIR + --prompt-data FILE (sizes derived "
+                                  "from the device and the data), or a preset + flags"),
                         ("demo", "SFT warm start (cached) then GRPO on arithmetic; what `make run` runs"),
                         ("bench", "a few colocated GRPO steps with per-phase times (GPU); "
                                   "`rlbench bench e2e --help`: the whole loop beside TRL"),
@@ -246,8 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "quickstart":
             p.set_defaults(preset="quickstart")
         else:
-            default_preset = "qwen3_0p6b_gpu" if name == "bench" else "cpu_demo"
-            p.add_argument("--preset", choices=PRESETS, default=default_preset, help="base configuration")
+            default_preset = {"bench": "qwen3_0p6b_gpu", "demo": "cpu_demo"}.get(name)
+            p.add_argument("--preset", choices=PRESETS, default=default_preset, help="base configuration" + (
+                " (default: derived from --hf-checkpoint DIR and --prompt-data FILE, as quickstart does; "
+                "cpu_demo without them)" if name == "train" else ""))
         p.add_argument("--print-config", action="store_true", default=False, help="print the RunConfig and exit")
         p.add_argument("--debug", action="store_true", default=False,
                        help="on an error, raise it with its traceback instead of the one-line message")
@@ -411,7 +414,7 @@ def quickstart_config(args: argparse.Namespace):
     given = vars(args)
     kwargs = {arg: given[dest] for dest, arg in QUICKSTART_ARGS.items() if dest in given}
     kwargs["model"] = os.path.expanduser(kwargs["model"])
-    cfg = presets.quickstart(**kwargs, workdir=given.get("run_dir") or presets.new_run_dir("quickstart"))
+    cfg = presets.quickstart(**kwargs, workdir=given.get("run_dir") or presets.new_run_dir(args.command))
     return apply_flags(cfg, args)
 
 
@@ -435,7 +438,50 @@ def quickstart_summary(cfg, args: argparse.Namespace) -> str:
         f"eval       {evaluation}",
         f"metrics    {cfg.logging.jsonl_path}",
     ]
-    return "\n".join(["[rlbench] quickstart:", *("  " + line for line in lines)])
+    return "\n".join([f"[rlbench] {args.command}:", *("  " + line for line in lines)])
+
+
+def derivations(cfg, args: argparse.Namespace) -> dict[str, str]:
+    """How each derived value of a config without a preset was chosen ("given" when a flag set it): the
+    `derived` part of `--print-config`."""
+    from rlbench.presets import QUICKSTART_MAX_RESPONSE_LEN, longest_prompt
+
+    given = vars(args)
+    device, r, b = cfg.backend.device, cfg.rollout, cfg.batch
+
+    def why(dest: str, value, reason: str) -> str:
+        return f"{value} (given: --{dest.replace('_', '-')})" if dest in given else f"{value} ({reason})"
+
+    if "engine_max_seq_len" in given:
+        seq = f"{cfg.engine.max_seq_len} (given: --engine-max-seq-len, rounded up to 16)"
+    else:
+        if "rollout_max_prompt_len" in given:
+            prompt = f"--rollout-max-prompt-len {given['rollout_max_prompt_len']}"
+        else:
+            files = [f for f in (cfg.data.path, cfg.eval.data_path) if f]
+            longest = max(longest_prompt(cfg.backend.model, cfg.data, f) for f in files)
+            prompt = f"the longest prompt, {longest} tokens in {' and '.join(files)} with the model's tokenizer"
+        seq = f"{cfg.engine.max_seq_len} ({prompt} + max response {r.max_response_len}, rounded up to 16)"
+    cuda = "a CUDA device is present" if device == "cuda" else "no CUDA device"
+    return {
+        "backend.device": why("device", device, cuda),
+        "backend.param_dtype": why("param_dtype", cfg.backend.param_dtype, "bf16 on cuda, fp32 on cpu"),
+        "rollout.max_response_len": why("rollout_max_response_len", r.max_response_len,
+                                        f"the {device} default; cpu {QUICKSTART_MAX_RESPONSE_LEN['cpu']}, "
+                                        f"cuda {QUICKSTART_MAX_RESPONSE_LEN['cuda']}"),
+        "engine.max_seq_len": seq,
+        "engine.num_slots": why("engine_num_slots", cfg.engine.num_slots,
+                                "None: sized at start from the free memory x --engine-mem-fraction on a GPU, "
+                                "8 on a CPU"),
+        "rollout.rollout_batch_size": why("rollout_batch_size", r.rollout_batch_size, f"the {device} default"),
+        "rollout.n_samples_per_prompt": why("n_samples_per_prompt", r.n_samples_per_prompt, f"the {device} default"),
+        "batch.global_batch_size": why("global_batch_size", b.global_batch_size, f"the {device} default"),
+        "batch.max_tokens_per_gpu": why("max_tokens_per_gpu", b.max_tokens_per_gpu,
+                                        "the device default, at least the engine's max_seq_len"),
+        "eval.interval": why("eval_interval", cfg.eval.interval,
+                             "every 5 rollouts with --eval-prompt-data" if cfg.eval.data_path else
+                             "no --eval-prompt-data: no evaluation"),
+    }
 
 
 def ensure_sft(args: argparse.Namespace) -> str:
@@ -513,9 +559,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def derives_config(args: argparse.Namespace) -> bool:
+    """Whether the config is derived from the model and the data (`presets.quickstart`) instead of a preset:
+    `quickstart`, and `train` without `--preset` given a model directory and a prompt file. `train` without
+    either keeps the `cpu_demo` preset (`args.preset` is set to it here)."""
+    if args.command == "quickstart":
+        return True
+    if args.command != "train" or args.preset is not None:
+        return False
+    given = vars(args)
+    model = given.get("hf_checkpoint")
+    if model is not None and os.path.isdir(os.path.expanduser(model)) and "prompt_data" in given:
+        return True
+    args.preset = "cpu_demo"
+    return False
+
+
 def run_command(args: argparse.Namespace) -> int:
     """`train`, `demo`, `bench` or `quickstart` from parsed flags: check paths, build the config, print it or train."""
-    if args.command == "quickstart":
+    derived = derives_config(args)
+    if derived:
         check_quickstart_paths(args)
     check_paths(args)
     model = getattr(args, "hf_checkpoint", None)
@@ -523,17 +586,18 @@ def run_command(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(min(2, os.cpu_count() or 1))
-    if model is None and args.preset in CPU_PRESETS and not args.print_config:
+    if not derived and model is None and args.preset in CPU_PRESETS and not args.print_config:
         model = ensure_sft(args)
     elif model is None and args.command == "bench":
         model = ensure_device_sft(args, "qwen3-0.6b-shape")
-    cfg = quickstart_config(args) if args.command == "quickstart" else preset_config(args, model=model)
+    cfg = quickstart_config(args) if derived else preset_config(args, model=model)
     if args.print_config:
-        print(json.dumps(cfg.to_dict(), indent=1, default=str))
+        out = cfg.to_dict() | ({"derived": derivations(cfg, args)} if derived else {})
+        print(json.dumps(out, indent=1, default=str))
         return 0
-    if args.command == "quickstart":
+    if derived:
         print(quickstart_summary(cfg, args), flush=True)
-    if args.command != "quickstart" and "prompt_data" in vars(args) and "eval_prompt_data" not in vars(args):
+    if not derived and "prompt_data" in vars(args) and "eval_prompt_data" not in vars(args):
         print("[rlbench] --prompt-data without --eval-prompt-data: no evaluation "
               "(give --eval-prompt-data FILE --eval-interval N to evaluate)", flush=True)
     if cfg.logging.jsonl_path:

@@ -91,3 +91,69 @@ def test_one_real_cpu_step_writes_metrics_in_its_run_dir(run_dir, capsys):
     assert rows[0]["perf/step_time"] > 0 and 0.0 <= rows[0]["rollout/raw_reward"] <= 1.0
     summary = json.loads(out[out.index("\n{") + 1:])
     assert summary["perf/step_time/mean"] > 0 and "eval/pass@1/start" not in summary  # no eval data: no eval
+
+
+def _readme_train_command() -> list[str]:
+    """The README's GPU example (`rlbench train --train-backend fsdp --hf-checkpoint ...`) as argv."""
+    import pathlib
+    import shlex
+
+    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    start = text.index("rlbench train --train-backend fsdp --hf-checkpoint")
+    lines = []
+    for line in text[start:].splitlines():
+        lines.append(line.rstrip("\\").strip())
+        if not line.endswith("\\"):
+            break
+    return shlex.split(" ".join(lines))[1:]
+
+
+def test_train_without_preset_derives_like_quickstart(run_dir, capsys):
+    assert main(["train", "--hf-checkpoint", "model", "--prompt-data", "data.jsonl", "--print-config"]) == 0
+    cfg = json.loads(capsys.readouterr().out)
+    derived = cfg.pop("derived")
+    quick = _config(capsys)
+    assert quick.pop("derived") == derived
+    assert cfg["logging"]["jsonl_path"].startswith("runs/train-")
+    for c in (cfg, quick):
+        c.pop("logging")
+    assert cfg == quick
+    assert derived["engine.max_seq_len"] == ("112 (the longest prompt, 33 tokens in data.jsonl with the model's "
+                                             "tokenizer + max response 64, rounded up to 16)")
+    gpu = torch.cuda.is_available()
+    assert derived["backend.device"] == ("cuda (a CUDA device is present)" if gpu else "cpu (no CUDA device)")
+    assert derived["eval.interval"] == "None (no --eval-prompt-data: no evaluation)"
+
+
+def test_readme_gpu_command_resolves_lengths_from_the_data(run_dir, capsys):
+    argv = _readme_train_command()
+    assert argv[:2] == ["train", "--train-backend"] and "--preset" not in argv
+    swap = {"/models/Qwen3-0.6B": "model", "data/math.jsonl": "data.jsonl", "data/math_eval.jsonl": "data.jsonl"}
+    argv = [swap.get(a, a) for a in argv]
+    assert main([*argv, "--print-config"]) == 0
+    cfg = json.loads(capsys.readouterr().out)
+    # the README's sizes are kept; the engine's length comes from the data + the device's response length
+    assert (cfg["rollout"]["rollout_batch_size"], cfg["batch"]["global_batch_size"]) == (32, 256)
+    assert (cfg["rollout"]["rm_type"], cfg["backend"]["device"], cfg["backend"]["param_dtype"]) == ("math", "cuda", "bf16")
+    assert cfg["rollout"]["max_response_len"] == 512  # the cuda default, not the cpu demo's 32
+    assert cfg["engine"]["max_seq_len"] == 16 * math.ceil((33 + 512) / 16)
+    assert cfg["eval"]["data_path"] == "data.jsonl" and cfg["eval"]["interval"] == 10
+    assert cfg["derived"]["backend.device"] == "cuda (given: --device)"
+
+
+def test_train_without_model_or_data_keeps_the_demo_preset(run_dir, capsys):
+    assert main(["train", "--print-config"]) == 0
+    cfg = json.loads(capsys.readouterr().out)
+    assert "derived" not in cfg and cfg["logging"]["jsonl_path"].startswith("runs/cpu-demo-")
+    assert main(["train", "--hf-checkpoint", "model", "--print-config"]) == 0  # your model on the demo's task
+    assert json.loads(capsys.readouterr().out)["backend"]["model"] == "model"
+
+
+def test_train_without_preset_runs_one_cpu_step(run_dir, capsys):
+    torch.set_num_threads(2)
+    assert main(["train", "--hf-checkpoint", "model", "--prompt-data", "data.jsonl", "--device", "cpu",
+                 "--num-rollout", "1", "--rollout-max-response-len", "8", "--run-dir", "runs/mine"]) == 0
+    out = capsys.readouterr().out
+    assert "[rlbench] train:" in out and "engine max_seq_len 48 (longest prompt + max response" in out
+    rows = [json.loads(line) for line in (run_dir / "runs" / "mine" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout/id"] for r in rows] == [0.0] and rows[0]["perf/step_time"] > 0
