@@ -3,6 +3,7 @@
     rlbench bench e2e                                   # 0.6B shape on one GPU, TRL too when importable
     rlbench bench e2e --preset qwen3-4b-shape --no-trl
     python benchmarks/e2e.py --preset cpu-tiny --threads 2 --steps 3   # the CPU workload, rlbench vs TRL
+    rlbench bench e2e --ppo --no-trl                    # PPO with a critic (rlbench-ppo) beside GRPO (rlbench)
 
 The workload (`WORKLOADS`): a randomly initialised model of a preset shape saved as a Hugging Face directory
 (weights + a tokenizer both systems load), `prompts` x `n` samples of `prompt_len`-token prompts and exactly
@@ -20,6 +21,13 @@ tokens/s (generated tokens / rollout time), and MFU = model FLOPs / time / the d
 train and whole step 6*N*tokens (N = parameters, tokens = prompt + response tokens of the step; log-probs: the
 tokens the old/ref passes ran over, `perf/log_probs_tokens`), and the graphs torch.compile built after the first
 step (`perf/compiles`: 0 when nothing recompiles).
+
+`--ppo` adds the system "rlbench-ppo": the defaults with `advantage_estimator="gae"`, so the default critic (the
+actor's shape with a value head) is built, trained and offloaded beside the actor on the same device. Its two more
+phases: values (`perf/values_time`, the critic's forward over the packs, MFU 2*Nc*`perf/values_tokens`) and
+critic_train (`perf/critic_train_time`, MFU 6*Nc*tokens; Nc = the critic's parameters); train stays the actor's
+update. The trainer reads no separate critic peak: the values pass falls in the log_probs peak, the critic update
+in the train peak, and the step MFU counts the actor's 6*N*tokens only (the same useful work as GRPO's).
 """
 
 from __future__ import annotations
@@ -39,9 +47,12 @@ import time
 from dataclasses import dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PHASES = ("rollout", "log_probs", "train", "sync", "other")
-PHASE_KEYS = {"rollout": "perf/rollout_time", "log_probs": "perf/log_probs_time", "train": "perf/train_time",
+PHASES = ("rollout", "log_probs", "values", "train", "critic_train", "sync", "other")
+PHASE_KEYS = {"rollout": "perf/rollout_time", "log_probs": "perf/log_probs_time", "values": "perf/values_time",
+              "train": "perf/train_time", "critic_train": "perf/critic_train_time",
               "sync": "perf/update_weights_time", "offload": "perf/offload_time"}
+CRITIC_PHASES = ("values", "critic_train")
+"""Phases only a run with a critic has (PPO, `rlbench-ppo`): absent ("—"), not 0, for the others."""
 PEAK_KEYS = {"rollout": "perf/rollout_peak_memory_gb", "log_probs": "perf/log_probs_peak_memory_gb",
              "train": "perf/train_peak_memory_gb", "sync": "perf/update_weights_peak_memory_gb"}
 PROMPT_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 +-*/="
@@ -154,14 +165,16 @@ def prompt_texts(w: Workload, rollouts: int) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- rlbench
-VARIANTS = {"rlbench": "defaults", "rlbench-fast": "fast", "rlbench-top": "true_on_policy"}
+VARIANTS = {"rlbench": "defaults", "rlbench-fast": "fast", "rlbench-top": "true_on_policy", "rlbench-ppo": "ppo"}
 """rlbench's systems -> `rlbench_config` variants."""
 
 
 def rlbench_config(w: Workload, model_dir: str, workdir: str, rollouts: int, variant: str = "defaults"):
     """The RunConfig of the workload: the one-GPU preset with the workload's batch, lengths and numerics.
     `variant` "fast": flex_attention, compiled engine and trainer (the GPU defaults too) and offload forced off (the
-    defaults let the memory plan decide); "true_on_policy": the defaults with `true_on_policy_mode=True`."""
+    defaults let the memory plan decide); "true_on_policy": the defaults with `true_on_policy_mode=True`; "ppo": the
+    defaults with `advantage_estimator="gae"` (PPO with a critic: `RunConfig` adds the default critic, the actor's
+    model with a value head, colocated on the same device and parked with the actor between turns)."""
     fast = variant == "fast"
     from rlbench import presets
     from rlbench.configs import EvalConfig, LoggingConfig
@@ -178,8 +191,9 @@ def rlbench_config(w: Workload, model_dir: str, workdir: str, rollouts: int, var
         backend = dataclasses.replace(backend, fsdp=dataclasses.replace(backend.fsdp, attn_implementation="flex_attention",
                                                                              compile=True))
         engine = dataclasses.replace(engine, compile=True)
+    loss = dataclasses.replace(base.loss, advantage_estimator="gae") if variant == "ppo" else base.loss
     return base.replace(
-        task=None, eval=EvalConfig(), logging=LoggingConfig(console=False), backend=backend, engine=engine,
+        task=None, loss=loss, eval=EvalConfig(), logging=LoggingConfig(console=False), backend=backend, engine=engine,
         data=dataclasses.replace(base.data, path=data_path, metadata_key=None, apply_chat_template=False,
                                  shuffle=False),
         rollout=dataclasses.replace(base.rollout, rollout_batch_size=w.prompts, n_samples_per_prompt=w.n,
@@ -239,7 +253,7 @@ def run_rlbench(w: Workload, model_dir: str, rollouts: int, variant: str = "defa
         phase_profiles = profile_phases(trainer) if profile else None
     steps = []
     for m in history:
-        phases = {name: m.get(key, 0.0) for name, key in PHASE_KEYS.items()}
+        phases = {name: m.get(key, 0.0) for name, key in PHASE_KEYS.items() if key in m or name not in CRITIC_PHASES}
         phases["other"] = m["perf/step_time"] - sum(phases.values())
         steps.append({"step_s": m["perf/step_time"], "phases": phases,
                       "peaks_gb": {name: m[key] for name, key in PEAK_KEYS.items() if key in m},
@@ -247,12 +261,16 @@ def run_rlbench(w: Workload, model_dir: str, rollouts: int, variant: str = "defa
                       "tokens": round(m["perf/tokens_per_sec"] * m["perf/step_time"]),  # counts, as rates
                       "generated_tokens": round(m["perf/rollout_tokens_per_sec"] * m["perf/rollout_time"]),
                       "log_prob_tokens": m.get("perf/log_probs_tokens", 0.0) + m.get("perf/ref_log_probs_tokens", 0.0),
+                      "values_tokens": m.get("perf/values_tokens"),
                       "compiles": m.get("perf/compiles"), "compile_s": m.get("perf/compile_time"),
                       "response_len": m["rollout/response_len/mean"],
                       "logprob_abs_diff": m.get("train/train_rollout_logprob_abs_diff"),
                       "first_mb_kl_vs_rollout": m.get("train/first_mb_kl_vs_rollout")})
     plan = trainer.memory_plan.summary() if trainer.memory_plan is not None else None
-    return {"build_s": build_s, "num_params": trainer.num_params, "steps": steps, "profile": phase_profiles,
+    critic = getattr(trainer.backend, "critic", None)  # FSDPActorCritic's value model (PPO)
+    critic_params = sum(p.numel() for p in critic.model.parameters()) if critic is not None else None
+    return {"build_s": build_s, "num_params": trainer.num_params, "critic_params": critic_params, "steps": steps,
+            "profile": phase_profiles,
             "memory_plan": plan, "compile_caches": caches}
 
 
@@ -364,8 +382,12 @@ def summarize(run: dict, peak_flops: float | None) -> dict:
     phases = {p: med(lambda s, p=p: s["phases"][p]) for p in PHASES if p in first["phases"]}
     tokens, generated = med(lambda s: s["tokens"]), med(lambda s: s["generated_tokens"])
     log_prob_tokens = med(lambda s: s.get("log_prob_tokens", s["tokens"]))  # the tokens the passes ran over
+    params = {"rollout": run["num_params"], "log_probs": run["num_params"], "train": run["num_params"],
+              "values": run.get("critic_params"), "critic_train": run.get("critic_params")}
     flops = {"rollout": 2 * generated, "log_probs": 2 * log_prob_tokens, "train": 6 * tokens}
-    mfu = {p: (flops[p] * run["num_params"] / phases[p] / peak_flops if peak_flops and phases.get(p) else None)
+    if "values" in phases:  # the critic: a forward over the packs, then forward + backward
+        flops |= {"values": 2 * med(lambda s: s["values_tokens"]), "critic_train": 6 * tokens}
+    mfu = {p: (flops[p] * params[p] / phases[p] / peak_flops if peak_flops and phases.get(p) else None)
            for p in flops if p in phases}
     mfu["step"] = 6 * tokens * run["num_params"] / steady / peak_flops if peak_flops else None
     peaks = {p: max(s["peaks_gb"][p] for s in run["steps"]) for p in first["peaks_gb"]}
@@ -378,7 +400,8 @@ def summarize(run: dict, peak_flops: float | None) -> dict:
             "steady_compiles": _total(s.get("compiles") for s in rest if s is not first),
             "max_logprob_abs_diff": _max(s.get("logprob_abs_diff") for s in run["steps"]),
             "max_first_mb_kl_vs_rollout": _max(s.get("first_mb_kl_vs_rollout") for s in run["steps"]),
-            "num_params": run["num_params"], "steps": run["steps"], "profile": run.get("profile"),
+            "num_params": run["num_params"], "critic_params": run.get("critic_params"), "steps": run["steps"],
+            "profile": run.get("profile"),
             "memory_plan": run.get("memory_plan"), "compile_caches": run.get("compile_caches")}
 
 
@@ -393,9 +416,10 @@ def table(rows: dict[str, dict]) -> str:
              ("compile in the first step s", lambda r: r.get("first_step_compile_s"))]
     lines += [(f"{p} s", lambda r, p=p: r["phases_s"].get(p)) for p in PHASES]
     lines += [("rollout tokens/s", lambda r: r["rollout_tokens_per_s"])]
-    lines += [(f"MFU {p}", lambda r, p=p: r["mfu"].get(p)) for p in ("rollout", "log_probs", "train", "step")]
+    lines += [(f"MFU {p}", lambda r, p=p: r["mfu"].get(p))
+              for p in ("rollout", "log_probs", "values", "train", "critic_train", "step")]
     lines += [("peak memory GiB", lambda r: r["peak_memory_gb"])]
-    lines += [(f"peak memory {p} GiB", lambda r, p=p: r["phase_peak_memory_gb"].get(p)) for p in PHASES[:4]]
+    lines += [(f"peak memory {p} GiB", lambda r, p=p: r["phase_peak_memory_gb"].get(p)) for p in PEAK_KEYS]
     lines += [("graphs compiled after the first step", lambda r: r.get("steady_compiles"))]
     lines += [("max mean \\|rollout - trainer log-prob\\| (per step)", lambda r: r.get("max_logprob_abs_diff")),
               ("max mean \\|rollout - first training forward\\| of the first micro-batch",
@@ -454,6 +478,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="JSON file (default benchmarks/results/e2e_<date>.json)")
     p.add_argument("--true-on-policy", action="store_true",
                    help="also rlbench with the defaults and true_on_policy_mode (the mode's cost beside the defaults)")
+    p.add_argument("--ppo", action="store_true",
+                   help="also rlbench with advantage_estimator='gae' (PPO with a colocated critic) beside GRPO")
     p.add_argument("--profile", action="store_true",
                    help="after the measured steps, one more rollout and its train phase under torch.profiler per "
                         "rlbench system: the top kernels, printed and in the JSON")
@@ -521,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     use_compile_cache()
     w = workload(args)
     systems = (["rlbench"] + ["rlbench-fast"] * args.fast + ["rlbench-top"] * args.true_on_policy
-               + ["trl"] * check_trl(args.trl))
+               + ["rlbench-ppo"] * args.ppo + ["trl"] * check_trl(args.trl))
     machine = device_name(w.device)
     peak_flops = next((v for k, v in PEAK_FLOPS.items() if k in machine), None) if w.device == "cuda" else None
     load = os.getloadavg()

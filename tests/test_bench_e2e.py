@@ -91,3 +91,36 @@ def test_summary_mfu_and_ratio_table(e2e):
     text = e2e.table({"rlbench": ours, "trl": theirs})
     assert "| steady step (median) s | 2.000 | 8.000 | 0.25x |" in text
     assert "| log_probs s | — | — | — |" in text
+
+
+def test_ppo_variant_config_trains_a_critic_beside_grpo(e2e, tmp_path, monkeypatch):
+    from rlbench.rewards import REWARDS
+
+    monkeypatch.setitem(REWARDS, "bench_text", e2e.text_reward)  # run_rlbench registers it in its process
+    w = e2e.dataclasses.replace(e2e.WORKLOADS["cpu-tiny"], vocab_size=128, prompts=2, n=2, prompt_len=8, response_len=4)
+    model_dir = e2e.write_model_dir(w, str(tmp_path / "model"))
+    ppo = e2e.rlbench_config(w, model_dir, str(tmp_path / "ppo"), 2, variant=e2e.VARIANTS["rlbench-ppo"])
+    grpo = e2e.rlbench_config(w, model_dir, str(tmp_path / "grpo"), 2)
+    assert (ppo.loss.advantage_estimator, grpo.loss.advantage_estimator) == ("gae", "grpo")
+    assert ppo.loss.needs_critic and ppo.backend.critic is not None and ppo.backend.critic.load is None  # the actor's
+    assert grpo.backend.critic is None
+    # everything else is the GRPO system's workload
+    assert (ppo.rollout, ppo.batch, ppo.engine, ppo.offload) == (grpo.rollout, grpo.batch, grpo.engine, grpo.offload)
+    assert e2e.dataclasses.replace(ppo.loss, advantage_estimator="grpo") == grpo.loss
+
+
+def test_critic_phases_in_summary_and_table(e2e):
+    run = _run(2.0, 0.5, {"rollout": 3.0, "train": 5.0})
+    run["critic_params"] = 2 * 10**9
+    for s in run["steps"]:
+        s["phases"] |= {"values": 0.1, "critic_train": 0.4}
+        s["values_tokens"] = 500.0
+    row = e2e.summarize(run, 1e15)
+    assert row["phases_s"]["values"] == 0.1 and row["phases_s"]["critic_train"] == 0.4
+    assert row["mfu"]["values"] == pytest.approx(2 * 2e9 * 500 / 0.1 / 1e15)
+    assert row["mfu"]["critic_train"] == pytest.approx(6 * 2e9 * 1000 / 0.4 / 1e15)
+    grpo = e2e.summarize(_run(2.0, 0.5, {"rollout": 3.0, "train": 5.0}), 1e15)
+    assert "values" not in grpo["phases_s"] and "values" not in grpo["mfu"]
+    text = e2e.table({"rlbench": grpo, "rlbench-ppo": row})
+    assert "| values s | — | 0.100 |" in text and "| critic_train s | — | 0.400 |" in text
+    assert "| MFU critic_train | n/a | 3.0% |" in text
