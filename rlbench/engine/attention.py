@@ -22,7 +22,8 @@ writes the new keys/values into the slot cache and attends:
 
 A `KVContext` holds ONE layer's cache tensors (not a list indexed by `layer_idx`), so every layer makes
 the same calls with different tensors and one compiled layer graph serves them all.
-Without `rl_kv` (e.g. the trainer calling the same model) it is plain SDPA, so the model stays usable.
+Without `rl_kv` (e.g. the trainer calling the same model) it is plain SDPA, so the model stays usable (HF's mask
+functions cut sliding windows; a layer with soft-capping or sinks refuses: SDPA has neither).
 Swapping this function (or the matmuls around it) is how the true on-policy mode plugs in.
 """
 
@@ -36,6 +37,9 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from rlbench.engine import attention_extras as extras
+from rlbench.engine.attention_extras import Extras
 
 ATTN_NAME = "rlbench_kv"
 
@@ -189,11 +193,13 @@ def group_decode_mask(positions: torch.Tensor, prefix_len: torch.Tensor, group: 
     return index, mask.reshape(b // group, 1, group * heads_per_kv, kv_len)
 
 
-def _prefill(q, k, v, ctx: KVContext, scale: float) -> torch.Tensor:
+def _prefill(q, k, v, ctx: KVContext, scale: float, ex: Extras | None = None) -> torch.Tensor:
     """q `[B, H, T, hd]`, k/v `[B, n_kv, T, hd]` -> `[B, H, T, hd]`; stores k/v in the slots."""
     t = k.shape[2]
     ctx.k_cache[ctx.slots, :, :t] = k.to(ctx.k_cache.dtype)
     ctx.v_cache[ctx.slots, :, :t] = v.to(ctx.v_cache.dtype)
+    if ex is not None:
+        return extras.prefill(q, k, v, ex, scale)
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
@@ -206,7 +212,7 @@ def write_extend(ctx: KVContext, k: torch.Tensor, v: torch.Tensor) -> None:
     ctx.v_cache[e.rows, :, e.index] = v.transpose(1, 2).reshape(b * t, n_kv, hd)[e.tokens].to(ctx.v_cache.dtype)
 
 
-def _extend(q, k, v, ctx: KVContext, scale: float) -> torch.Tensor:
+def _extend(q, k, v, ctx: KVContext, scale: float, ex: Extras | None = None) -> torch.Tensor:
     """q `[B, H, T, hd]`, k/v `[B, n_kv, T, hd]` -> `[B, H, T, hd]` (zeros on padding) against each row's slot."""
     write_extend(ctx, k, v)
     e, out = ctx.extend, torch.zeros_like(q)
@@ -214,12 +220,15 @@ def _extend(q, k, v, ctx: KVContext, scale: float) -> torch.Tensor:
     for row, (slot, start, n, mask) in enumerate(zip(e.slots, e.starts, e.lengths, e.masks)):
         keys = ctx.k_cache[slot : slot + 1, :, : start + n].repeat_interleave(groups, dim=1)
         values = ctx.v_cache[slot : slot + 1, :, : start + n].repeat_interleave(groups, dim=1)
+        if ex is not None:
+            out[row : row + 1, :, :n] = extras.extend_row(q[row : row + 1, :, :n], keys, values, start, ex, scale)
+            continue
         out[row : row + 1, :, :n] = F.scaled_dot_product_attention(q[row : row + 1, :, :n], keys, values,
                                                                     attn_mask=mask, scale=scale)
     return out
 
 
-def _decode(q, k, v, ctx: KVContext, scale: float) -> torch.Tensor:
+def _decode(q, k, v, ctx: KVContext, scale: float, ex: Extras | None = None) -> torch.Tensor:
     """q `[B, H, 1, hd]`, k/v `[B, n_kv, 1, hd]` -> `[B, H, 1, hd]` against the cached prefix."""
     kc, vc, k_grp = ctx.k_cache, ctx.v_cache, ctx.group
     rows = ctx.slots if k_grp == 1 else ctx.slots // k_grp
@@ -230,28 +239,35 @@ def _decode(q, k, v, ctx: KVContext, scale: float) -> torch.Tensor:
     n_kv = k.shape[1]
     g = b // k_grp
     keys, values = kc[:g, :, : ctx.kv_len], vc[:g, :, : ctx.kv_len]
+    attend = ctx.decode_attention
+    if ex is not None:
+        def attend(qq, kk, vv, mask, s):
+            return extras.decode(qq, kk, vv, mask, ctx, ex, s)
     if k_grp == 1:
-        out = ctx.decode_attention(q.reshape(b, n_kv, h // n_kv, hd), keys, values, ctx.mask, scale)
+        out = attend(q.reshape(b, n_kv, h // n_kv, hd), keys, values, ctx.mask, scale)
         return out.reshape(b, h, 1, hd)
     qg = q.reshape(g, k_grp, n_kv, h // n_kv, hd).transpose(1, 2).reshape(g, n_kv, k_grp * (h // n_kv), hd)
-    out = ctx.decode_attention(qg, keys, values, ctx.mask, scale)  # [B / k, n_kv, k G, hd]
+    out = attend(qg, keys, values, ctx.mask, scale)  # [B / k, n_kv, k G, hd]
     return out.reshape(g, n_kv, k_grp, h // n_kv, hd).transpose(1, 2).reshape(b, h, 1, hd)
 
 
-def kv_attention(q, k, v, ctx: KVContext, scale: float) -> torch.Tensor:
-    """Write k/v into the cache and attend. q `[B, H, T, hd]`, k/v `[B, n_kv, T, hd]` -> `[B, H, T, hd]`."""
-    return (_decode if ctx.decode else _prefill if ctx.extend is None else _extend)(q, k, v, ctx, scale)
+def kv_attention(q, k, v, ctx: KVContext, scale: float, ex: Extras | None = None) -> torch.Tensor:
+    """Write k/v into the cache and attend. q `[B, H, T, hd]`, k/v `[B, n_kv, T, hd]` -> `[B, H, T, hd]`.
+    `ex`: the layer's sliding window, soft-capping and sinks (`attention_extras`; None: plain causal)."""
+    return (_decode if ctx.decode else _prefill if ctx.extend is None else _extend)(q, k, v, ctx, scale, ex)
 
 
 def rlbench_kv_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """`AttentionInterface` entry point. Returns `([B, T, H, hd], None)` like every HF attention function."""
     ctx: KVContext | None = kwargs.get("rl_kv")
     if ctx is None:
+        if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:  # SDPA would drop them
+            raise ValueError("the engine's model runs soft-capping and attention sinks only inside the engine (rl_kv); "
+                             "run a plain forward on a model built with attn_implementation='eager'")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError("the torch engine does not support sliding-window layers; use the sglang engine")
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return kv_attention(query, key, value, ctx, scaling).transpose(1, 2).contiguous(), None
+    ex = Extras.of(kwargs, ctx.k_cache.shape[2])
+    return kv_attention(query, key, value, ctx, scaling, ex).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(ATTN_NAME, rlbench_kv_attention)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import warnings
 
 import torch
@@ -70,6 +71,14 @@ def _base_model(model: torch.nn.Module) -> torch.nn.Module:
     return base
 
 
+def layer_rope_types(base: torch.nn.Module, text_config) -> list[str] | None:
+    """Per decoder layer, the layer type whose RoPE table it reads, where the model's `rotary_emb` takes a
+    `layer_type` (Gemma3: local and global bases); None where one table serves every layer."""
+    if "layer_type" not in inspect.signature(base.rotary_emb.forward).parameters:
+        return None
+    return list(text_config.layer_types[: text_config.num_hidden_layers])
+
+
 def _compile(fn, gemv_batch1: bool, backend, options: dict | None = None):
     """`torch.compile(dynamic=True)` of `fn`, traced without duck sizing and with float specialisation.
 
@@ -112,6 +121,13 @@ class ModelRunner:
             from rlbench import numerics
 
             self.lse = numerics.logsumexp_rows
+        text = model.config.get_text_config()
+        types = layer_rope_types(self.base, text)
+        self._rope_types = sorted(set(types or ()))
+        self.rope_index = None if types is None else [self._rope_types.index(t) for t in types]
+        """Per decoder layer, the index of its RoPE table (per-layer-type RoPE, Gemma3), or None: one table."""
+        self.final_softcap = getattr(text, "final_logit_softcapping", None)
+        """Final-logit soft-capping `c tanh(z / c)` (Gemma2/3), or None."""
         self.layers: list = []
         self.bind_weights()
         self.megakernel = megakernel.build(model, self.base, self.layers if self.fused else None,
@@ -199,13 +215,13 @@ class ModelRunner:
         pos = torch.arange(t, device=self.device).expand(len(prompts), t)
         last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
         slot_ids = torch.tensor(slots, device=self.device)
-        hidden = self.base.embed_tokens(ids)  # [B, T, D]
-        pos_emb = self.base.rotary_emb(hidden, pos)
-        for w, kc, vc in zip(self.layers, *self.cache.group_view(group)):
-            hidden = self._layer_forward(w, hidden, pos_emb, KVContext(kc, vc, slot_ids, decode=False))
+        hidden = self.embed(ids)  # [B, T, D]
+        tables = self.rope(hidden, pos)
+        for i, (w, kc, vc) in enumerate(zip(self.layers, *self.cache.group_view(group))):
+            hidden = self._layer_forward(w, hidden, self._table(tables, i), KVContext(kc, vc, slot_ids, decode=False))
         self.prefilled_tokens += sum(len(p) for p in prompts)
         rows = torch.arange(len(prompts), device=self.device)
-        return self.model.lm_head(self.base.norm(hidden[rows, last]))  # [B, V]
+        return self.logits(hidden[rows, last])  # [B, V]
 
     @torch.inference_mode()
     def extend(self, suffixes: list[list[int]], starts: list[int], slots: list[int]) -> torch.Tensor:
@@ -229,20 +245,50 @@ class ModelRunner:
             from rlbench import numerics
 
             ext.tiles = numerics.extend_tiles(starts, lengths, slots, t, self.model.config, dev)
-        hidden = self.base.embed_tokens(ids.to(dev))  # [B, T, D]
-        pos_emb = self.base.rotary_emb(hidden, pos.to(dev))
+        hidden = self.embed(ids.to(dev))  # [B, T, D]
+        tables = self.rope(hidden, pos.to(dev))
         slot_ids = torch.tensor(slots, device=dev)
-        for w, kc, vc in zip(self.layers, self.cache.k, self.cache.v):
-            hidden = self._layer_forward(w, hidden, pos_emb, KVContext(kc, vc, slot_ids, decode=False, extend=ext))
+        for i, (w, kc, vc) in enumerate(zip(self.layers, self.cache.k, self.cache.v)):
+            ctx = KVContext(kc, vc, slot_ids, decode=False, extend=ext)
+            hidden = self._layer_forward(w, hidden, self._table(tables, i), ctx)
         self.prefilled_tokens += sum(lengths)
         last = torch.tensor(lengths, device=dev) - 1
-        return self.model.lm_head(self.base.norm(hidden[torch.arange(len(suffixes), device=dev), last]))  # [B, V]
+        return self.logits(hidden[torch.arange(len(suffixes), device=dev), last])  # [B, V]
+
+    # ---- the model's own prologue and head (embedding scale, RoPE tables per layer type, soft-capping) ----
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids `[B, T]` -> hidden `[B, T, D]`, as the HF model's forward embeds them."""
+        hidden = self.base.embed_tokens(ids)
+        normalizer = getattr(self.base, "normalizer", None)  # Gemma in transformers versions that scale in forward
+        return hidden if normalizer is None else hidden * normalizer.to(hidden.dtype)
+
+    def rope(self, hidden: torch.Tensor, pos: torch.Tensor):
+        """RoPE `(cos, sin)` of positions `pos` `[B, T]`: one table, or with per-layer-type RoPE the tables stacked
+        `[R, B, T, hd]` (layer i reads table `rope_index[i]`)."""
+        if self.rope_index is None:
+            return self.base.rotary_emb(hidden, pos)
+        tables = [self.base.rotary_emb(hidden, pos, layer_type=t) for t in self._rope_types]
+        return torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables])
+
+    def _table(self, tables, layer: int):
+        """Layer `layer`'s `(cos, sin)` out of `rope`'s."""
+        if self.rope_index is None:
+            return tables
+        r = self.rope_index[layer]
+        return tables[0][r], tables[1][r]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm, lm_head and soft-capping: hidden `[B, D]` -> logits `[B, V]`."""
+        logits = self.model.lm_head(self.base.norm(hidden))
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
     # ---- decode: prologue -> layer x N -> head ----
     def _embed(self, tokens, positions):
         """`[B]` tokens/positions -> hidden `[B, 1, D]`, RoPE (cos, sin) `[B, 1, hd]` (all the megakernel needs)."""
-        hidden = self.base.embed_tokens(tokens[:, None])
-        cos, sin = self.base.rotary_emb(hidden, positions[:, None])
+        hidden = self.embed(tokens[:, None])
+        cos, sin = self.rope(hidden, positions[:, None])
         return hidden, cos, sin
 
     def _prologue(self, tokens, positions, prefix_len, kv_len: int, group: int):
@@ -273,7 +319,7 @@ class ModelRunner:
 
     def _head(self, hidden, temperature, top_k, top_p, seeds, steps, vocab_hash, mode: str):
         """Final norm, lm_head and sampling: hidden `[B, 1, D]` -> (tokens `[B]`, log_probs `[B]`)."""
-        logits = self.model.lm_head(self.base.norm(hidden[:, -1]))  # [B, V]
+        logits = self.logits(hidden[:, -1])  # [B, V]
         if mode == "greedy":
             return greedy_tokens(logits, self.lse)
         return sample_tokens(logits, temperature, top_k, top_p, seeds, steps, vocab_hash, mode == "truncate",
@@ -283,9 +329,9 @@ class ModelRunner:
         """Every decoder layer for slots `[0, B)`, one layer graph call each: hidden `[B, 1, D]` -> `[B, 1, D]`."""
         b = hidden.shape[0]
         slots, prefix_len = self.state.slot_ids[:b], self.state.prefix_len[:b]
-        for w, kc, vc in zip(self.layers, *self.cache.group_view(group)):
-            hidden = self._layer_fn(w, hidden, cos, sin, kc, vc, slots, positions, prefix_len, index, mask, kv_len,
-                                    group)
+        for i, (w, kc, vc) in enumerate(zip(self.layers, *self.cache.group_view(group))):
+            c, s = self._table((cos, sin), i)
+            hidden = self._layer_fn(w, hidden, c, s, kc, vc, slots, positions, prefix_len, index, mask, kv_len, group)
         return hidden
 
     def _logits_and_sample(self, tokens, positions, temperature, top_k, top_p, seeds, steps, kv_len: int,

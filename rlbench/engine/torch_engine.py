@@ -36,6 +36,7 @@ from rlbench.engine.runner import ModelRunner
 from rlbench.engine.sampling import sample_tokens
 from rlbench.engine.sessions import SessionTable, check_slots, plan_turn
 from rlbench.host_memory import retain_freed_host_memory
+from rlbench.models.capabilities import TORCH_ENGINE, TRUE_ON_POLICY, check_model
 from rlbench.packing.pack import bucket_length
 
 
@@ -95,6 +96,9 @@ class TorchEngine:
 
     def __init__(self, model: torch.nn.Module, cfg: TorchEngineConfig | None = None, tokenizer=None):
         self.cfg = cfg or TorchEngineConfig()
+        check_model(model.config, TORCH_ENGINE, self.cfg.max_seq_len)
+        if self.cfg.batch_invariant:
+            check_model(model.config, TRUE_ON_POLICY, self.cfg.max_seq_len)
         self.model = model.eval().requires_grad_(False)
         self.model.config._attn_implementation = ATTN_NAME
         self.tokenizer = tokenizer
