@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from rlbench.algorithms import sample_advantages
+from rlbench.backends.hf_weights import model_config
 from rlbench.compile_cache import compile_seconds, use_compile_cache
 from rlbench.configs import RunConfig
 from rlbench.critic_loop import CriticLoop
@@ -50,6 +51,7 @@ from rlbench.loop_state import (
 )
 from rlbench.memory_plan import memory_plan
 from rlbench.metrics import MetricsLogger, build_sinks, to_floats
+from rlbench.models.capabilities import check_run
 from rlbench.rank_step import RankStep, TrainProgress
 from rlbench.rewards import check_reward, describe_sample, get_reward_fn, score_batch
 from rlbench.rollout.manager import RolloutBatch
@@ -84,10 +86,12 @@ class Components:
 
 def prepare_run(cfg: RunConfig) -> None:
     """What a builder does before it builds a model: seed the RNGs (the model's initialisation draws from them),
-    use the compile cache, and resolve `rm_type` (a bad "module:function" fails here, not after the build)."""
+    use the compile cache, resolve `rm_type` (a bad "module:function" fails here, not after the build) and refuse
+    a model whose architecture the run's engine, trainer or mode does not implement (`models.capabilities`)."""
     seed_everything(cfg.seed)
     use_compile_cache()
     get_reward_fn(cfg.rollout.rm_type)
+    check_run(cfg, model_config(cfg.backend.model, cfg.backend.model_overrides))
 
 
 class Trainer(CriticLoop):

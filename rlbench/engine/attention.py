@@ -168,6 +168,14 @@ class KVContext:
     positions to cache indices itself; the default one reads `mask`)."""
     extend: Extend | None = None
     """Not decode: the batch appends suffixes to cached sequences (None: fresh prompts from position 0)."""
+    max_len: int = 0
+    """Longest sequence a slot holds (the engine's `max_seq_len`; 0: the cache's length): a sliding window at least
+    this long cuts nothing."""
+
+    @property
+    def longest(self) -> int:
+        """`max_len`, or the positions of one cache row."""
+        return self.max_len or self.k_cache.shape[2]
 
 
 def decode_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -266,7 +274,7 @@ def rlbench_kv_attention(module, query, key, value, attention_mask, dropout=0.0,
                              "run a plain forward on a model built with attn_implementation='eager'")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    ex = Extras.of(kwargs, ctx.k_cache.shape[2])
+    ex = Extras.of(kwargs, ctx.longest)
     return kv_attention(query, key, value, ctx, scaling, ex).transpose(1, 2).contiguous(), None
 
 

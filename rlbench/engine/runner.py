@@ -126,6 +126,8 @@ class ModelRunner:
         self._rope_types = sorted(set(types or ()))
         self.rope_index = None if types is None else [self._rope_types.index(t) for t in types]
         """Per decoder layer, the index of its RoPE table (per-layer-type RoPE, Gemma3), or None: one table."""
+        self.max_len = cache.shape.max_seq_len
+        """Positions per sequence (sliding windows at least this long are dropped: `attention_extras`)."""
         self.final_softcap = getattr(text, "final_logit_softcapping", None)
         """Final-logit soft-capping `c tanh(z / c)` (Gemma2/3), or None."""
         self.layers: list = []
@@ -218,7 +220,7 @@ class ModelRunner:
         hidden = self.embed(ids)  # [B, T, D]
         tables = self.rope(hidden, pos)
         for i, (w, kc, vc) in enumerate(zip(self.layers, *self.cache.group_view(group))):
-            hidden = self._layer_forward(w, hidden, self._table(tables, i), KVContext(kc, vc, slot_ids, decode=False))
+            hidden = self._layer_forward(w, hidden, self._table(tables, i), KVContext(kc, vc, slot_ids, decode=False, max_len=self.max_len))
         self.prefilled_tokens += sum(len(p) for p in prompts)
         rows = torch.arange(len(prompts), device=self.device)
         return self.logits(hidden[rows, last])  # [B, V]
@@ -249,7 +251,7 @@ class ModelRunner:
         tables = self.rope(hidden, pos.to(dev))
         slot_ids = torch.tensor(slots, device=dev)
         for i, (w, kc, vc) in enumerate(zip(self.layers, self.cache.k, self.cache.v)):
-            ctx = KVContext(kc, vc, slot_ids, decode=False, extend=ext)
+            ctx = KVContext(kc, vc, slot_ids, decode=False, extend=ext, max_len=self.max_len)
             hidden = self._layer_forward(w, hidden, self._table(tables, i), ctx)
         self.prefilled_tokens += sum(lengths)
         last = torch.tensor(lengths, device=dev) - 1
@@ -304,7 +306,7 @@ class ModelRunner:
         """One decoder layer of the decode step; `w` and the caches are this layer's (graph inputs)."""
         ctx = KVContext(k_cache, v_cache, slots, decode=True, positions=positions, kv_len=kv_len, mask=mask,
                         decode_attention=self._attend[group > 1], group=group, write_index=index,
-                        prefix_len=prefix_len)
+                        prefix_len=prefix_len, max_len=self.max_len)
         return self._layer_forward(w, hidden, (cos, sin), ctx)
 
     def _invariant_layer(self, *args):

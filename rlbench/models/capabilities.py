@@ -110,14 +110,24 @@ BATCH_INVARIANT = "the batch-invariant ops (true on-policy mode) do not cover it
 TRUE_ON_POLICY = Consumer("true on-policy mode", {
     name: BATCH_INVARIANT for name in ("sliding_window", "attention_sinks", "attn_softcap", "final_softcap",
                                        "layer_rope", "gemma_norm", "activation", "moe", "other_layers", "vision")})
+TRUE_ON_POLICY_TRAINER = Consumer(TRUE_ON_POLICY.name,
+                                  {k: v for k, v in TRUE_ON_POLICY.refuses.items() if k != "sliding_window"})
+"""True on-policy mode as a trainer alone sees it: it does not know the run's longest sequence, so a window is
+refused by the batch-invariant attention at the forward where it binds (`numerics.model`), and by the run's and the
+engine's checks (`check_run`, the engine) at build time."""
 
 
-def trainer(attention: str) -> Consumer:
-    """The FSDP trainer's packed forward with `attention` (`TrainConfig.attention`). transformers builds the
-    sliding-window masks of packed rows from their position ids (sdpa, eager, flex: `backends.attention`);
-    sdpa has no soft-capping or sinks, flash attention no sinks."""
+def trainer(attention: str, cp_size: int = 1) -> Consumer:
+    """The FSDP trainer's packed forward with `attention` (`TrainConfig.attention`) at context-parallel size
+    `cp_size`. transformers builds the sliding-window masks of packed rows from their position ids (sdpa, eager,
+    flex: `backends.attention`); sdpa has no soft-capping or sinks, flash attention no sinks, and the CP attention
+    (`rlbench_cp`, ring-flash) none of the three."""
     eager = "use --attn-implementation eager" + (" (or flex_attention)" if attention.startswith("flash") else "")
     refuses = {"other_layers": NO_HYBRID_TRAINING, "vision": NO_VISION}
+    if cp_size > 1:
+        cp = "the context-parallel attention has no windows, soft-capping or sinks; use --context-parallel-size 1"
+        refuses |= {name: cp for name in ("sliding_window", "attn_softcap", "attention_sinks")}
+        return Consumer(f"the FSDP trainer (context_parallel_size={cp_size})", refuses)
     if attention == "sdpa":
         refuses |= {"attn_softcap": f"attn_implementation='sdpa' has no soft-capping; {eager}",
                     "attention_sinks": f"attn_implementation='sdpa' has no attention sinks; {eager}"}
@@ -176,4 +186,21 @@ def check_model(config, consumer: Consumer, max_seq_len: int | None) -> Features
     """`check_features(model_features(config), ...)`; returns the features."""
     feats = model_features(config)
     check_features(feats, consumer, max_seq_len)
+    return feats
+
+
+def run_consumers(cfg) -> list[tuple[Consumer, int | None]]:
+    """The consumers of a run config (`RunConfig`) with the longest sequence each runs."""
+    n = cfg.engine.max_seq_len
+    out = [(SGLANG_ENGINE if cfg.rollout_engine == "sglang" else TORCH_ENGINE, n),
+           (MEGATRON if cfg.train_backend == "megatron" else trainer(cfg.backend.attention, cfg.backend.cp_size), n)]
+    return out + ([(TRUE_ON_POLICY, n)] if cfg.true_on_policy_mode else [])
+
+
+def check_run(cfg, config) -> Features:
+    """Refuse (one line) a run config whose rollout engine, trainer or true on-policy mode does not implement a
+    feature of the model whose HF config is `config`; returns its features."""
+    feats = model_features(config)
+    for consumer, max_seq_len in run_consumers(cfg):
+        check_features(feats, consumer, max_seq_len)
     return feats

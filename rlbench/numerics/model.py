@@ -110,13 +110,16 @@ def batch_invariant_attention(module, query, key, value, attention_mask, dropout
     """`AttentionInterface` entry: query `[B, H, T, hd]`, key/value `[B, n_kv, T, hd]` -> (`[B, T, H, hd]`, None)."""
     if dropout:
         raise ValueError(f"attention dropout={dropout}: batch-invariant attention has none; set attention_dropout=0")
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError("batch-invariant attention does not support sliding-window layers")
+    for name in ("softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"batch-invariant attention has no {name} (attention soft-capping / sinks); run without "
+                             "--true-on-policy-mode")
     b, h, t, hd = query.shape
     group = h // key.shape[1]
     scale = scaling if scaling is not None else hd**-0.5
     q = query.transpose(1, 2)  # [B, T, H, hd]
     ctx = kwargs.get("rl_kv")
+    _check_window(kwargs.get("sliding_window"), ctx, kwargs.get("rl_tiles"), kwargs.get("position_ids"))
     if ctx is not None:
         _write_cache(ctx, key, value)
     extend = None if ctx is None else ctx.extend
@@ -133,6 +136,25 @@ def batch_invariant_attention(module, query, key, value, attention_mask, dropout
     else:
         tiles = _tiles_for(positions.expand(b, t) if positions.shape[0] == 1 else positions, group)
     return ops.attention(q, key.transpose(1, 2), value.transpose(1, 2), tiles, scale), None
+
+
+def _check_window(window: int | None, ctx, tiles: Tiles | None, positions: torch.Tensor | None) -> None:
+    """Refuse a sliding window that cuts a sequence of this call: the kernels attend to every earlier key. The
+    engine's calls are bounded by its cache length; a training forward by its longest sequence (its tiles'
+    host `cu_seqlens`, else its position ids)."""
+    if window is None:
+        return
+    if ctx is not None:
+        longest = ctx.longest
+    elif tiles is not None:
+        longest = int(torch.diff(tiles.cu_seqlens).max())
+    elif positions is not None:
+        longest = int(positions.max()) + 1
+    else:
+        longest = None
+    if longest is None or window < longest:
+        raise ValueError(f"sliding window {window} < a sequence of {longest} tokens: batch-invariant attention attends "
+                         "to every earlier key; run without --true-on-policy-mode or with shorter sequences")
 
 
 def kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx, scale: float) -> torch.Tensor:
@@ -173,7 +195,7 @@ def make_batch_invariant(model: nn.Module) -> nn.Module:
     """Switch `model` (a HF Qwen3/Qwen2/Llama-style causal LM, FSDP-wrapped or not) to the batch-invariant ops in
     place; returns it. Raises for modules it cannot make invariant (another activation, another norm)."""
     config = model.config
-    act = getattr(config, "hidden_act", "silu")
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")  # Gemma: the former
     if act != "silu":
         raise ValueError(f"batch-invariant numerics support hidden_act='silu', the model has {act!r}")
     for module in model.modules():
@@ -183,7 +205,8 @@ def make_batch_invariant(model: nn.Module) -> nn.Module:
             module.forward = _norm_forward.__get__(module)
         elif "Norm" in type(module).__name__:
             raise ValueError(f"batch-invariant numerics do not cover {type(module).__name__}; only RMSNorm")
-        if isinstance(getattr(module, "act_fn", None), nn.Module):
-            module.act_fn = SiLU()
+        for name in ("act_fn", "activation_fn"):  # activation_fn: Phi3's MLP
+            if isinstance(getattr(module, name, None), nn.Module):
+                setattr(module, name, SiLU())
     config._attn_implementation = ATTN_NAME
     return model

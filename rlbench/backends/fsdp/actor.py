@@ -28,6 +28,7 @@ from rlbench.configs.backend import TrainConfig
 from rlbench.distributed.mesh import DistEnv, barrier, init_distributed
 from rlbench.host_memory import retain_freed_host_memory
 from rlbench.interrupts import defer_sigint, raise_if_interrupted
+from rlbench.models.capabilities import model_features
 
 
 class FSDPBackend(CommittedCheckpoints):
@@ -54,6 +55,7 @@ class FSDPBackend(CommittedCheckpoints):
         self.model = self.ref = self.optimizer = self.scheduler = self.hf_config = None
         self._parking = Parking()
         self._cp_kernel = None  # `rlbench.distributed.cp_kernels.CPKernel` under CP, chosen at init
+        self._sliding = False  # the model has sliding-window layers (flex: transformers builds the masks)
 
     # ---------------------------------------------------------------- build
     def init(self) -> int:
@@ -71,6 +73,7 @@ class FSDPBackend(CommittedCheckpoints):
                              "rlbench.backends.fsdp.critic.FSDPActorCritic (build_backend picks it from the config)")
         torch.manual_seed(cfg.seed)
         self.model, self.hf_config = self.build_model()
+        self._sliding = any(model_features(self.hf_config).windows)
         _check_kv_head_chunk(cfg, self.hf_config)
         if cfg.ref_model is not None:
             # Same precision policy and kernels as the actor, params streamed from CPU per layer.
@@ -128,7 +131,9 @@ class FSDPBackend(CommittedCheckpoints):
         positions = to_device(pack.position_ids, dev)  # [T]
         # flex on CUDA: our document BlockMask. On CPU (inductor's CPU flex template fails to compile a
         # captured-tensor mask_mod) transformers builds the BlockMask from position_ids itself.
-        use_mask = self.cfg.attention == "flex_attention" and positions.is_cuda and not self.cfg.batch_invariant
+        # With sliding windows transformers builds every layer type's mask itself (ours is full document-causal).
+        use_mask = (self.cfg.attention == "flex_attention" and positions.is_cuda and not self.cfg.batch_invariant
+                    and not self._sliding)
         mask = document_block_mask(positions) if use_mask else None
         index = to_device(pack.response_index, dev)  # [R] the positions predicting response tokens
         extra = {}

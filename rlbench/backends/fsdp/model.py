@@ -26,6 +26,7 @@ from rlbench.backends.hf_weights import load_hf_weights, model_config, random_in
 from rlbench.configs.backend import TrainConfig
 from rlbench.distributed.mesh import DistEnv
 from rlbench.models.build import params_on_meta, restore_buffers
+from rlbench.models.capabilities import TRUE_ON_POLICY_TRAINER, check_model, trainer
 from rlbench.models.value_head import VALUE_HEAD, value_config, zero_head_
 
 _RECOMPILE_LIMIT = 64  # compiled variants kept per decoder-layer code object (grad modes x bucketed pack lengths)
@@ -84,6 +85,9 @@ def build_sharded_model(
             causal-LM directory or a preset the head starts at zero (`zero_head_`).
     """
     hf_config = model_config(name, cfg.model_overrides)
+    check_model(hf_config, trainer(cfg.attention, cfg.cp_size), max_seq_len=None)
+    if cfg.batch_invariant:
+        check_model(hf_config, TRUE_ON_POLICY_TRAINER, max_seq_len=None)
     hf_config._attn_implementation = cfg.attention
     hf_config.use_cache = False
     if value_head:
