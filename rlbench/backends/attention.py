@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 
 BLOCK = 128  # flex_attention's default (and only tuned) block size
+TYPE_MASK_ATTENTIONS = ("sdpa", "eager", "flex_attention")
+"""Attention implementations `layer_type_masks` builds masks for (flash attention reads the position ids)."""
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -53,11 +55,13 @@ def _ordered(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return num[None, None], idx[None, None]
 
 
-def document_block_mask(position_ids: torch.Tensor):
+def document_block_mask(position_ids: torch.Tensor, window: int | None = None):
     """Causal, same-document `BlockMask` of shape `[1, 1, T, T]` for one packed micro-batch.
 
     Args:
         position_ids: `[T]` on the compute device; positions restart (or jump) at document boundaries.
+        window: a sliding window (keys `(q - window, q]`); its blocks are all evaluated by `mask_mod` (none is
+            taken as full), the blocks it cuts away are still visited.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -67,9 +71,60 @@ def document_block_mask(position_ids: torch.Tensor):
     def mask_mod(b, h, q, kv):
         return (docs[q] == docs[kv]) & (kv <= q)
 
+    def window_mod(b, h, q, kv):
+        return (docs[q] == docs[kv]) & (kv <= q) & (kv > q - window)
+
     partial, full = document_block_tables(docs)
+    if window is not None:
+        partial, full, mask_mod = partial | full, torch.zeros_like(full), window_mod
     kv_num, kv_idx = _ordered(partial)
     full_num, full_idx = _ordered(full)
     return BlockMask.from_kv_blocks(
         kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=mask_mod, seq_lengths=(T, T)
     )
+
+
+def layer_type_masks(position_ids: torch.Tensor, windows: dict[str, int | None], attention: str,
+                     dtype: torch.dtype) -> dict:
+    """The packed micro-batch's document-causal mask per layer type (`config.layer_types` value -> its sliding
+    window or None), passed as the forward's `attention_mask` dict. Models with per-layer-type masks take it as it
+    is: some (gpt-oss) build their own masks without the position ids, which lets packed samples see each other.
+
+    Masks are `[1, 1, T, T]`: bool for sdpa, additive (0 / dtype's min) for eager, a `BlockMask` for
+    flex_attention. `position_ids`: `[T]` on the compute device.
+    """
+    if attention == "flex_attention":
+        return {kind: document_block_mask(position_ids, w) for kind, w in windows.items()}
+    if attention not in TYPE_MASK_ATTENTIONS:
+        raise ValueError(f"per-layer-type packed masks for attn_implementation={attention!r}: only sdpa, eager and "
+                         "flex_attention are supported; use one of them")
+    docs = document_ids(position_ids)
+    idx = torch.arange(docs.numel(), device=docs.device)
+    same = (docs[:, None] == docs[None, :]) & (idx[None, :] <= idx[:, None])  # [T, T] query x key
+    out = {}
+    for kind, w in windows.items():
+        visible = same if w is None else same & (idx[None, :] > idx[:, None] - w)
+        if attention == "eager":
+            visible = torch.zeros(visible.shape, dtype=dtype, device=docs.device).masked_fill(
+                ~visible, torch.finfo(dtype).min)
+        out[kind] = visible[None, None]
+    return out
+
+
+def packed_attention_mask(position_ids: torch.Tensor, attention: str, feats, dtype: torch.dtype):
+    """The `attention_mask` of a packed training forward (`[1, T]` tokens, `position_ids` `[T]` on the device) of a
+    model with `feats` (`models.capabilities.Features`), or None where transformers builds the right one from the
+    position ids.
+
+    - per-layer-type sliding windows (Gemma2/3, gpt-oss): `layer_type_masks` (gpt-oss builds its own masks
+      without the position ids, so packed samples would see each other);
+    - flex_attention on CUDA: our document `BlockMask`, unless the model slides (ours has no window; transformers
+      builds the windowed ones). On CPU (inductor's CPU flex template fails to compile a captured-tensor
+      mask_mod) transformers builds the BlockMask from the position ids itself.
+    """
+    if feats is not None and feats.type_windows and attention in TYPE_MASK_ATTENTIONS:
+        return layer_type_masks(position_ids, feats.type_windows, attention, dtype)
+    sliding = feats is not None and any(feats.windows)
+    if attention == "flex_attention" and position_ids.is_cuda and not sliding:
+        return document_block_mask(position_ids)
+    return None

@@ -44,6 +44,9 @@ class Features:
     """Layer types that are not softmax attention (Qwen3-Next's "linear_attention": Gated DeltaNet)."""
     vision: bool = False
     """A vision tower (a VLM config with `vision_config`)."""
+    type_windows: dict = field(default_factory=dict)
+    """With per-layer-type sliding windows (`config.layer_types` has "sliding_attention"): layer type -> its window
+    or None (the masks a packed forward passes per type, `backends.attention.layer_type_masks`); else empty."""
 
     def binding_windows(self, max_seq_len: int | None) -> list[int]:
         """The distinct sliding windows that cut a sequence of `max_seq_len` tokens (None: any length, so every
@@ -83,6 +86,8 @@ def model_features(config) -> Features:
         moe=bool(experts),
         other_layers=tuple(sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})),
         vision=getattr(config, "vision_config", None) is not None,
+        type_windows={t: window if t == "sliding_attention" else None for t in layer_types}
+        if "sliding_attention" in layer_types else {},
     )
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from rlbench.algorithms.logprobs import token_logprobs
-from rlbench.backends.attention import document_block_mask
+from rlbench.backends.attention import packed_attention_mask
 from rlbench.backends.base import LossFn, PackOutputs
 from rlbench.backends.checkpoint import CommittedCheckpoints, load_checkpoint, save_checkpoint
 from rlbench.backends.export import export_hf, named_weight_buckets
@@ -55,7 +55,7 @@ class FSDPBackend(CommittedCheckpoints):
         self.model = self.ref = self.optimizer = self.scheduler = self.hf_config = None
         self._parking = Parking()
         self._cp_kernel = None  # `rlbench.distributed.cp_kernels.CPKernel` under CP, chosen at init
-        self._sliding = False  # the model has sliding-window layers (flex: transformers builds the masks)
+        self._features = None  # the model's architecture features (`models.capabilities`): its packed masks
 
     # ---------------------------------------------------------------- build
     def init(self) -> int:
@@ -73,7 +73,7 @@ class FSDPBackend(CommittedCheckpoints):
                              "rlbench.backends.fsdp.critic.FSDPActorCritic (build_backend picks it from the config)")
         torch.manual_seed(cfg.seed)
         self.model, self.hf_config = self.build_model()
-        self._sliding = any(model_features(self.hf_config).windows)
+        self._features = model_features(self.hf_config)
         _check_kv_head_chunk(cfg, self.hf_config)
         if cfg.ref_model is not None:
             # Same precision policy and kernels as the actor, params streamed from CPU per layer.
@@ -129,12 +129,9 @@ class FSDPBackend(CommittedCheckpoints):
         dev = self.env.device
         tokens = to_device(pack.tokens, dev)  # [T]
         positions = to_device(pack.position_ids, dev)  # [T]
-        # flex on CUDA: our document BlockMask. On CPU (inductor's CPU flex template fails to compile a
-        # captured-tensor mask_mod) transformers builds the BlockMask from position_ids itself.
-        # With sliding windows transformers builds every layer type's mask itself (ours is full document-causal).
-        use_mask = (self.cfg.attention == "flex_attention" and positions.is_cuda and not self.cfg.batch_invariant
-                    and not self._sliding)
-        mask = document_block_mask(positions) if use_mask else None
+        mask = None
+        if not self.cfg.batch_invariant:  # the batch-invariant attention reads the position ids (tiles)
+            mask = packed_attention_mask(positions, self.cfg.attention, self._features, self.cfg.torch_param_dtype)
         index = to_device(pack.response_index, dev)  # [R] the positions predicting response tokens
         extra = {}
         if self.cfg.batch_invariant:  # tiles from the pack's host position ids: no device sync before the layers
