@@ -295,3 +295,50 @@ def test_a_window_longer_than_every_sequence_is_not_refused():
     check_model(config, TRUE_ON_POLICY, max_seq_len=2048)
     with pytest.raises(ValueError, match=r"mistral sliding-window attention \(window 4096 < max_seq_len=8192\)"):
         check_model(config, TRUE_ON_POLICY, max_seq_len=8192)
+
+
+# ---------------------------------------------------------------- CUDA: the compiled engine and flex_attention
+
+@pytest.mark.parametrize("name", ["qwen3", "phi3", "mistral", "gemma2", "gemma3", "gpt_oss"])
+@pytest.mark.parametrize("shared_prefix", [False, True], ids=["slots", "grouped"])
+@pytest.mark.usefixtures("no_tf32")
+@pytest.mark.gpu
+def test_compiled_cuda_engine_equals_hf(name, shared_prefix):
+    """The compiled, CUDA-graph-captured decode step (one layer graph, RoPE tables per layer type in the prologue,
+    the window/soft-cap/sink attention inside the graph) against HF eager on the same GPU, fp32."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = _model(name).cuda()
+    engine = TorchEngine(copy.deepcopy(model), TorchEngineConfig(max_seq_len=48, num_slots=8,
+                                                                 shared_prefix=shared_prefix))
+    gens = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=NEW, n=2))
+    for g in gens:
+        prompt = PROMPTS[g.prompt_index]
+        ref = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=NEW, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert g.token_ids == ref, f"{name}: engine {g.token_ids} != HF {ref}"
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + g.token_ids], device="cuda")).logits[0].float()
+        picked = torch.tensor(g.token_ids, device="cuda")[:, None]
+        lp = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].gather(-1, picked)[:, 0].cpu()
+        assert (lp - torch.tensor(g.log_probs)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2", "gemma3", "gpt_oss"])
+@pytest.mark.usefixtures("no_tf32")
+@pytest.mark.gpu
+def test_flex_packed_forward_equals_per_sequence_cuda(name):
+    """flex_attention with the trainer's masks (per layer type: rlbench's windowed document BlockMasks; Mistral:
+    transformers' own) against each sequence alone (eager), fp32 on CUDA."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    feats = model_features(_config(name))
+    check_model(_config(name), trainer("flex_attention"), max_seq_len=None)
+    flex, eager = _model(name, "flex_attention").cuda(), _model(name, "eager").cuda()
+    tokens = torch.tensor([t for s in SEQS for t in s], device="cuda")[None]
+    positions = torch.cat([torch.arange(len(s)) for s in SEQS]).cuda()[None]
+    mask = packed_attention_mask(positions[0], "flex_attention", feats, torch.float32)
+    with torch.no_grad():
+        packed = flex(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=False).logits[0]
+        alone = torch.cat([eager(input_ids=torch.tensor([s], device="cuda"), use_cache=False).logits[0] for s in SEQS])
+    assert (packed - alone).abs().max().item() <= 1e-4 * max(1.0, alone.abs().max().item())
