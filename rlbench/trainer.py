@@ -36,7 +36,6 @@ from typing import Any
 import torch
 
 from rlbench.algorithms import sample_advantages
-from rlbench.backends.hf_weights import model_config
 from rlbench.compile_cache import compile_seconds, use_compile_cache
 from rlbench.configs import RunConfig
 from rlbench.critic_loop import CriticLoop
@@ -91,7 +90,7 @@ def prepare_run(cfg: RunConfig) -> None:
     seed_everything(cfg.seed)
     use_compile_cache()
     get_reward_fn(cfg.rollout.rm_type)
-    check_run(cfg, model_config(cfg.backend.model, cfg.backend.model_overrides))
+    check_run(cfg)
 
 
 class Trainer(CriticLoop):

@@ -202,9 +202,19 @@ def run_consumers(cfg) -> list[tuple[Consumer, int | None]]:
     return out + ([(TRUE_ON_POLICY, n)] if cfg.true_on_policy_mode else [])
 
 
-def check_run(cfg, config) -> Features:
+def check_run(cfg, config=None) -> Features:
     """Refuse (one line) a run config whose rollout engine, trainer or true on-policy mode does not implement a
-    feature of the model whose HF config is `config`; returns its features."""
+    feature of its model (`config`: the model's HF config; None reads `cfg.backend.model`'s); returns the
+    features."""
+    if config is None:
+        import os
+
+        from transformers import AutoConfig
+
+        from rlbench.models.presets import build_config
+
+        model, overrides = cfg.backend.model, cfg.backend.model_overrides
+        config = AutoConfig.from_pretrained(model) if os.path.isdir(model) else build_config(model, **overrides)
     feats = model_features(config)
     for consumer, max_seq_len in run_consumers(cfg):
         check_features(feats, consumer, max_seq_len)
