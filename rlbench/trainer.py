@@ -49,6 +49,7 @@ from rlbench.loop_state import (
     set_rng_state,
 )
 from rlbench.memory_plan import memory_plan
+from rlbench.memory_start import measured_gap
 from rlbench.metrics import MetricsLogger, build_sinks, to_floats
 from rlbench.models.capabilities import check_run
 from rlbench.rank_step import RankStep, TrainProgress
@@ -81,6 +82,8 @@ class Components:
     """The device both sides run on (the driver's CPU for Ray)."""
     num_params: int
     """Policy parameter count (for perf/mfu)."""
+    start_plan: Any = None
+    """The start-up memory plan that sized the run (`rlbench.memory_start.StartPlan`); None: none was made."""
 
 
 def prepare_run(cfg: RunConfig) -> None:
@@ -115,12 +118,9 @@ class Trainer(CriticLoop):
                                   pad_token_id=self.tokenizer.pad_token_id)
         self.logger = MetricsLogger(build_sinks(cfg.logging, cfg.to_dict()) if sinks is None else sinks)
         self.device, self.num_params = components.device, components.num_params
+        self.start_plan = components.start_plan
         self.memory_plan = self._plan_memory()
-        self.offload = cfg.offload if cfg.offload is not None else (
-            self.memory_plan.offload if self.memory_plan is not None else self.device.type == "cuda")
-        if cfg.logging.console and self.device.type == "cuda" and self.memory_plan is not None:
-            said = "" if cfg.offload is None else f" (cfg.offload={cfg.offload} decides)"
-            print(f"[rlbench] {self.memory_plan.summary()}{said}", flush=True)
+        self.offload = self._decide_offload()
         self.history: list[dict] = []
         self.eval_history: list[dict] = []
         self._compiled_s = compile_seconds()  # perf/compile_time counts from here
@@ -504,7 +504,35 @@ class Trainer(CriticLoop):
     def _plan_memory(self):
         """The colocated memory plan of this process's trainer and engine (`rlbench.memory_plan`; None: not
         measured, offload defaults to on for CUDA)."""
-        return memory_plan(self.backend, self.engine, self.cfg, self.device)
+        start = self.start_plan
+        if start is None or start.choice is None:
+            return memory_plan(self.backend, self.engine, self.cfg, self.device)
+        return memory_plan(self.backend, self.engine, self.cfg, self.device, logit_share=start.logit_share,
+                           gathered=start.sizes["gathered"])
+
+    def _decide_offload(self) -> bool:
+        """`cfg.offload` (the user's, or the start-up plan's decision), checked against the measured plan: a
+        decision the plan made (the user left it open) that the measured sizes show unsafe turns offload on; a
+        large gap between the start-up estimate and the measurement is printed. Without either plan: the
+        measured decision, or on for CUDA."""
+        cfg, plan, start = self.cfg, self.memory_plan, self.start_plan
+        console = cfg.logging.console and self.device.type == "cuda" and plan is not None
+        offload = cfg.offload if cfg.offload is not None else (
+            plan.offload if plan is not None else self.device.type == "cuda")
+        why = "" if cfg.offload is None else f" (cfg.offload={cfg.offload} decides)"
+        if start is not None and start.choice is not None and plan is not None:
+            gap = measured_gap(start, plan)
+            if gap and console:
+                print(f"[rlbench] memory plan check: {gap}", flush=True)
+            if "turns" in start.decided:
+                why = f" (the start-up plan chose offload {'on' if offload else 'off'})"
+                if plan.offload and not offload:
+                    offload, why = True, " (the start-up plan chose offload off; measured, that is unsafe: on)"
+                    warnings.warn(f"memory plan: offload turned on after all: {plan.reason}", RuntimeWarning,
+                                  stacklevel=3)
+        if console:
+            print(f"[rlbench] {plan.summary()}{why}", flush=True)
+        return offload
 
     def _enter(self, phase: str) -> None:
         """Colocated offload: only the active side (engine KV cache or trainer state) holds device memory."""

@@ -1,5 +1,6 @@
-"""The colocated memory plan: the micro-batch estimate's formula, the offload decision on measured numbers, and
-the plan a CPU Trainer reports (tensor bytes of both sides, no offload)."""
+"""The colocated memory plan as measured: the micro-batch estimate's formula, the offload decision on measured
+numbers, and the plan a CPU Trainer reports (tensor bytes of both sides, no offload). The start-up plan's
+decisions on synthetic devices: tests/test_memory_start.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from rlbench import presets
-from rlbench.memory_plan import GIB, MARGIN, MemoryPlan, micro_batch_bytes, tensor_bytes
+from rlbench.memory_plan import GIB, MARGIN, RESERVE, MemoryPlan, micro_batch_bytes, tensor_bytes
 
 QWEN3_0P6B = SimpleNamespace(hidden_size=1024, num_attention_heads=16, head_dim=128, num_key_value_heads=8,
                              num_hidden_layers=28, intermediate_size=3072, vocab_size=151936)
@@ -25,6 +26,11 @@ def test_micro_batch_estimate_by_hand():
     assert ac["activations"] == tokens * (28 * 2 * 1024 + per_layer)
     assert no_ac["logits"] == ac["logits"] == 2 * tokens * 151936 * 2
     assert 17 < no_ac["activations"] / GIB < 18 and ac["activations"] / GIB < 2
+    # every 2nd layer recomputed: 14 keep their input, 14 their whole worth, plus one layer's recompute
+    half = micro_batch_bytes(QWEN3_0P6B, tokens, checkpointing=True, checkpoint_every=2)
+    assert half["activations"] == tokens * (14 * 2 * 1024 + 14 * per_layer + per_layer)
+    # the lm-head runs on the response rows only
+    assert micro_batch_bytes(QWEN3_0P6B, tokens, checkpointing=True, logit_rows=100)["logits"] == 2 * 100 * 151936 * 2
 
 
 def _plan(free, grads, activations, logits):
@@ -34,7 +40,8 @@ def _plan(free, grads, activations, logits):
 
 @pytest.mark.parametrize("free_gib, offload", [(64, False), (20, True)])
 def test_offload_decision_follows_the_free_memory(monkeypatch, free_gib, offload):
-    """memory_plan with stand-in parts: offload only when the free memory does not cover MARGIN x the estimate."""
+    """memory_plan with stand-in parts: offload only when the free memory less RESERVE does not cover the gradients
+    plus MARGIN x the micro-batch's activations and logits."""
     from rlbench import memory_plan as mp
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free_gib * GIB, 140 * GIB))
@@ -45,8 +52,9 @@ def test_offload_decision_follows_the_free_memory(monkeypatch, free_gib, offload
     cfg = presets.cpu_test(model="tiny")
     cfg = cfg.replace(batch=dc.replace(cfg.batch, use_dynamic_batch_size=True, max_tokens_per_gpu=16384))
     plan = mp.memory_plan(backend, engine, cfg, torch.device("cuda"))
-    need = plan.micro_batch
-    assert (free_gib * GIB >= MARGIN * need) == (not offload)
+    need = plan.grads + MARGIN * (plan.activations + plan.logits)
+    assert plan.need == int(need) and 30 * GIB < need < 40 * GIB  # 17.5 GiB activations + 9.3 GiB logits, x 1.25
+    assert (free_gib * GIB - RESERVE >= need) == (not offload)
     assert plan.offload is offload and plan.tokens == 16384 and plan.kv_cache == 64 and plan.kv_slots == 3
     assert ("offload " + ("on" if offload else "off")) in plan.summary()
     assert plan.metrics()["memory/plan_offload"] == float(offload)
@@ -64,6 +72,10 @@ def test_cpu_trainer_reports_its_plan(tmp_path):
     assert plan.engine_weights == tensor_bytes(t.engine.model.parameters()) > 0
     assert plan.kv_cache == tensor_bytes([*t.engine.cache.k, *t.engine.cache.v]) > 0
     assert "free ?" in plan.summary()
+    # on the CPU the start-up plan decides nothing: the open knobs take their old defaults
+    assert t.start_plan.choice is None and t.start_plan.memory is None
+    assert t.cfg.backend.fsdp.gradient_checkpointing is False and t.cfg.backend.fsdp.cpu_offload is False
+    assert t.cfg.batch == presets.cpu_test(model="tiny", workdir=str(tmp_path)).batch
 
 
 def test_no_plan_for_an_engine_without_a_torch_cache():

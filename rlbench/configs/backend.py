@@ -87,8 +87,9 @@ class FSDPOptions:
     attn_implementation: str | None = None
     """"sdpa", "eager", "flex_attention" (document BlockMask), "flash_attention_2/3" when installed; None: the
     fast tested default, flex_attention on CUDA and sdpa on CPU (`TrainConfig.attention`)"""
-    gradient_checkpointing: bool = False
-    """recompute each decoder layer in backward (activation checkpointing)"""
+    gradient_checkpointing: bool | None = None
+    """recompute each decoder layer in backward (activation checkpointing); None: the run's start-up memory plan
+    decides (`rlbench.memory_start`: on only when training does not fit without it; off for a backend built alone)"""
     checkpoint_every: int = 1
     """with gradient_checkpointing: recompute every k-th decoder layer only (1 = all; 2 = half, less recompute)"""
     compile: bool | None = None
@@ -97,8 +98,9 @@ class FSDPOptions:
     (`numerics.compile_options`)"""
     reshard_after_forward: bool = True
     """free gathered params after forward (ZeRO-3); False keeps them until backward (ZeRO-2-like)"""
-    cpu_offload: bool = False
-    """FSDP CPUOffloadPolicy on the actor: params/grads/optimizer on CPU, AdamW step on CPU"""
+    cpu_offload: bool | None = None
+    """FSDP CPUOffloadPolicy on the actor: params/grads/optimizer on CPU, AdamW step on CPU; None: the run's start-up
+    memory plan decides (its last resort; off for a backend built alone)"""
     no_sync_accumulation: bool = True
     """reduce-scatter gradients only on the last micro-batch of a step (fp32 unsharded accumulation)"""
     cp_kv_head_chunk: int | None = None

@@ -4,8 +4,8 @@ rollout manager, weight sync) and the local Trainer over them.
 This is the only place that names concrete classes (`FSDPBackend` / `MegatronBackend`, `TorchEngine`); the Trainer receives
 the built `Components` and talks to them through their protocols.
 
-    trainer = LocalTrainer(cfg)        # = rlbench.Trainer(cfg): build_components(cfg), then the Trainer
-    parts = build_components(cfg)      # or build (or fake) the parts yourself
+    trainer = LocalTrainer(cfg)        # = rlbench.Trainer(cfg): build_run(cfg), then the Trainer
+    cfg, parts = build_run(cfg)        # or build (or fake) the parts yourself: cfg as the memory plan sized it
     trainer = LocalTrainer(cfg, components=parts)
 """
 
@@ -44,7 +44,9 @@ class LocalTrainer(Trainer):
                 f"Trainer runs cluster.backend='local', got {cfg.cluster.backend!r}; build the trainer with "
                 "rlbench.build_trainer(cfg), which picks the class of cfg.cluster.backend"
             )
-        super().__init__(cfg, build_components(cfg) if components is None else components, sinks=sinks)
+        if components is None:
+            cfg, components = build_run(cfg)
+        super().__init__(cfg, components, sinks=sinks)
 
 
 def materialize_task(task: TaskConfig) -> tuple[str, str]:
@@ -185,10 +187,40 @@ def build_reward_model(cfg: RunConfig, device: torch.device | str):
     return rm
 
 
-def build_components(cfg: RunConfig) -> Components:
-    """Everything a `Trainer` needs for `cfg`, in this process (seeded first: `prepare_run`)."""
+def build_run(cfg: RunConfig) -> tuple[RunConfig, Components]:
+    """`cfg` with the start-up memory plan's decisions filled in (`rlbench.memory_start`: made after the data is
+    read, before any weights load; printed on CUDA), and the parts built from it."""
     prepare_run(cfg)
-    tokenizer, dataset, eval_items = build_data(cfg)
+    data = build_data(cfg)
+    plan = start_plan(cfg, data[1])
+    if plan is not None:
+        cfg = plan.config
+        if cfg.logging.console and plan.choice is not None:
+            print("\n".join(f"[rlbench] {line}" for line in plan.lines()), flush=True)
+    return cfg, build_components(cfg, data=data, start_plan=plan)
+
+
+def start_plan(cfg: RunConfig, dataset):
+    """The start-up memory plan of a one-process run (None where it does not apply: the megatron backend, an
+    SGLang engine, both of which manage their own memory). Raises `ValueError` when nothing fits."""
+    if cfg.train_backend != "fsdp" or cfg.rollout_engine != "torch":
+        return None
+    from rlbench.memory_start import device_memory, plan_at_start
+
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cfg.backend.device == "cuda" else (
+        torch.device("cpu"))
+    shortest = min((len(it.prompt_token_ids) for it in dataset.items), default=None)
+    return plan_at_start(cfg, hf_config_for(cfg.backend.model, cfg.backend.model_overrides), device_memory(device),
+                         shortest_prompt=shortest, world=int(os.environ.get("WORLD_SIZE", 1)))
+
+
+def build_components(cfg: RunConfig, *, data=None, start_plan=None) -> Components:
+    """Everything a `Trainer` needs for `cfg`, in this process (seeded first: `prepare_run`). `data`: the
+    `build_data(cfg)` triple when already read (then the caller seeded); `start_plan`: the plan that sized `cfg`."""
+    if data is None:
+        prepare_run(cfg)
+        data = build_data(cfg)
+    tokenizer, dataset, eval_items = data
     backend = build_backend(cfg)
     device = backend.env.device
     engine = build_engine(cfg, device, tokenizer)
@@ -196,7 +228,7 @@ def build_components(cfg: RunConfig) -> Components:
     num_params = sum(p.numel() for p in model.parameters())
     return Components(tokenizer, dataset, eval_items, backend, engine,
                       build_rollouts(cfg, engine, dataset, tokenizer, device),
-                      WeightSync(cfg.weights, backend, engine), device, num_params)
+                      WeightSync(cfg.weights, backend, engine), device, num_params, start_plan)
 
 
 def check_row_rewards(items) -> None:

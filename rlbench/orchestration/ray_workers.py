@@ -92,7 +92,7 @@ class TrainWorker:
         from rlbench.orchestration.local import build_backend
 
         b = self.cfg.backend
-        env = init_distributed(b.device, cp_size=b.cp_size, cpu_offload=b.fsdp.cpu_offload,
+        env = init_distributed(b.device, cp_size=b.cp_size, cpu_offload=bool(b.fsdp.cpu_offload),
                                timeout_minutes=self.cluster.collective_timeout_s / 60)
         self.backend = build_backend(self.cfg, env)
         if self.cfg.train_backend == "megatron":  # TP / PP peers hold the same samples: megatron's DP group

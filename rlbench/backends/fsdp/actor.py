@@ -65,7 +65,7 @@ class FSDPBackend(CommittedCheckpoints):
 
             self._cp_kernel = cp_kernel(cfg.fsdp.cp_attention)
         if self.env is None:
-            self.env = init_distributed(cfg.device, cp_size=cfg.cp_size, cpu_offload=cfg.fsdp.cpu_offload)
+            self.env = init_distributed(cfg.device, cp_size=cfg.cp_size, cpu_offload=bool(cfg.fsdp.cpu_offload))
         if self.env.device.type == "cpu":
             retain_freed_host_memory()  # the step's large temporaries reuse freed blocks (no page faults)
         if cfg.critic is not None and getattr(self, "critic", None) is None:
@@ -97,7 +97,7 @@ class FSDPBackend(CommittedCheckpoints):
 
     def build_model(self):
         """`(model, hf_config)` of the trained model: the causal LM of `cfg.model` (the critic: a value model)."""
-        return build_sharded_model(self.cfg.model, self.cfg, self.env, offload=self.cfg.fsdp.cpu_offload)
+        return build_sharded_model(self.cfg.model, self.cfg, self.env, offload=bool(self.cfg.fsdp.cpu_offload))
 
     @property
     def pack_buckets(self) -> bool:

@@ -59,7 +59,7 @@ class FSDPCritic(FSDPBackend):
     its head."""
 
     def build_model(self):
-        return build_sharded_model(self.cfg.model, self.cfg, self.env, offload=self.cfg.fsdp.cpu_offload,
+        return build_sharded_model(self.cfg.model, self.cfg, self.env, offload=bool(self.cfg.fsdp.cpu_offload),
                                    value_head=True)
 
     def forward_pack(self, model, pack, with_entropy: bool) -> tuple[torch.Tensor, None]:

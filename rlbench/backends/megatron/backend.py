@@ -482,7 +482,8 @@ def _check_supported(cfg: TrainConfig, m: MegatronConfig) -> None:
     hints = {"cpu_offload": "use sleep()/wake_up() (colocated offload) instead",
              "gradient_checkpointing": "use MegatronConfig.recompute_granularity (--recompute-granularity full)",
              "attn_implementation": "use MegatronConfig.attention (--megatron-attention)"}
-    honoured = {"compile": False}  # megatron runs eager: asking for no compile is what it does
+    # megatron runs eager, without FSDP's checkpointing or CPU offload: asking for them off is what it does
+    honoured = {"compile": False, "gradient_checkpointing": False, "cpu_offload": False}
     bad = [f"fsdp.{k}" + (f" ({hints[k]})" if k in hints else "") for k in cfg.fsdp.changed()
            if honoured.get(k, object()) != getattr(cfg.fsdp, k)]
     if cfg.cp_size != 1:
