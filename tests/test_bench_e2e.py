@@ -124,3 +124,19 @@ def test_critic_phases_in_summary_and_table(e2e):
     text = e2e.table({"rlbench": grpo, "rlbench-ppo": row})
     assert "| values s | — | 0.100 |" in text and "| critic_train s | — | 0.400 |" in text
     assert "| MFU critic_train | n/a | 3.0% |" in text
+
+
+def test_4b_workload_leaves_memory_to_the_plan(e2e, tmp_path, monkeypatch):
+    """The 4B workload is issue 50's target (`--max-tokens-per-gpu 16384` alone): AC left to the start-up memory
+    plan (None in the RunConfig); `--gradient-checkpointing` / `--max-tokens-per-gpu` set them by hand."""
+    from rlbench.rewards import REWARDS
+
+    monkeypatch.setitem(REWARDS, "bench_text", e2e.text_reward)  # run_rlbench registers it in its process
+    w = e2e.workload(e2e.parse_args(["--preset", "qwen3-4b-shape"]))
+    assert (w.max_tokens_per_gpu, w.gradient_checkpointing) == (16384, None)
+    cfg = e2e.rlbench_config(w, "qwen3-4b-shape", str(tmp_path), 2)
+    assert cfg.backend.fsdp.gradient_checkpointing is None and cfg.batch.max_tokens_per_gpu == 16384
+    assert cfg.offload is None and cfg.engine.num_slots is None
+    hand = e2e.workload(e2e.parse_args(["--preset", "qwen3-4b-shape", "--max-tokens-per-gpu", "8192",
+                                        "--gradient-checkpointing"]))
+    assert (hand.max_tokens_per_gpu, hand.gradient_checkpointing) == (8192, True)
