@@ -258,7 +258,7 @@ def _apply(cfg, c: Choice, sizes: dict):
     fsdp = dataclasses.replace(cfg.backend.fsdp, gradient_checkpointing=c.checkpointing, cpu_offload=c.cpu_offload)
     batch = cfg.batch
     if batch.use_dynamic_batch_size:
-        batch = dataclasses.replace(batch, max_tokens_per_gpu=c.tokens // cfg.backend.cp_size * cfg.backend.cp_size)
+        batch = dataclasses.replace(batch, max_tokens_per_gpu=c.tokens)
     engine = dataclasses.replace(cfg.engine, num_slots=sizes["kv_slots"])
     return cfg.replace(backend=dataclasses.replace(cfg.backend, fsdp=fsdp), batch=batch, engine=engine, offload=c.turns)
 
