@@ -119,3 +119,45 @@ def test_engine_takes_the_on_disk_names(moe_dir):
     want = AutoModelForCausalLM.from_pretrained(path).state_dict()
     got = engine.model.state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _two_rank_worker(rank: int, path: str, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from rlbench.backends.hf_weights import local_slice
+
+    backend = _backend(path)
+    experts = backend.model.model.layers[0].mlp.experts.gate_up_proj
+    local, index = local_slice(experts)
+    ids = torch.arange(24).view(2, 12) % 128
+    with torch.no_grad():
+        logits = backend.model(input_ids=ids, use_cache=False).logits
+    synced = {n: t for bucket in backend.named_weights_for_sync(1 << 12, dtype=None) for n, t in bucket}
+    if rank == 0:
+        torch.save({"logits": logits, "synced": synced}, out)
+    torch.save({"rows": (index[0].start, index[0].stop), "local": local.clone()}, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_two_ranks_each_read_their_own_experts(tmp_path):
+    """2 gloo ranks shard the 3 experts 2 + 1: each holds exactly its experts' rows of the checkpoint, and the
+    gathered weights and logits equal one process's (`from_pretrained`)."""
+    from dist_utils import free_port, spawn
+
+    path = save_moe("qwen3_moe", str(tmp_path / "hf"))
+    out = str(tmp_path / "res.pt")
+    spawn(_two_rank_worker, args=(path, free_port(), out), nprocs=2)
+    res = torch.load(out)
+    ref = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    with torch.no_grad():
+        want = ref(input_ids=torch.arange(24).view(2, 12) % 128, use_cache=False).logits
+    torch.testing.assert_close(res["logits"], want, rtol=0, atol=1e-6)  # other thread counts: other GEMM sums
+    disk = _disk(path)
+    assert res["synced"].keys() == disk.keys() and all(torch.equal(res["synced"][k], disk[k]) for k in disk)
+    full = ref.model.layers[0].mlp.experts.gate_up_proj.detach()
+    shards = [torch.load(f"{out}.{r}") for r in range(2)]
+    assert [s["rows"] for s in shards] == [(0, 2), (2, 3)]
+    for s in shards:
+        assert torch.equal(s["local"], full[slice(*s["rows"])])
