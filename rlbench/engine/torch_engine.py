@@ -37,6 +37,7 @@ from rlbench.engine.sampling import sample_tokens
 from rlbench.engine.sessions import SessionTable, check_slots, plan_turn
 from rlbench.host_memory import retain_freed_host_memory
 from rlbench.models.capabilities import TORCH_ENGINE, TRUE_ON_POLICY, check_model
+from rlbench.models.moe import patch_moe
 from rlbench.models.weight_layout import export_layout
 from rlbench.packing.pack import bucket_length
 
@@ -116,7 +117,9 @@ class TorchEngine:
             from rlbench.numerics import make_batch_invariant, self_test
 
             self_test(self.device, self.dtype, compiled=self.cfg.on_device(self.device.type == "cuda").compile)
-            make_batch_invariant(self.model)
+            make_batch_invariant(self.model)  # MoE routers and experts included (`rlbench.models.moe`)
+        else:  # MoE: rlbench's experts, static shapes and no host sync at decode (`rlbench.models.moe`)
+            patch_moe(self.model)
         self.cache = KVCache(self._cache_shape(), self.dtype, self.device)
         self.runner = ModelRunner(model, self.cache, self.cfg.on_device(self.device.type == "cuda"))
         self.sessions = SessionTable()
