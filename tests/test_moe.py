@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
-from rlbench.configs.backend import FSDPOptions, TrainConfig
+from rlbench.configs.backend import FSDPOptions, OptimConfig, TrainConfig
 from rlbench.data.tokenizer import build_tokenizer
 from rlbench.models.weight_layout import export_layout
 
@@ -223,3 +223,48 @@ def test_expert_schedules_agree_bitwise_and_decode_has_no_host_sync():
 
         traced = torch.compile(decode, backend="eager", fullgraph=True)  # a graph break (host sync) raises
         torch.testing.assert_close(traced(x[:16]), hf[:16], rtol=0, atol=1e-6)
+
+
+def _samples():
+    from rlbench.types import Sample
+
+    g = torch.Generator().manual_seed(4)
+    return [Sample(tokens=torch.randint(1, 128, (n,), generator=g).tolist(), response_length=r, advantage=a)
+            for n, r, a in ((20, 8, 1.0), (13, 5, -1.0), (31, 12, 0.5))]
+
+
+def test_packed_equals_per_sequence_and_the_load_balancing_loss(moe_dir, teardown_dist):
+    """A pack's response log-probs == each sequence alone (routing is per token; documents stay apart), and
+    the router loss: HF's own value on an unpadded forward, gradients into the routers only from it."""
+    from rlbench.models.moe import load_balancing_loss
+    from rlbench.packing.pack import pack_samples
+
+    kind, path = moe_dir
+    backend = _backend(path, optim=OptimConfig(lr=1e-2))
+    samples = _samples()
+    packed = backend.compute_log_prob([pack_samples(samples, pad_multiple=16)])[0].per_sample()
+    alone = [backend.compute_log_prob([pack_samples([s])])[0].log_probs for s in samples]
+    diff = max(float((a - b).abs().max()) for a, b in zip(packed, alone))
+    print(f"{kind}: packed vs per-sequence max |diff| {diff:.2e}")
+    assert diff <= 1e-5
+
+    ref = AutoModelForCausalLM.from_pretrained(path)
+    ids = torch.tensor([samples[0].tokens])
+    with torch.no_grad():
+        out = ref(input_ids=ids, output_router_logits=True)
+    ours = load_balancing_loss(ref, out.router_logits, torch.ones(ids.shape[1], dtype=torch.bool))
+    assert float(ours) == pytest.approx(float(out.aux_loss), abs=1e-6) and float(ours) > 0
+
+    backend.cfg.fsdp.moe_aux_loss_coef = 0.5  # the loss below is 0: every gradient is the router loss's
+    pack = pack_samples(samples, pad_multiple=16)
+    before = {n: p.detach().full_tensor().clone() for n, p in backend.model.named_parameters()}
+    m = backend.train([pack], [None], lambda logp, ent, inputs: ((logp * 0).sum(), {}))
+    real = pack.num_tokens - pack.pad_length
+    with torch.no_grad():
+        logits = ref(input_ids=pack.tokens[None, :real], position_ids=pack.position_ids[None, :real],
+                     output_router_logits=True, use_cache=False).router_logits
+    want = load_balancing_loss(ref, logits, torch.ones(real, dtype=torch.bool))
+    assert m["train/moe_aux_loss"] == pytest.approx(float(want), abs=1e-5)
+    assert m["train/loss"] == pytest.approx(0.5 * float(want), abs=1e-5) and m["train/grad_norm"] > 0
+    moved = {n for n, p in backend.model.named_parameters() if not torch.equal(p.detach().full_tensor(), before[n])}
+    assert any(".gate." in n for n in moved) and "lm_head.weight" not in moved

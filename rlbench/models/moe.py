@@ -21,6 +21,7 @@ two expert schedules below give the same bits:
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
 
 import torch
@@ -136,3 +137,20 @@ def patch_moe(model: nn.Module, linear: Callable = F.linear, silu: Callable = F.
             module.forward = functools.partial(experts_forward, module, linear=linear, silu=silu)
             count += 1
     return count
+
+
+def load_balancing_loss(model: nn.Module, router_logits: tuple[torch.Tensor, ...], real: torch.Tensor) -> torch.Tensor:
+    """The model architecture's own router load-balancing loss (transformers' `load_balancing_loss_func` of its
+    modeling module: E * sum_e (fraction of top-k slots routed to e) * (mean router probability of e)) over the
+    tokens where `real` `[T]` is true (a pack's padding routes too, but is no data).
+
+    Args:
+        model: the HF MoE causal LM (FSDP-wrapped or not) that returned `router_logits` (`output_router_logits=True`).
+        router_logits: one `[T, E]` per MoE layer.
+    """
+    hf = next((c for c in type(model).__mro__ if c.__module__.startswith("transformers.models.")), None)
+    fn = getattr(importlib.import_module(hf.__module__), "load_balancing_loss_func", None) if hf else None
+    if fn is None or not hasattr(model, "num_experts"):
+        raise ValueError(f"{type(model).__name__} has no router load-balancing loss (is it a transformers MoE "
+                         "causal LM?); set moe_aux_loss_coef=0")
+    return fn(router_logits, model.num_experts, model.num_experts_per_tok, real[None].to(router_logits[0].device))
