@@ -31,10 +31,13 @@ DISK_EXPERT = {"qwen3_moe": "model.layers.1.mlp.experts.2.up_proj.weight",
                "mixtral": "model.layers.1.block_sparse_moe.experts.3.w3.weight"}
 
 
-def save_moe(kind: str, path: str, seed: int = 0) -> str:
+def save_moe(kind: str, path: str, seed: int = 0, **overrides) -> str:
     """A random tiny MoE model written by transformers' own `save_pretrained` (+ rlbench's tokenizer)."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(CONFIGS[kind]())
+    config = CONFIGS[kind]()
+    for k, v in overrides.items():
+        setattr(config, k, v)
+    model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # HF zero-inits the router: spread the routing
         for layer in model.model.layers:
             layer.mlp.gate.weight.normal_(0, 0.5)
@@ -268,3 +271,36 @@ def test_packed_equals_per_sequence_and_the_load_balancing_loss(moe_dir, teardow
     assert m["train/loss"] == pytest.approx(0.5 * float(want), abs=1e-5) and m["train/grad_norm"] > 0
     moved = {n for n, p in backend.model.named_parameters() if not torch.equal(p.detach().full_tensor(), before[n])}
     assert any(".gate." in n for n in moved) and "lm_head.weight" not in moved
+
+
+HIDDEN = 128
+"""The true on-policy test's width: there HF's own experts and router (plain GEMMs) give a nonzero diff on this
+CPU (3.1e-8 measured with `make_batch_invariant` leaving them alone), so the 0.0 below is evidence."""
+
+
+def test_grpo_steps_from_a_saved_moe_dir_true_on_policy(tmp_path, monkeypatch):
+    """`rlbench train`'s loop from a transformers-saved Qwen3-MoE directory in true on-policy mode, with the
+    load-balancing loss on: the engine's log-probs equal the trainer's bit for bit (the expert
+    and routing GEMMs are the batch-invariant ones on both sides), and the weights move."""
+    from dataclasses import replace
+
+    from rlbench import Trainer, presets
+    from rlbench.configs import EvalConfig
+    from rlbench.rewards import REWARDS
+
+    monkeypatch.setitem(REWARDS, "chars", lambda response, label: (sum(map(ord, response)) % 7) / 6)
+    path = save_moe("qwen3_moe", str(tmp_path / "hf"), hidden_size=HIDDEN, moe_intermediate_size=HIDDEN // 2)
+    cfg = presets.cpu_test(model=path, workdir=str(tmp_path / "run"), level=1, n_eval=16)
+    task = replace(cfg.task, n_train=32)  # 32 prompts, not 20k, to write
+    cfg = cfg.replace(
+        true_on_policy_mode=True, eval=EvalConfig(), task=task,
+        data=replace(cfg.data, path=task.train_path, metadata_key=None),
+        rollout=replace(cfg.rollout, rm_type="chars", rollout_batch_size=2, max_response_len=8),
+        batch=replace(cfg.batch, global_batch_size=16, num_rollout=1),
+        backend=replace(cfg.backend, fsdp=replace(cfg.backend.fsdp, moe_aux_loss_coef=0.01)))
+    trainer = Trainer(cfg)
+    before = trainer.engine.model.model.layers[0].mlp.experts.gate_up_proj.detach().clone()
+    m = trainer.step()
+    assert m["train/train_rollout_logprob_abs_diff"] == 0.0 and m["train/first_mb_kl_vs_rollout"] == 0.0
+    assert m["train/moe_aux_loss"] > 0 and m["train/grad_norm"] > 0
+    assert not torch.equal(before, trainer.engine.model.model.layers[0].mlp.experts.gate_up_proj)
