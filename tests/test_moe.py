@@ -304,3 +304,22 @@ def test_grpo_steps_from_a_saved_moe_dir_true_on_policy(tmp_path, monkeypatch):
     assert m["train/train_rollout_logprob_abs_diff"] == 0.0 and m["train/first_mb_kl_vs_rollout"] == 0.0
     assert m["train/moe_aux_loss"] > 0 and m["train/grad_norm"] > 0
     assert not torch.equal(before, trainer.engine.model.model.layers[0].mlp.experts.gate_up_proj)
+
+
+def test_moe_presets_build_qwen3_moe_of_the_documented_size():
+    """`qwen3-moe-0.6b-shape`: 684,879,872 parameters (0.68 B; 8 of 64 experts per token), counted from its
+    hyper-parameters; `tiny-moe` is the same layout at CPU size."""
+    from rlbench.models import PRESETS, build_model
+
+    def expected(p: dict) -> int:
+        h, hd, L, E = p["hidden_size"], p["head_dim"], p["num_hidden_layers"], p["num_experts"]
+        q, kv = p["num_attention_heads"] * hd, p["num_key_value_heads"] * hd
+        attn = h * q + 2 * h * kv + q * h + 2 * hd
+        moe = E * 3 * h * p["moe_intermediate_size"] + E * h  # experts + router
+        return p["vocab_size"] * h + L * (attn + moe + 2 * h) + h
+
+    for preset in ("qwen3-moe-0.6b-shape", "tiny-moe"):
+        model = build_model(preset, meta=True)
+        assert model.config.model_type == "qwen3_moe" and model.model.layers[0].mlp.experts.gate_up_proj.dim() == 3
+        assert sum(p.numel() for p in model.parameters()) == expected(PRESETS[preset])
+    assert expected(PRESETS["qwen3-moe-0.6b-shape"]) == 684_879_872

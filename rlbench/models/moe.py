@@ -116,25 +116,28 @@ def experts_forward(experts: nn.Module, x: torch.Tensor, index: torch.Tensor, we
     return out.to(x.dtype)
 
 
-def patch_moe(model: nn.Module, linear: Callable = F.linear, silu: Callable = F.silu) -> int:
+def patch_moe(model: nn.Module, linear: Callable = F.linear, silu: Callable = F.silu, *, strict: bool = True) -> int:
     """Re-point every MoE router and experts module of `model` to `router_forward` / `experts_forward` with these
-    ops, in place; returns how many modules. Raises for a router or experts class not reproduced here."""
-    act = getattr(model.config, "hidden_act", "silu")
-    if act != "silu" and has_moe(model):
-        raise ValueError(f"rlbench's MoE experts compute hidden_act='silu'; the model has {act!r}")
+    ops, in place; returns how many modules. A router or experts class not reproduced here raises when `strict`
+    (the batch-invariant ops must cover every GEMM), else keeps HF's own forward (the engine's default path)."""
+    if has_moe(model) and getattr(model.config, "hidden_act", "silu") != "silu":
+        if strict:
+            raise ValueError(f"rlbench's MoE experts compute hidden_act='silu'; the model has "
+                             f"{model.config.hidden_act!r}")
+        return 0
     count = 0
     for module in model.modules():
-        if is_router(module):
-            if type(module).__name__ not in ROUTERS:
-                raise ValueError(f"the MoE router {type(module).__name__} is not supported (rlbench computes "
-                                 f"{sorted(ROUTERS)})")
-            module.forward = functools.partial(router_forward, module, linear=linear)
-            count += 1
-        elif is_experts(module):
-            if type(module).__name__ not in EXPERTS or getattr(module, "has_bias", False):
-                raise ValueError(f"the MoE experts {type(module).__name__} are not supported (rlbench computes "
-                                 f"{list(EXPERTS)})")
-            module.forward = functools.partial(experts_forward, module, linear=linear, silu=silu)
+        name = type(module).__name__
+        if is_router(module) or is_experts(module):
+            known = name in ROUTERS or (name in EXPERTS and not getattr(module, "has_bias", False))
+            if not known:
+                if strict:
+                    raise ValueError(f"the MoE module {name} is not supported (rlbench computes the routers "
+                                     f"{sorted(ROUTERS)} and the experts {list(EXPERTS)})")
+                continue
+            fn = router_forward if is_router(module) else experts_forward
+            kwargs = {"linear": linear} if is_router(module) else {"linear": linear, "silu": silu}
+            module.forward = functools.partial(fn, module, **kwargs)
             count += 1
     return count
 

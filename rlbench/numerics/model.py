@@ -211,6 +211,9 @@ def make_batch_invariant(model: nn.Module) -> nn.Module:
         for name in ("act_fn", "activation_fn"):  # activation_fn: Phi3's MLP
             if isinstance(getattr(module, name, None), nn.Module):
                 setattr(module, name, SiLU())
+    if getattr(config, "router_jitter_noise", 0):  # HF's block multiplies training inputs by noise; rollouts have none
+        raise ValueError(f"router_jitter_noise={config.router_jitter_noise}: the trainer's MoE routing would differ "
+                         "from the engine's; set router_jitter_noise=0 for true on-policy mode")
     patch_moe(model, linear=ops.linear, silu=ops.silu)
     config._attn_implementation = ATTN_NAME
     return model
