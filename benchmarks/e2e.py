@@ -107,6 +107,9 @@ WORKLOADS = {
     "qwen3-0.6b-shape": Workload(model="qwen3-0.6b-shape", device="cuda", dtype="bf16"),
     # issue 50's 4B target: --max-tokens-per-gpu 16384 alone, the memory plan choosing AC, budget and offload
     "qwen3-4b-shape": Workload(model="qwen3-4b-shape", device="cuda", dtype="bf16"),
+    # a Qwen3-MoE scaled to ~0.68 B parameters (64 experts, 8 per token; rlbench.models.presets), rlbench only:
+    # the engine's MoE layer (dense expert schedule at decode) and MoE training
+    "qwen3-moe-0.6b-shape": Workload(model="qwen3-moe-0.6b-shape", device="cuda", dtype="bf16"),
     # the issue's CPU workload: a tiny Qwen3 (hidden 64, 2 layers) with the real 152k vocabulary
     "cpu-tiny": Workload(model="tiny", device="cpu", dtype="fp32", prompt_len=30, response_len=16, lr=1e-5),
 }

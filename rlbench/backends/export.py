@@ -1,6 +1,8 @@
 """Full (unsharded) weights out of an FSDP2 model: buckets for weight sync, and a plain HF export.
 
-Both are collective (every rank iterates; each DTensor is all-gathered in turn). At most one bucket of
+Both carry the on-disk names and layout (`rlbench.models.weight_layout.export_layout`: what `save_pretrained`
+writes, e.g. one tensor per MoE expert), so `from_pretrained`, SGLang and the torch engine read them as a
+checkpoint. Both are collective (every rank iterates; each DTensor is all-gathered in turn). At most one bucket of
 gathered tensors is alive at a time: a bucket is yielded, then a fresh one is started.
 """
 
@@ -17,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
 from rlbench.distributed.mesh import DistEnv, barrier
+from rlbench.models.weight_layout import export_layout
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -40,12 +43,14 @@ def sync_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 def named_weight_buckets(
     model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Yield lists of (name, full tensor cast to `dtype`) of at most `bucket_bytes` each.
+    """Yield lists of (on-disk name, full tensor cast to `dtype`) of at most `bucket_bytes` each.
 
     A single tensor larger than `bucket_bytes` forms its own bucket. Collective: all ranks must iterate.
     """
+    layout = export_layout(model)
     full = ((name, _full(t.detach())) for name, t in sync_tensors(model))
-    yield from buckets(((n, t.to(dtype) if dtype is not None else t) for n, t in full), bucket_bytes)
+    disk = (piece for name, t in full for piece in layout.to_disk(name, t))
+    yield from buckets(((n, t.to(dtype) if dtype is not None else t) for n, t in disk), bucket_bytes)
 
 
 def buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:

@@ -16,6 +16,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from transformers import AutoConfig, PretrainedConfig
 
 from rlbench.models.presets import build_config
+from rlbench.models.weight_layout import checkpoint_layout, overlap
 
 
 def model_config(name: str, overrides: dict | None = None) -> PretrainedConfig:
@@ -46,29 +47,51 @@ def weight_files(path: str) -> dict[str, str]:
         return {k: single for k in f.keys()}
 
 
+def disk_shapes(files: dict[str, str]) -> dict[str, tuple[int, ...]]:
+    """tensor name -> shape, from the safetensors headers (no tensor is read)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(set(files.values())):
+        with safe_open(file, framework="pt") as f:
+            shapes |= {k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if files.get(k) == file}
+    return shapes
+
+
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, path: str, *, optional: tuple[str, ...] = ()) -> list[str]:
     """Each rank reads only its own rows of each tensor (safetensors slicing); no full model anywhere.
 
+    The checkpoint's layout may differ from the in-memory one (transformers' conversion rules,
+    `rlbench.models.weight_layout`): MoE experts stored one tensor per expert are stacked into the fused
+    in-memory tensors, each rank reading only the experts (and rows) of its own shard.
+
     Parameters whose name starts with one of `optional` may be absent from the files (a value head on a causal LM
     directory); returns those absent names, left for the caller to initialise. Any other absent tensor raises."""
     files = weight_files(path)
+    layout, _ = checkpoint_layout(model, disk_shapes(files))
     targets = dict(model.named_parameters())  # tied weights appear once
-    targets |= {n: b for n, b in model.named_buffers() if n in files}
-    absent = sorted(n for n in targets if n not in files)
+    targets |= {n: b for n, b in model.named_buffers() if n in files or n in layout.pieces}
+    stored = set(files) | set(layout.pieces)
+    absent = sorted(n for n in targets if n not in stored)
     missing = [n for n in absent if not n.startswith(optional)] if optional else absent
     if missing:
         raise ValueError(f"{path!r} lacks tensors {missing[:5]} (of {len(missing)}); is it the same architecture?")
-    targets = {n: t for n, t in targets.items() if n in files}
+    targets = {n: t for n, t in targets.items() if n in stored}
+    layout.check_covers({n: t.shape for n, t in targets.items() if n in layout.pieces})
     handles: dict[str, object] = {}
     with contextlib.ExitStack() as stack:
         for name, tensor in targets.items():
-            file = files[name]
-            if file not in handles:
-                handles[file] = stack.enter_context(safe_open(file, framework="pt"))
             local, index = local_slice(tensor)
-            if local.numel():
-                local.copy_(handles[file].get_slice(name)[index].to(local.dtype))
+            if not local.numel():
+                continue
+            for piece in layout.disk_pieces(name, tensor.shape):
+                hit = overlap(piece.index, index)
+                if hit is None:
+                    continue
+                file = files[piece.disk]
+                if file not in handles:
+                    handles[file] = stack.enter_context(safe_open(file, framework="pt"))
+                local_index, disk_index = hit
+                local[local_index].copy_(handles[file].get_slice(piece.disk)[disk_index].to(local.dtype))
     return absent
 
 

@@ -112,8 +112,14 @@ class FSDPOptions:
     llama3 varlen kernel, contiguous slices; CUDA, bf16/fp16, pip install flash-attn ring-flash-attn)"""
     checkpoint_format: str = "sharded"
     """"sharded" (torch.distributed.checkpoint) or "full" (rank-0 torch.save of full state dicts)"""
+    moe_aux_loss_coef: float = 0.0
+    """weight of an MoE model's router load-balancing loss (transformers' `load_balancing_loss_func` over the
+    router logits of the training forward, real tokens only) added to the policy loss and logged as
+    `train/moe_aux_loss`; 0 = off"""
 
     def __post_init__(self) -> None:
+        if not self.moe_aux_loss_coef >= 0:
+            raise ValueError(f"moe_aux_loss_coef={self.moe_aux_loss_coef} must be >= 0 (0 = no load-balancing loss)")
         if self.checkpoint_format not in ("sharded", "full"):
             raise ValueError(f"checkpoint_format={self.checkpoint_format!r}; use 'sharded' or 'full'")
         if self.cp_kv_head_chunk is not None and self.cp_kv_head_chunk < 1:
@@ -191,6 +197,9 @@ class TrainConfig:
                              "own attention (rlbench_cp: SDPA on CPU, flex on CUDA); use 'sdpa' or 'flex_attention'")
         if self.logprob_chunk_size < 1:
             raise ValueError(f"logprob_chunk_size={self.logprob_chunk_size} must be >= 1")
+        if self.cp_size > 1 and f.moe_aux_loss_coef > 0:
+            raise ValueError(f"moe_aux_loss_coef={f.moe_aux_loss_coef} with context_parallel_size={self.cp_size}: the "
+                             "load-balancing loss has no CP path yet; use context_parallel_size=1")
         if self.critic is not None and self.cp_size > 1:
             raise ValueError(f"a critic (--critic-*) with context_parallel_size={self.cp_size}: the value head has no "
                              "CP path yet; use context_parallel_size=1 for PPO with a critic")

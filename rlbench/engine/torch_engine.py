@@ -37,6 +37,8 @@ from rlbench.engine.sampling import sample_tokens
 from rlbench.engine.sessions import SessionTable, check_slots, plan_turn
 from rlbench.host_memory import retain_freed_host_memory
 from rlbench.models.capabilities import TORCH_ENGINE, TRUE_ON_POLICY, check_model
+from rlbench.models.moe import patch_moe
+from rlbench.models.weight_layout import export_layout
 from rlbench.packing.pack import bucket_length
 
 
@@ -106,6 +108,7 @@ class TorchEngine:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self._released: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        self._disk_names: dict | None = None  # on-disk name -> (parameter, index): `_named_tensors`, built once
         self._abort = False
         self._on_finish: Callable[[Generation], None] | None = None
         if self.device.type == "cpu":
@@ -114,7 +117,9 @@ class TorchEngine:
             from rlbench.numerics import make_batch_invariant, self_test
 
             self_test(self.device, self.dtype, compiled=self.cfg.on_device(self.device.type == "cuda").compile)
-            make_batch_invariant(self.model)
+            make_batch_invariant(self.model)  # MoE routers and experts included (`rlbench.models.moe`)
+        else:  # MoE: rlbench's experts, static shapes and no host sync at decode (`rlbench.models.moe`)
+            patch_moe(self.model, strict=False)  # other MoE classes keep HF's own forward
         self.cache = KVCache(self._cache_shape(), self.dtype, self.device)
         self.runner = ModelRunner(model, self.cache, self.cfg.on_device(self.device.type == "cuda"))
         self.sessions = SessionTable()
@@ -446,9 +451,15 @@ class TorchEngine:
 
     # ---- weights and memory ----
     def _named_tensors(self) -> dict[str, torch.Tensor]:
-        """HF names -> parameters, tied aliases included (`lm_head.weight` when tied to the embedding)."""
+        """HF names -> parameters, tied aliases included (`lm_head.weight` when tied to the embedding), and the
+        on-disk names where the checkpoint layout differs (`rlbench.models.weight_layout`: one tensor per MoE
+        expert) -> the view of the in-memory tensor they fill."""
         named = dict(self.model.named_parameters(remove_duplicate=False))
         named.update(dict(self.model.named_buffers(remove_duplicate=False)))
+        if self._disk_names is None:
+            self._disk_names = export_layout(self.model).from_disk()
+        for disk, (param, index) in self._disk_names.items():
+            named[disk] = named[param][index]
         return named
 
     @torch.no_grad()

@@ -99,6 +99,9 @@ class Consumer:
     refuses: dict[str, str] = field(default_factory=dict)
 
 
+MOE_COMPUTED = ("qwen3_moe", "mixtral")
+"""MoE architectures whose routers and experts `rlbench.models.moe` computes (engine, batch-invariant ops,
+load-balancing loss); the "moe" feature is any other MoE."""
 SGLANG = "use --rollout-engine sglang"
 ENGINE_NO_RECURRENT = f"the torch engine keeps no recurrent state per sequence yet; {SGLANG}"
 NO_VISION = "rlbench has no image path yet (pixel values, processor, M-RoPE); use a text-only causal LM directory"
@@ -114,7 +117,8 @@ MEGATRON = Consumer("the megatron backend", {
 BATCH_INVARIANT = "the batch-invariant ops (true on-policy mode) do not cover it; run without --true-on-policy-mode"
 TRUE_ON_POLICY = Consumer("true on-policy mode", {
     name: BATCH_INVARIANT for name in ("sliding_window", "attention_sinks", "attn_softcap", "final_softcap",
-                                       "layer_rope", "gemma_norm", "activation", "moe", "other_layers", "vision")})
+                                       "layer_rope", "gemma_norm", "activation", "moe_uncomputed", "other_layers",
+                                       "vision")})
 TRUE_ON_POLICY_TRAINER = Consumer(TRUE_ON_POLICY.name,
                                   {k: v for k, v in TRUE_ON_POLICY.refuses.items() if k != "sliding_window"})
 """True on-policy mode as a trainer alone sees it: it does not know the run's longest sequence, so a window is
@@ -155,6 +159,7 @@ def describe(feats: Features, name: str, max_seq_len: int | None) -> str:
         "gemma_norm": "Gemma (1 + w) RMSNorm",
         "activation": f"MLP activation {feats.activation!r}",
         "moe": "mixture-of-experts layers",
+        "moe_uncomputed": f"mixture-of-experts layers (rlbench computes those of {', '.join(MOE_COMPUTED)} only)",
         "other_layers": f"layer types {list(feats.other_layers)} (hybrid linear attention)",
         "vision": "a vision tower (VLM)",
     }[name]
@@ -171,6 +176,7 @@ def present(feats: Features, max_seq_len: int | None) -> list[str]:
         "gemma_norm": feats.gemma_norm,
         "activation": feats.activation != "silu",
         "moe": feats.moe,
+        "moe_uncomputed": feats.moe and feats.model_type not in MOE_COMPUTED,
         "other_layers": bool(feats.other_layers),
         "vision": feats.vision,
     }

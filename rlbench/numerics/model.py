@@ -5,6 +5,8 @@ the same module code with the same ops, so a token's forward values are the same
 - every `nn.Linear` (all projections and `lm_head`) to `ops.linear`;
 - every RMSNorm (a module with `weight` and `variance_epsilon`, HF's Qwen/Llama norms) to `ops.rms_norm`;
 - every SiLU activation (`act_fn`) to `ops.silu`;
+- every MoE router and experts module (Qwen3-MoE, Mixtral) to `rlbench.models.moe`'s forwards over `ops.linear`
+  and `ops.silu` (expert GEMMs, routing GEMM; softmax / top-k / the weighted sum are row-local);
 - the attention to "rlbench_bi" (`batch_invariant_attention`): the engine's calls carry its `KVContext`
   (`rl_kv=`: prefill, or decode against the slot cache or its grouped layout), all others (training, a plain forward) are
   described by their `position_ids`.
@@ -20,6 +22,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from rlbench.models.moe import patch_moe
 from rlbench.numerics import ops
 from rlbench.numerics.layout import Tiles, decode_tiles, document_tiles
 from rlbench.numerics.layout import extend_tiles as layout_extend_tiles
@@ -192,7 +195,7 @@ def _is_rms_norm(module: nn.Module) -> bool:
 
 
 def make_batch_invariant(model: nn.Module) -> nn.Module:
-    """Switch `model` (a HF Qwen3/Qwen2/Llama-style causal LM, FSDP-wrapped or not) to the batch-invariant ops in
+    """Switch `model` (a HF Qwen3/Qwen2/Llama-style causal LM or Qwen3-MoE / Mixtral, FSDP-wrapped or not) to the batch-invariant ops in
     place; returns it. Raises for modules it cannot make invariant (another activation, another norm)."""
     config = model.config
     act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")  # Gemma: the former
@@ -208,5 +211,9 @@ def make_batch_invariant(model: nn.Module) -> nn.Module:
         for name in ("act_fn", "activation_fn"):  # activation_fn: Phi3's MLP
             if isinstance(getattr(module, name, None), nn.Module):
                 setattr(module, name, SiLU())
+    if getattr(config, "router_jitter_noise", 0):  # HF's block multiplies training inputs by noise; rollouts have none
+        raise ValueError(f"router_jitter_noise={config.router_jitter_noise}: the trainer's MoE routing would differ "
+                         "from the engine's; set router_jitter_noise=0 for true on-policy mode")
+    patch_moe(model, linear=ops.linear, silu=ops.silu)
     config._attn_implementation = ATTN_NAME
     return model

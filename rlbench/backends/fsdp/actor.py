@@ -29,6 +29,7 @@ from rlbench.distributed.mesh import DistEnv, barrier, init_distributed
 from rlbench.host_memory import retain_freed_host_memory
 from rlbench.interrupts import defer_sigint, raise_if_interrupted
 from rlbench.models.capabilities import model_features
+from rlbench.models.moe import has_moe, load_balancing_loss
 
 
 class FSDPBackend(CommittedCheckpoints):
@@ -75,6 +76,9 @@ class FSDPBackend(CommittedCheckpoints):
         self.model, self.hf_config = self.build_model()
         self._features = model_features(self.hf_config)
         _check_kv_head_chunk(cfg, self.hf_config)
+        if cfg.fsdp.moe_aux_loss_coef > 0 and not has_moe(self.model):
+            raise ValueError(f"moe_aux_loss_coef={cfg.fsdp.moe_aux_loss_coef} but {cfg.model!r} "
+                             f"({self.hf_config.model_type}) has no MoE layers; set it to 0")
         if cfg.ref_model is not None:
             # Same precision policy and kernels as the actor, params streamed from CPU per layer.
             self.ref, _ = build_sharded_model(cfg.ref_model, cfg, self.env, offload=True)
@@ -119,6 +123,22 @@ class FSDPBackend(CommittedCheckpoints):
             logits, tokens[index + 1], self.temperature, chunk_size=self.cfg.logprob_chunk_size,
             with_entropy=with_entropy, lse_fn=_engine_lse() if self.cfg.batch_invariant else None,
         )
+
+    def _forward_train(self, pack, with_entropy: bool):
+        """`forward_pack` of the training pass: `(logp [R], entropy [R] | None, aux)`, where aux is the MoE router
+        load-balancing loss of the pack's real tokens when `fsdp.moe_aux_loss_coef > 0` (else None)."""
+        if self.cfg.fsdp.moe_aux_loss_coef <= 0:
+            return *self.forward_pack(self.model, pack, with_entropy), None
+        inputs, index = self.pack_inputs(pack)
+        tokens = inputs["input_ids"][0]  # [T]
+        out = self.model(**inputs, use_cache=False, logits_to_keep=index, output_router_logits=True)
+        real = torch.arange(pack.num_tokens, device=tokens.device) < pack.num_tokens - pack.pad_length  # [T]
+        aux = load_balancing_loss(self.model, out.router_logits, real)
+        logp, ent = token_logprobs(
+            out.logits[0], tokens[index + 1], self.temperature, chunk_size=self.cfg.logprob_chunk_size,
+            with_entropy=with_entropy, lse_fn=_engine_lse() if self.cfg.batch_invariant else None,
+        )
+        return logp, ent, aux
 
     def pack_inputs(self, pack) -> tuple[dict, torch.Tensor]:
         """`(model kwargs, response_index [R])` of one pack on the device: `input_ids [1, T]`, `position_ids [1, T]`,
@@ -260,8 +280,12 @@ class FSDPBackend(CommittedCheckpoints):
             if self.cfg.fsdp.no_sync_accumulation:
                 self.model.set_requires_gradient_sync(i == len(packs) - 1)
             with reset_on_error(self.model):  # a CUDA OOM or a Ctrl-C in a backward hook stops mid-pass
-                logp, ent = self.forward_pack(self.model, pack, self.cfg.with_entropy)
+                logp, ent, aux = self._forward_train(pack, self.cfg.with_entropy)
                 loss, metrics = loss_fn(logp, ent, to_device(inputs, self.env.device))
+                if aux is not None:  # a mean over all micro-batches of all DP ranks (they run equally many)
+                    aux = aux / (len(packs) * self.env.dp_size)
+                    loss = loss + self.cfg.fsdp.moe_aux_loss_coef * aux
+                    metrics = {**metrics, "moe_aux_loss": aux.detach()}
                 (loss * scale).backward()
             loss_sum += loss.detach().double()
             for k, v in metrics.items():
