@@ -45,13 +45,18 @@ PRESETS: dict[str, dict] = {
 
 
 def build_config(preset: str, **overrides) -> Qwen3Config:
-    """A `Qwen3Config` for a preset name, with keyword overrides (e.g. `vocab_size=` of a tokenizer).
+    """A `Qwen3Config` for a preset name, with keyword overrides (e.g. `vocab_size=` of a tokenizer); a VLM preset
+    (`rlbench.models.vlm.VLM_PRESETS`) gives its `Qwen2_5_VLConfig` (the overrides apply to its text config).
 
     Raises:
         ValueError: not a preset name (the message lists the known ones and says it is no directory either).
     """
+    from rlbench.models.vlm import VLM_PRESETS, build_vlm_config
+
+    if preset in VLM_PRESETS:
+        return build_vlm_config(preset, **overrides)
     if preset not in PRESETS:
         raise ValueError(f"model {preset!r} is neither an existing directory (from {os.getcwd()}) nor a model "
-                         f"preset; give a Hugging Face model directory or one of {sorted(PRESETS)}")
+                         f"preset; give a Hugging Face model directory or one of {sorted(PRESETS) + sorted(VLM_PRESETS)}")
     kwargs = copy.deepcopy(_QWEN3_COMMON) | copy.deepcopy(PRESETS[preset]) | overrides
     return Qwen3Config(**kwargs)
