@@ -46,6 +46,26 @@ def weight_files(path: str) -> dict[str, str]:
         return {k: single for k in f.keys()}
 
 
+LEGACY_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+"""In-memory name prefix -> the prefix in HF checkpoints saved in the default layout (Qwen2-VL/2.5-VL: transformers
+keeps the decoder under `model.language_model` and the vision tower under `model.visual`, and saves them as `model.`
+and `visual.`)."""
+
+
+def file_names(names, files: dict[str, str]) -> dict[str, str]:
+    """In-memory parameter name -> its name in the checkpoint `files` (itself, or its `LEGACY_PREFIXES` form), for the
+    names found."""
+    out = {}
+    for name in names:
+        if name in files:
+            out[name] = name
+            continue
+        for new, old in LEGACY_PREFIXES:
+            if name.startswith(new) and old + name[len(new):] in files:
+                out[name] = old + name[len(new):]
+    return out
+
+
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, path: str, *, optional: tuple[str, ...] = ()) -> list[str]:
     """Each rank reads only its own rows of each tensor (safetensors slicing); no full model anywhere.
@@ -54,21 +74,22 @@ def load_hf_weights(model: nn.Module, path: str, *, optional: tuple[str, ...] = 
     directory); returns those absent names, left for the caller to initialise. Any other absent tensor raises."""
     files = weight_files(path)
     targets = dict(model.named_parameters())  # tied weights appear once
-    targets |= {n: b for n, b in model.named_buffers() if n in files}
-    absent = sorted(n for n in targets if n not in files)
+    targets |= {n: b for n, b in model.named_buffers() if n in file_names([n], files)}
+    on_disk = file_names(targets, files)
+    absent = sorted(n for n in targets if n not in on_disk)
     missing = [n for n in absent if not n.startswith(optional)] if optional else absent
     if missing:
         raise ValueError(f"{path!r} lacks tensors {missing[:5]} (of {len(missing)}); is it the same architecture?")
-    targets = {n: t for n, t in targets.items() if n in files}
+    targets = {n: t for n, t in targets.items() if n in on_disk}
     handles: dict[str, object] = {}
     with contextlib.ExitStack() as stack:
         for name, tensor in targets.items():
-            file = files[name]
+            file = files[on_disk[name]]
             if file not in handles:
                 handles[file] = stack.enter_context(safe_open(file, framework="pt"))
             local, index = local_slice(tensor)
             if local.numel():
-                local.copy_(handles[file].get_slice(name)[index].to(local.dtype))
+                local.copy_(handles[file].get_slice(on_disk[name])[index].to(local.dtype))
     return absent
 
 
@@ -86,7 +107,8 @@ def random_init(model: nn.Module, config: PretrainedConfig, seed: int, device: t
             continue
         local, index = local_slice(param)
         full = torch.empty(param.shape, dtype=torch.float32, device=device)
-        if name.endswith("norm.weight"):
+        module = name.rsplit(".", 2)[-2] if name.count(".") else ""
+        if name.endswith("weight") and ("norm" in module or module.startswith("ln_")):  # also the vision tower's
             full.fill_(1.0)
         elif name.endswith("bias") or full.dim() < 2:
             full.zero_()

@@ -36,7 +36,8 @@ from rlbench.engine.attention import Extend, KVContext, decode_attention, decode
 from rlbench.engine.fused import LayerOps, fuse_layers, fused_layer_forward, hf_layer_forward
 from rlbench.engine.kv_cache import KVCache
 from rlbench.engine.sampling import greedy_tokens, logsumexp_rows, sample_tokens, token_hash
-from rlbench.engine.vision import image_prefill, is_mrope, text_model
+from rlbench.engine.vision import image_prefill, text_model
+from rlbench.models.vlm import is_mrope
 
 SAMPLE_MODES = ("greedy", "sample", "truncate")
 """Decode-step variants, chosen once per `SamplingParams`: argmax only; Gumbel noise; noise + top-k/top-p."""

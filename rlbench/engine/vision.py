@@ -17,34 +17,14 @@ from collections.abc import Sequence
 
 import torch
 
+from rlbench.models.vlm import image_token_id, mrope_positions
 from rlbench.types import ImageInputs
-
-
-def is_mrope(model: torch.nn.Module) -> bool:
-    """Whether `model` is a VLM whose decoder takes M-RoPE positions (it has the HF `get_rope_index`)."""
-    return hasattr(getattr(model, "model", None), "get_rope_index")
 
 
 def text_model(model: torch.nn.Module) -> torch.nn.Module:
     """The decoder stack (`.layers`, `.embed_tokens`, `.norm`, `.rotary_emb`) of a causal LM or of a VLM."""
     base = getattr(model, "model", None)
     return getattr(base, "language_model", base)
-
-
-def image_token_id(model: torch.nn.Module) -> int:
-    return int(model.config.image_token_id)
-
-
-def mrope_positions(model, ids: torch.Tensor, images: ImageInputs | None) -> tuple[torch.Tensor, int]:
-    """`(positions [3, L], rope_delta)` of one prompt `ids` `[L]` (device tensor), from the model's `get_rope_index`;
-    a prompt without images has `arange(L)` in every row and offset 0."""
-    n = ids.shape[0]
-    if images is None:
-        return torch.arange(n, device=ids.device).expand(3, n), 0
-    types = (ids == image_token_id(model)).int()[None]  # [1, L]: 1 on image tokens (mm_token_type_ids)
-    pos, delta = model.model.get_rope_index(ids[None], mm_token_type_ids=types,
-                                            image_grid_thw=images.image_grid_thw.to(ids.device))
-    return pos[:, 0], int(delta.reshape(-1)[0])
 
 
 def merge_image_embeddings(model, hidden: torch.Tensor, ids: torch.Tensor,

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import copy
 
+import torch
+
 from rlbench.data.tokenizer import VISION_TOKENS, build_tokenizer
+from rlbench.types import ImageInputs
 
 VLM_PRESETS: dict[str, dict] = {
     # A tiny VLM for CPU tests and the synthetic image task: 28 x 28 images are 4 tokens (patch 7, 2 x 2 merge).
@@ -76,3 +79,24 @@ def preset_processor(preset: str, tokenizer):
     vision = spec["vision"]
     return VisionProcessor(tiny_image_processor(vision["patch_size"], vision["spatial_merge_size"], spec["max_side"]),
                            tokenizer)
+
+
+def is_mrope(model: torch.nn.Module) -> bool:
+    """Whether `model` is a VLM whose decoder takes M-RoPE positions (it has the HF `get_rope_index`)."""
+    return hasattr(getattr(model, "model", None), "get_rope_index")
+
+
+def image_token_id(model: torch.nn.Module) -> int:
+    return int(model.config.image_token_id)
+
+
+def mrope_positions(model, ids: torch.Tensor, images: ImageInputs | None) -> tuple[torch.Tensor, int]:
+    """`(positions [3, L], rope_delta)` of one prompt `ids` `[L]` (device tensor), from the model's `get_rope_index`;
+    a prompt without images has `arange(L)` in every row and offset 0."""
+    n = ids.shape[0]
+    if images is None:
+        return torch.arange(n, device=ids.device).expand(3, n), 0
+    types = (ids == image_token_id(model)).int()[None]  # [1, L]: 1 on image tokens (mm_token_type_ids)
+    pos, delta = model.model.get_rope_index(ids[None], mm_token_type_ids=types,
+                                            image_grid_thw=images.image_grid_thw.to(ids.device))
+    return pos[:, 0], int(delta.reshape(-1)[0])

@@ -62,6 +62,7 @@ def to_sample(item, gen: Generation, tokenizer) -> Sample:
         label=item.label,
         response=tokenizer.decode(gen.token_ids, skip_special_tokens=True),
         metadata=dict(item.metadata),
+        images=getattr(item, "images", None),
     )
 
 
@@ -77,9 +78,16 @@ def single_turn(args: GenerateArgs, items: Sequence[Any], sampling: SamplingPara
         early[index] = to_sample(items[g.prompt_index], g, args.tokenizer)
         args.on_sample(index, early[index])
 
-    reports = args.on_sample is not None and "on_finish" in inspect.signature(engine.generate).parameters
-    gens = engine.generate([it.prompt_token_ids for it in items], sampling, seeds=seeds,
-                           **({"on_finish": on_finish} if reports else {}))
+    params = inspect.signature(engine.generate).parameters
+    reports = args.on_sample is not None and "on_finish" in params
+    kwargs = {"on_finish": on_finish} if reports else {}
+    images = [getattr(it, "images", None) for it in items]
+    if any(im is not None for im in images):
+        if "images" not in params:
+            raise ValueError(f"the prompts have images but {type(engine).__name__}.generate takes token ids only; "
+                             "use --rollout-engine torch for a vision-language model")
+        kwargs["images"] = images
+    gens = engine.generate([it.prompt_token_ids for it in items], sampling, seeds=seeds, **kwargs)
     if len(gens) != len(items) * n:
         raise RuntimeError(f"engine returned {len(gens)} generations for {len(items)} prompts x n={n}")
     flat = [early.get(g.prompt_index * n + g.sample_index) or to_sample(items[g.prompt_index], g, args.tokenizer)
