@@ -49,6 +49,8 @@ def micro_batch_bytes(hf_config, tokens: int, *, checkpointing: bool, dtype_byte
     recompute. Logits: the `[R, V]` output of the lm-head, which runs on the `logit_rows` positions that predict
     response tokens (None: all `tokens`), and its gradient.
     """
+    if hasattr(hf_config, "get_text_config"):  # a VLM: its decoder (the vision tower is not counted)
+        hf_config = hf_config.get_text_config()
     h = hf_config.hidden_size
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or h // heads

@@ -63,13 +63,13 @@ def parameter_counts(hf_config) -> tuple[int, int, int]:
     the meta device: no memory, any architecture transformers knows)."""
     key = hf_config.to_json_string(use_diff=False)
     if key not in COUNTS:
-        from transformers import AutoModelForCausalLM
+        from rlbench.models.vlm import auto_model_class  # a VLM: AutoModelForImageTextToText
 
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config)
+            model = auto_model_class(hf_config).from_config(hf_config)
         total = sum(p.numel() for p in model.parameters())
-        layer = sum(p.numel() for n, p in model.named_parameters() if ".layers.0." in n)
-        COUNTS[key] = (total, layer, hf_config.num_hidden_layers)
+        layer = sum(p.numel() for n, p in model.named_parameters() if ".layers.0." in n)  # a decoder layer
+        COUNTS[key] = (total, layer, hf_config.get_text_config().num_hidden_layers)
     return COUNTS[key]
 
 
@@ -176,8 +176,9 @@ def _sizes(cfg, hf_config, world: int) -> dict:
     engine_dtype = _dtype_bytes(cfg.engine.dtype or cfg.backend.param_dtype)
     f = cfg.backend.fsdp
     gathered_layers = layers if not f.reshard_after_forward else 2  # the running layer and the prefetched one
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", hf_config.num_attention_heads)
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config  # a VLM's decoder
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", text.num_attention_heads)
     from rlbench.engine.kv_cache import KV_PAD  # a constant: no kernels load
 
     slot = 2 * layers * kv_heads * head_dim * (cfg.engine.max_seq_len + KV_PAD) * engine_dtype

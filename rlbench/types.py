@@ -21,6 +21,26 @@ class Status(str, enum.Enum):
 
 
 @dataclass
+class ImageInputs:
+    """A prompt's images as the model's vision tower takes them (Qwen2-VL/2.5-VL layout), and where they came from.
+
+    Attributes:
+        pixel_values: `[P, C * temporal_patch * patch * patch]` float tensor, the patches of every image in order.
+        image_grid_thw: `[N, 3]` long tensor, per image its (temporal, height, width) patch grid; image i has
+            `prod(grid[i]) // merge**2` placeholder tokens in the prompt.
+        sources: per image, what the data row gave (a file path, or "base64" for inline data), for display.
+    """
+
+    pixel_values: Any
+    image_grid_thw: Any
+    sources: list[str] = field(default_factory=list)
+
+    @property
+    def num_images(self) -> int:
+        return int(self.image_grid_thw.shape[0])
+
+
+@dataclass
 class Sample:
     """One prompt + response, in token space.
 
@@ -41,6 +61,7 @@ class Sample:
         label: ground truth passed to the reward function.
         response: decoded response text (for rewards and display).
         metadata: free-form per-sample data from the dataset.
+        images: the prompt's images (a VLM prompt), or None; the trainer's forward feeds them to the vision tower.
     """
 
     tokens: list[int]
@@ -58,6 +79,7 @@ class Sample:
     label: Any = None
     response: str = ""
     metadata: dict = field(default_factory=dict)
+    images: ImageInputs | None = None
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:

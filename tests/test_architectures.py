@@ -269,17 +269,30 @@ def _qwen2_5_vl():
                                                                              out_hidden_size=32))
 
 
-@pytest.mark.parametrize("make, expected", [
-    (_qwen3_next, "qwen3_next layer types ['linear_attention'] (hybrid linear attention): the torch engine does not "
-                  "implement it; the torch engine keeps no recurrent state per sequence yet; use --rollout-engine sglang"),
-    (_qwen2_5_vl, "qwen2_5_vl a vision tower (VLM): the torch engine does not implement it; rlbench has no image path"),
-], ids=["qwen3_next", "qwen2_5_vl"])
-def test_refused_architectures_name_the_feature_and_the_option(make, expected):
+def test_refused_architectures_name_the_feature_and_the_option():
+    expected = ("qwen3_next layer types ['linear_attention'] (hybrid linear attention): the torch engine does not "
+                "implement it; the torch engine keeps no recurrent state per sequence yet; use --rollout-engine sglang")
     with pytest.raises(ValueError, match=re.escape(expected)) as err:
-        check_model(make(), TORCH_ENGINE, max_seq_len=2048)
+        check_model(_qwen3_next(), TORCH_ENGINE, max_seq_len=2048)
     assert "\n" not in str(err.value)
-    with pytest.raises(ValueError, match="no rlbench trainer runs these layers yet|rlbench has no image path"):
-        check_model(make(), trainer("sdpa"), max_seq_len=None)
+    with pytest.raises(ValueError, match="no rlbench trainer runs these layers yet"):
+        check_model(_qwen3_next(), trainer("sdpa"), max_seq_len=None)
+
+
+def test_a_vlm_runs_on_the_torch_engine_and_is_refused_where_not_implemented():
+    """Qwen2.5-VL (tests/test_vlm_*.py): the torch engine and the FSDP trainer take it; SGLang's adapter, megatron,
+    context parallelism and true on-policy mode refuse it by name."""
+    from rlbench.models.capabilities import MEGATRON, SGLANG_ENGINE
+
+    check_model(_qwen2_5_vl(), TORCH_ENGINE, max_seq_len=2048)
+    for consumer, text in [(SGLANG_ENGINE, "the SGLang engine adapter does not implement it; the SGLang adapter "
+                                           "passes token ids only"),
+                           (MEGATRON, "the megatron backend does not implement it"),
+                           (trainer("sdpa", cp_size=2), "the FSDP trainer (context_parallel_size=2) does not "
+                                                        "implement it"),
+                           (TRUE_ON_POLICY, "true on-policy mode does not implement it")]:
+        with pytest.raises(ValueError, match=re.escape("qwen2_5_vl a vision tower (VLM): " + text)):
+            check_model(_qwen2_5_vl(), consumer, max_seq_len=2048)
 
 
 def test_a_qwen3_next_engine_is_refused_at_build(one_thread):

@@ -109,7 +109,8 @@ def random_init(model: nn.Module, config: PretrainedConfig, seed: int, device: t
             continue
         local, index = local_slice(param)
         full = torch.empty(param.shape, dtype=torch.float32, device=device)
-        if name.endswith("norm.weight"):
+        module = name.rsplit(".", 2)[-2] if name.count(".") else ""
+        if name.endswith("weight") and ("norm" in module or module.startswith("ln_")):  # also the vision tower's
             full.fill_(1.0)
         elif name.endswith("bias") or full.dim() < 2:
             full.zero_()

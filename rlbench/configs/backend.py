@@ -169,6 +169,10 @@ class TrainConfig:
     """the FSDP2 backend's own settings (refused by megatron when changed)"""
     model_overrides: dict = field(default_factory=dict)
     """config overrides for a preset model (e.g. vocab_size)"""
+    freeze_vision: bool = True
+    """a vision-language model's vision tower (its `visual` module) is not trained (no gradients, no optimizer state)"""
+    freeze_modules: tuple[str, ...] = ()
+    """parameter-name prefixes frozen as well (e.g. model.visual.merger or model.language_model.layers.0.)"""
     critic: CriticConfig | None = None
     """the PPO critic trained beside the actor (`advantage_estimator="gae"`); None = no critic"""
 

@@ -19,6 +19,9 @@ class DataConfig:
     --label-key)."""
     metadata_key: str | None = "metadata"
     """Row key of a per-row dict copied into the item (optional in each row; slime's --metadata-key)."""
+    image_key: str | None = "images"
+    """Row key of the prompt's images (a list of file paths, relative to the file's folder, or base64 strings), for
+    a vision-language model; rows without it are text-only. None ignores images."""
     apply_chat_template: bool = True
     """Render prompts with the tokenizer's chat template and add the generation prompt."""
     max_prompt_length: int | None = None

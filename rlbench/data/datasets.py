@@ -6,7 +6,9 @@
 
 Semantics follow slime (`slime/utils/data.py`): a str prompt becomes `[{"role": "user", ...}]` before
 the chat template; `max_prompt_length` drops longer prompts at load time (counted in `num_dropped`);
-each epoch is shuffled with seed `seed + epoch`. The whole file is validated at load: every bad line
+each epoch is shuffled with seed `seed + epoch`. A row with images (`image_key`) needs a VLM's processor
+(`rlbench.data.images.VisionProcessor`): its prompt ids carry the expanded image tokens and the item its
+`ImageInputs`. The whole file is validated at load: every bad line
 (invalid UTF-8 or JSON, an empty line, a non-object, a missing key, an empty prompt, a null label) is
 collected and one ValueError lists the first `MAX_REPORTED` as `file:line: problem`, then a count of the
 rest; nothing is silently skipped.
@@ -23,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from rlbench.configs.data import DataConfig
+from rlbench.types import ImageInputs
 
 MAX_REPORTED = 10
 """Bad lines listed one by one in a data error (the rest are counted)."""
@@ -55,6 +58,8 @@ class PromptItem:
     """Row number in the file (0-based, before filtering): a stable id across epochs."""
     prompt_token_ids: list[int] | None = None
     """Token ids of `prompt` (no special tokens added), when the dataset has a tokenizer."""
+    images: ImageInputs | None = None
+    """The prompt's images as the vision tower takes them (rows with `image_key`), else None."""
 
 
 def read_rows(path: str | os.PathLike) -> list[dict]:
@@ -101,11 +106,14 @@ def _parse_line(raw: bytes, path: str, lineno: int) -> dict:
 class PromptDataset:
     """Prompts from a file, served in seeded per-epoch shuffled order with resumable position."""
 
-    def __init__(self, cfg: DataConfig, tokenizer=None):
+    def __init__(self, cfg: DataConfig, tokenizer=None, processor=None):
+        """`processor`: a VLM's `rlbench.data.images.VisionProcessor` (None: a text-only model, rows with images are
+        refused)."""
         if (cfg.apply_chat_template or cfg.max_prompt_length is not None) and tokenizer is None:
             raise ValueError("apply_chat_template / max_prompt_length need a tokenizer; pass tokenizer=")
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.processor = processor
         rows = read_rows(cfg.path)
         items, problems = [], []
         for i, row in enumerate(rows):
@@ -152,9 +160,31 @@ class PromptDataset:
         metadata = row.get(cfg.metadata_key) if cfg.metadata_key is not None else None
         if metadata is not None and not isinstance(metadata, dict):
             raise ValueError(f"{where}: {cfg.metadata_key!r} must be a dict, got {type(metadata).__name__}")
+        specs = row.get(cfg.image_key) if cfg.image_key is not None else None
+        if specs:
+            text, ids, images = self._render_images(prompt, specs, where)
+            return PromptItem(prompt=text, label=label, metadata=dict(metadata or {}), index=i, prompt_token_ids=ids,
+                              images=images)
         text = self._render(prompt, where)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] if self.tokenizer else None
         return PromptItem(prompt=text, label=label, metadata=dict(metadata or {}), index=i, prompt_token_ids=ids)
+
+    def _render_images(self, prompt: Any, specs: Any, where: str):
+        """`(text, ids, ImageInputs)` of a prompt with images, through the VLM's processor."""
+        from rlbench.data.images import image_messages
+
+        key = self.cfg.image_key
+        if not isinstance(specs, list):
+            raise ValueError(f"{where}: {key!r} must be a list of image paths or base64 strings, got "
+                             f"{type(specs).__name__}")
+        if self.processor is None:
+            raise ValueError(f"{where}: the row has {len(specs)} images ({key!r}) but the model is text-only (no image "
+                             "processor); use a vision-language model directory (with preprocessor_config.json) or "
+                             "drop the images (--image-key none)")
+        if not self.cfg.apply_chat_template:
+            raise ValueError(f"{where}: a prompt with images needs apply_chat_template=True (the template places them)")
+        base = os.path.dirname(os.path.abspath(os.fspath(self.cfg.path)))
+        return self.processor.encode(image_messages(prompt, len(specs), where), specs, base, where)
 
     def _render(self, prompt: Any, where: str) -> str:
         """The prompt text: a str or message list through the chat template, or a raw str without it."""

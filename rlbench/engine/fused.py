@@ -80,7 +80,9 @@ def _fuse(linears: list[torch.nn.Linear], attr: str) -> torch.Tensor | None:
 
 
 def _fusable(model: torch.nn.Module) -> bool:
-    layers = model.model.layers
+    layers = getattr(model.model, "layers", None)
+    if layers is None:  # a VLM: its decoder is `model.model.language_model` (HF-layer path)
+        return False
     return (getattr(model.config, "hidden_act", None) == "silu"
             and all(type(layer).__name__ in FUSABLE for layer in layers)
             and all(getattr(layer.self_attn, "sliding_window", None) is None for layer in layers))

@@ -36,6 +36,8 @@ from rlbench.engine.attention import Extend, KVContext, decode_attention, decode
 from rlbench.engine.fused import LayerOps, fuse_layers, fused_layer_forward, hf_layer_forward
 from rlbench.engine.kv_cache import KVCache
 from rlbench.engine.sampling import greedy_tokens, logsumexp_rows, sample_tokens, token_hash
+from rlbench.engine.vision import image_prefill, text_model
+from rlbench.models.vlm import is_mrope
 
 SAMPLE_MODES = ("greedy", "sample", "truncate")
 """Decode-step variants, chosen once per `SamplingParams`: argmax only; Gumbel noise; noise + top-k/top-p."""
@@ -49,6 +51,8 @@ class SlotState:
             return torch.zeros(num_slots, dtype=dtype, device=device)
 
         self.tokens, self.positions, self.steps, self.seeds = z(torch.long), z(torch.long), z(torch.long), z(torch.long)
+        self.rope_delta = z(torch.long)
+        """M-RoPE models (VLMs): each slot's RoPE position minus its cache position (`engine.vision`); else 0."""
         self.prefix_len = z(torch.long) + 1
         """Prompt length of each slot's sample (the grouped layout's write index and mask; >= 1 for idle slots)."""
         self.top_k, self.temperature, self.top_p = z(torch.long), z(torch.float32), z(torch.float32)
@@ -65,7 +69,7 @@ class SlotState:
 
 
 def _base_model(model: torch.nn.Module) -> torch.nn.Module:
-    base = getattr(model, "model", None)
+    base = text_model(model)
     if base is None or not hasattr(base, "layers") or not hasattr(model, "lm_head"):
         raise TypeError(f"{type(model).__name__} is not a HF decoder-only causal LM (needs .model.layers, .lm_head)")
     return base
@@ -111,17 +115,19 @@ class ModelRunner:
         self.model, self.cache, self.opts, self.compile_backend = model, cache, opts, compile_backend
         self.base = _base_model(model)
         self.device = cache.device
-        self.state = SlotState(cache.shape.num_slots, model.config.vocab_size, self.device)
+        text = model.config.get_text_config()
+        self.state = SlotState(cache.shape.num_slots, text.vocab_size, self.device)
         torch._dynamo.mark_static(self.state.vocab_hash)
         self.cuda_graphs = opts.cuda_graphs and self.device.type == "cuda"
-        self.heads_per_kv = model.config.num_attention_heads // model.config.num_key_value_heads
+        self.heads_per_kv = text.num_attention_heads // text.num_key_value_heads
         self.lse = logsumexp_rows
         """The log-probs' per-row logsumexp (batch-invariant: `rlbench.numerics.logsumexp_rows`, the trainer's)."""
         if opts.batch_invariant:
             from rlbench import numerics
 
             self.lse = numerics.logsumexp_rows
-        text = model.config.get_text_config()
+        self.mrope = is_mrope(model)
+        """Whether RoPE takes 3-D positions (a VLM, `engine.vision`): decode adds `state.rope_delta`."""
         types = layer_rope_types(self.base, text)
         self._rope_types = sorted(set(types or ()))
         self.rope_index = None if types is None else [self._rope_types.index(t) for t in types]
@@ -140,6 +146,8 @@ class ModelRunner:
         self._warmed: set[tuple[int, int, str, int]] = set()
         self._use_compiled(opts.compile)
         self.prefilled_tokens = 0
+        self.prefill_deltas: list[int] = []
+        """The M-RoPE offsets of the last `prefill`'s prompts (0 without images)."""
         """Real (unpadded) tokens run through `prefill` and `extend` so far: what sessions save shows here."""
 
     @property
@@ -206,9 +214,10 @@ class ModelRunner:
 
     # ---- prefill (eager; matmul-bound) ----
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]], slots: list[int], group: int = 1) -> torch.Tensor:
+    def prefill(self, prompts: list[list[int]], slots: list[int], group: int = 1, images=None) -> torch.Tensor:
         """Right-pad `prompts` into `[B, T]`, write their K/V into `slots` (group rows of `group_view(group)`);
-        return last-token logits `[B, V]`."""
+        return last-token logits `[B, V]`. `images`: per prompt its `ImageInputs` or None (an M-RoPE VLM); their
+        RoPE offsets are left in `self.prefill_deltas` (`[B]`, 0 without images)."""
         t = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), t, dtype=torch.long)
         for row, p in enumerate(prompts):
@@ -218,6 +227,9 @@ class ModelRunner:
         last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
         slot_ids = torch.tensor(slots, device=self.device)
         hidden = self.embed(ids)  # [B, T, D]
+        self.prefill_deltas = [0] * len(prompts)
+        if images is not None and any(im is not None for im in images):
+            hidden, pos, self.prefill_deltas = image_prefill(self.model, hidden, ids, [len(p) for p in prompts], images)
         tables = self.rope(hidden, pos)
         for i, (w, kc, vc) in enumerate(zip(self.layers, *self.cache.group_view(group))):
             hidden = self._layer_forward(w, hidden, self._table(tables, i), KVContext(kc, vc, slot_ids, decode=False, max_len=self.max_len))
@@ -248,7 +260,10 @@ class ModelRunner:
 
             ext.tiles = numerics.extend_tiles(starts, lengths, slots, t, self.model.config, dev)
         hidden = self.embed(ids.to(dev))  # [B, T, D]
-        tables = self.rope(hidden, pos.to(dev))
+        pos = pos.to(dev)
+        if self.mrope:  # RoPE positions continue past the images: the cache position plus the slot's offset
+            pos = pos + self.state.rope_delta[torch.tensor(slots, device=dev)][:, None]
+        tables = self.rope(hidden, pos)
         slot_ids = torch.tensor(slots, device=dev)
         for i, (w, kc, vc) in enumerate(zip(self.layers, self.cache.k, self.cache.v)):
             ctx = KVContext(kc, vc, slot_ids, decode=False, extend=ext, max_len=self.max_len)
@@ -265,8 +280,11 @@ class ModelRunner:
         return hidden if normalizer is None else hidden * normalizer.to(hidden.dtype)
 
     def rope(self, hidden: torch.Tensor, pos: torch.Tensor):
-        """RoPE `(cos, sin)` of positions `pos` `[B, T]`: one table, or with per-layer-type RoPE the tables stacked
-        `[R, B, T, hd]` (layer i reads table `rope_index[i]`)."""
+        """RoPE `(cos, sin)` of positions `pos` `[B, T]` (M-RoPE: also `[3, B, T]`; `[B, T]` is text, all rows
+        equal): one table, or with per-layer-type RoPE the tables stacked `[R, B, T, hd]` (layer i reads table
+        `rope_index[i]`)."""
+        if self.mrope and pos.dim() == 2:
+            pos = pos[None].expand(3, *pos.shape)
         if self.rope_index is None:
             return self.base.rotary_emb(hidden, pos)
         tables = [self.base.rotary_emb(hidden, pos, layer_type=t) for t in self._rope_types]
@@ -290,6 +308,8 @@ class ModelRunner:
     def _embed(self, tokens, positions):
         """`[B]` tokens/positions -> hidden `[B, 1, D]`, RoPE (cos, sin) `[B, 1, hd]` (all the megakernel needs)."""
         hidden = self.embed(tokens[:, None])
+        if self.mrope:
+            positions = positions + self.state.rope_delta[: tokens.shape[0]]
         cos, sin = self.rope(hidden, positions[:, None])
         return hidden, cos, sin
 

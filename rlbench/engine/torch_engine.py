@@ -40,6 +40,7 @@ from rlbench.models.capabilities import TORCH_ENGINE, TRUE_ON_POLICY, check_mode
 from rlbench.models.moe import patch_moe
 from rlbench.models.weight_layout import export_layout
 from rlbench.packing.pack import bucket_length
+from rlbench.types import ImageInputs
 
 
 @dataclass
@@ -60,6 +61,8 @@ class _Seq:
     """The session this sample belongs to: the one it continues, or the one `keep` opened when it finished."""
     prompt: Sequence[int] = ()
     """A fresh sample's prompt (a kept sample's session starts from it)."""
+    rope_delta: int = 0
+    """M-RoPE offset of its prompt's images (`engine.vision`; 0 for text)."""
 
 
 KV_FLOOR = 256
@@ -123,10 +126,12 @@ class TorchEngine:
         self.cache = KVCache(self._cache_shape(), self.dtype, self.device)
         self.runner = ModelRunner(model, self.cache, self.cfg.on_device(self.device.type == "cuda"))
         self.sessions = SessionTable()
+        self._images: Sequence[ImageInputs | None] | None = None
+        """The running `generate` call's images per prompt (None: text only)."""
         """Samples kept between turns (`generate(keep=True)`, `continue_`, `release`)."""
 
     def _cache_shape(self) -> CacheShape:
-        c = self.model.config
+        c = self.model.config.get_text_config()
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         dims = (c.num_hidden_layers, c.num_key_value_heads, head_dim)
         slots = self.cfg.num_slots
@@ -140,14 +145,30 @@ class TorchEngine:
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seeds: Sequence[int] | None = None,
         on_finish: Callable[[Generation], None] | None = None, *, keep: bool = False,
+        images: Sequence[ImageInputs | None] | None = None,
     ) -> list[Generation]:
         """Generate `sampling.n` samples per prompt; returns them ordered by (prompt_index, sample_index).
         `on_finish` gets each finished sample's `Generation` as soon as it stops (aborted ones only in the list).
         `keep`: every finished sample keeps its KV slot as a session (`Generation.session`; see `continue_`), so
-        the call needs `len(prompts) * n` free slots."""
+        the call needs `len(prompts) * n` free slots. `images`: per prompt its `ImageInputs` (None: text), for a
+        VLM whose prompts hold the image tokens its processor expanded (`rlbench.data.images`)."""
         self._check_ready(prompts, sampling)
+        self._check_images(prompts, images, keep)
         check_slots(self.cache.shape.num_slots, len(self.sessions), len(prompts), sampling.n, 0, keep)
+        self._images = images
         return self._run(prompts, sampling, expand_seeds(len(prompts), sampling, seeds), [], keep, on_finish)
+
+    def _check_images(self, prompts, images, keep: bool) -> None:
+        if images is None or all(im is None for im in images):
+            return
+        if not self.runner.mrope:
+            raise ValueError(f"images given to {type(self.model).__name__}, a text-only model; use a vision-language "
+                             "model (Qwen2-VL / Qwen2.5-VL) or drop the images")
+        if len(images) != len(prompts):
+            raise ValueError(f"got {len(images)} image entries for {len(prompts)} prompts; pass one (or None) each")
+        if keep:
+            raise ValueError("sessions (keep=True) with images are not supported yet: multi-turn VLM rollouts would "
+                             "need the images' offsets carried per session; generate image prompts with keep=False")
 
     def continue_(
         self, sessions: Sequence[Session], appended: Sequence[Sequence[int]], sampling: SamplingParams,
@@ -177,6 +198,7 @@ class TorchEngine:
         if len(appended) != len(sessions):
             raise ValueError(f"got {len(appended)} appended token lists for {len(sessions)} sessions; pass one each")
         self._check_ready(prompts, sampling)
+        self._images = None
         kept = self.sessions.lookup(sessions)
         check_slots(self.cache.shape.num_slots, len(self.sessions), len(prompts), sampling.n, len(sessions), keep)
         one = expand_seeds(len(sessions), dataclasses.replace(sampling, n=1), seeds)
@@ -344,7 +366,11 @@ class TorchEngine:
                 for seq in group:
                     seq.slot = self.cache.take()
                 targets.append(group[0].slot)
-        logits = self.runner.prefill([list(prompts[i]) for i in batch], targets, group=k)
+        images = None if self._images is None else [self._images[i] for i in batch]
+        logits = self.runner.prefill([list(prompts[i]) for i in batch], targets, group=k, images=images)
+        for group, delta in zip(seqs, self.runner.prefill_deltas):
+            for seq in group:
+                seq.rope_delta = delta
         for group in seqs:
             if k == 1:
                 self.cache.copy_prefix(group[0].slot, [s.slot for s in group[1:]], group[0].prompt_len)
@@ -397,6 +423,7 @@ class TorchEngine:
         st.tokens[idx] = first
         st.positions[idx] = torch.tensor([s.prompt_len for s in seqs], device=dev)
         st.prefix_len[idx] = st.positions[idx]
+        st.rope_delta[idx] = torch.tensor([s.rope_delta for s in seqs], device=dev)
         st.steps[idx] = 1
         st.seeds[idx] = torch.tensor([s.seed for s in seqs], device=dev)
         st.temperature[idx], st.top_k[idx], st.top_p[idx] = temp, top_k, top_p

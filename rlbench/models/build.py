@@ -81,9 +81,10 @@ def save_pretrained(model: PreTrainedModel, tokenizer, path: str | os.PathLike) 
     model vocabulary larger than the tokenizer is fine (as in Qwen's padded embedding); a smaller
     one raises.
     """
-    if tokenizer is not None and len(tokenizer) > model.config.vocab_size:
+    vocab = model.config.get_text_config().vocab_size
+    if tokenizer is not None and len(tokenizer) > vocab:
         raise ValueError(
-            f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {model.config.vocab_size}; "
+            f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab}; "
             "build the model with vocab_size=len(tokenizer)"
         )
     os.makedirs(path, exist_ok=True)

@@ -104,12 +104,13 @@ MOE_COMPUTED = ("qwen3_moe", "mixtral")
 load-balancing loss); the "moe" feature is any other MoE."""
 SGLANG = "use --rollout-engine sglang"
 ENGINE_NO_RECURRENT = f"the torch engine keeps no recurrent state per sequence yet; {SGLANG}"
-NO_VISION = "rlbench has no image path yet (pixel values, processor, M-RoPE); use a text-only causal LM directory"
+SGLANG_NO_VISION = ("the SGLang adapter passes token ids only (no pixel values); use --rollout-engine torch for a "
+                    "vision-language model")
 NO_HYBRID_TRAINING = ("packed training would carry the recurrent state across samples; no rlbench trainer runs "
                       "these layers yet")
 
-TORCH_ENGINE = Consumer("the torch engine", {"other_layers": ENGINE_NO_RECURRENT, "vision": NO_VISION})
-SGLANG_ENGINE = Consumer("the SGLang engine adapter", {"vision": NO_VISION})
+TORCH_ENGINE = Consumer("the torch engine", {"other_layers": ENGINE_NO_RECURRENT})
+SGLANG_ENGINE = Consumer("the SGLang engine adapter", {"vision": SGLANG_NO_VISION})
 MEGATRON = Consumer("the megatron backend", {
     name: "the megatron conversion maps the Qwen3/Qwen2/Llama decoder only; use --train-backend fsdp"
     for name in ("sliding_window", "attention_sinks", "attn_softcap", "final_softcap", "layer_rope", "gemma_norm",
@@ -132,10 +133,12 @@ def trainer(attention: str, cp_size: int = 1) -> Consumer:
     flex: `backends.attention`); sdpa has no soft-capping or sinks, flash attention no sinks, and the CP attention
     (`rlbench_cp`, ring-flash) none of the three."""
     eager = "use --attn-implementation eager" + (" (or flex_attention)" if attention.startswith("flash") else "")
-    refuses = {"other_layers": NO_HYBRID_TRAINING, "vision": NO_VISION}
+    refuses = {"other_layers": NO_HYBRID_TRAINING}
     if cp_size > 1:
         cp = "the context-parallel attention has no windows, soft-capping or sinks; use --context-parallel-size 1"
         refuses |= {name: cp for name in ("sliding_window", "attn_softcap", "attention_sinks")}
+        refuses["vision"] = ("the context-parallel slices carry no images (pixel values, M-RoPE positions); use "
+                             "--context-parallel-size 1")
         return Consumer(f"the FSDP trainer (context_parallel_size={cp_size})", refuses)
     if attention == "sdpa":
         refuses |= {"attn_softcap": f"attn_implementation='sdpa' has no soft-capping; {eager}",

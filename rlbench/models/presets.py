@@ -64,14 +64,19 @@ CONFIG_CLASSES = {"qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}
 
 def build_config(preset: str, **overrides) -> PretrainedConfig:
     """A `Qwen3Config` (`Qwen3MoeConfig` for the MoE presets) for a preset name, with keyword overrides (e.g.
-    `vocab_size=` of a tokenizer).
+    `vocab_size=` of a tokenizer); a VLM preset (`rlbench.models.vlm.VLM_PRESETS`) gives its `Qwen2_5_VLConfig`
+    (the overrides apply to its text config).
 
     Raises:
         ValueError: not a preset name (the message lists the known ones and says it is no directory either).
     """
+    from rlbench.models.vlm import VLM_PRESETS, build_vlm_config
+
+    if preset in VLM_PRESETS:
+        return build_vlm_config(preset, **overrides)
     if preset not in PRESETS:
         raise ValueError(f"model {preset!r} is neither an existing directory (from {os.getcwd()}) nor a model "
-                         f"preset; give a Hugging Face model directory or one of {sorted(PRESETS)}")
+                         f"preset; give a Hugging Face model directory or one of {sorted(PRESETS) + sorted(VLM_PRESETS)}")
     kwargs = copy.deepcopy(_QWEN3_COMMON) | copy.deepcopy(PRESETS[preset]) | overrides
     model_type = kwargs.pop("model_type", "qwen3")
     if model_type == "qwen3_moe":

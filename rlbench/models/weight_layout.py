@@ -18,6 +18,7 @@ model's conversion rules: renamings (`WeightRenaming`) and converters made of `M
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -104,6 +105,25 @@ def _sort_key(index: Index) -> tuple:
     return tuple(i if isinstance(i, int) else i.start for i in index)
 
 
+@contextlib.contextmanager
+def _plain_classes(model: nn.Module):
+    """transformers looks conversions up by each sub-model's class name first; `fully_shard` renames the classes
+    (`FSDPQwen2_5_VLForConditionalGeneration`), and the model-type fallback finds another (an inner model's)
+    mapping. Present the original classes for the lookup, then put the FSDP ones back."""
+    swapped = []
+    for module in model.modules():
+        cls = type(module)
+        if cls.__name__.startswith("FSDP") and len(cls.__mro__) > 2:
+            plain = next(c for c in cls.__mro__[1:] if not c.__name__.startswith("FSDP"))
+            swapped.append((module, cls))
+            module.__class__ = plain
+    try:
+        yield
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls
+
+
 def _conversions(model: nn.Module, *, add_legacy: bool):
     """(renamings, converters) of transformers' conversion mapping for `model`; ([], []) for other modules."""
     from transformers import PreTrainedModel
@@ -112,7 +132,8 @@ def _conversions(model: nn.Module, *, add_legacy: bool):
 
     if not isinstance(model, PreTrainedModel):
         return [], []
-    mapping = get_model_conversion_mapping(model, add_legacy=add_legacy)
+    with _plain_classes(model):
+        mapping = get_model_conversion_mapping(model, add_legacy=add_legacy)
     return ([m for m in mapping if isinstance(m, WeightRenaming)], [m for m in mapping if isinstance(m, WeightConverter)])
 
 

@@ -16,12 +16,13 @@ import os
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from rlbench.configs import RunConfig, SGLangEngineConfig, TaskConfig
 from rlbench.data import PromptDataset, build_tokenizer, write_jsonl
 from rlbench.models import build_config, load_tokenizer
 from rlbench.models.build import materialize, params_on_meta
+from rlbench.models.vlm import VLM_PRESETS, auto_model_class, is_vlm_config, preset_processor
 from rlbench.rewards import get_reward_fn
 from rlbench.rollout.manager import RolloutManager
 from rlbench.rollout.reward_pool import default_workers as default_reward_workers
@@ -72,7 +73,18 @@ def build_tokenizer_for(model: str, overrides: dict | None = None):
     vocabulary (so every id a randomly initialised 152k-vocabulary shape samples decodes)."""
     if os.path.isdir(model):
         return load_tokenizer(model)
-    return build_tokenizer(hf_config_for(model, overrides or {}).vocab_size)
+    config = hf_config_for(model, overrides or {})
+    return build_tokenizer(config.get_text_config().vocab_size, vision=is_vlm_config(config))
+
+
+def build_processor_for(model: str, tokenizer):
+    """A vision-language model's `VisionProcessor` (its directory's image processor, or a VLM preset's); None for a
+    text-only model (prompt rows with images are then refused)."""
+    if os.path.isdir(model):
+        from rlbench.data.images import VisionProcessor
+
+        return VisionProcessor.load(model, tokenizer)
+    return preset_processor(model, tokenizer) if model in VLM_PRESETS else None
 
 
 def hf_config_for(model: str, overrides: dict) -> PretrainedConfig:
@@ -95,7 +107,7 @@ def build_engine(cfg: RunConfig, device: torch.device, tokenizer):
     hf_config = hf_config_for(cfg.backend.model, cfg.backend.model_overrides)
     dtype = getattr(torch, PARAM_DTYPES[cfg.engine.dtype]) if cfg.engine.dtype else cfg.backend.torch_param_dtype
     with params_on_meta():
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        model = auto_model_class(hf_config).from_config(hf_config, dtype=dtype)
     model = materialize(model, device)
     return TorchEngine(model, engine_config(cfg, device), tokenizer=tokenizer)
 
@@ -155,11 +167,12 @@ def build_data(cfg: RunConfig) -> tuple[Any, PromptDataset, list]:
         _, task_eval = materialize_task(cfg.task)
         eval_path = eval_path or task_eval
     tokenizer = build_tokenizer_for(cfg.backend.model, getattr(cfg.backend, "model_overrides", None))
-    dataset = PromptDataset(cfg.data, tokenizer)
+    processor = build_processor_for(cfg.backend.model, tokenizer)
+    dataset = PromptDataset(cfg.data, tokenizer, processor)
     eval_items = []
     if cfg.eval.interval is not None:
         eval_cfg = dataclasses.replace(cfg.data, path=eval_path, shuffle=False)
-        eval_items = PromptDataset(eval_cfg, tokenizer).items[: cfg.eval.max_prompts]
+        eval_items = PromptDataset(eval_cfg, tokenizer, processor).items[: cfg.eval.max_prompts]
     check_lengths(cfg, dataset.items + eval_items)
     check_row_rewards(dataset.items + eval_items)
     return tokenizer, dataset, eval_items

@@ -66,6 +66,7 @@ class Pack:
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [R] response-space arrays
     truncated_ids: list[int] = field(default_factory=list)  # sample_ids cut to fit the token budget
     pad_token_id: int = 0  # id written into pad slots (never read back to find padding)
+    images: list = field(default_factory=list)  # [n] per sequence its `ImageInputs` or None (VLM prompts)
 
     @property
     def num_tokens(self) -> int:
@@ -215,8 +216,10 @@ def _build_pack(samples: list[Sample], ids: list[int], padded: Callable[[int], i
     first = bounds[:-1] + real - resp - 1  # [n] position predicting each first response token
     sources = [_response_sources(s, i, extras) for i, s in zip(ids, chosen)]
     names = ["loss_mask", "advantages", "rollout_log_probs", *(extras if ids else ())]  # empty pack: no extras
-    return _assemble(tokens, bounds, real, resp, r_off, slot_sizes, first, names, sources, ids, pad, pad_token_id,
+    pack = _assemble(tokens, bounds, real, resp, r_off, slot_sizes, first, names, sources, ids, pad, pad_token_id,
                      truncated_ids)
+    pack.images = [s.images for s in chosen]
+    return pack
 
 
 def _assemble(tokens, bounds, real, resp, r_off, slot_sizes, first, names, sources, ids, pad, pad_token_id,
@@ -279,7 +282,8 @@ def repad(pack: Pack, *, seq_align: int = 1, pad_multiple: int = 1) -> Pack:
     extras: dict[str, list] = {name: [[]] * len(samples) for name in pack.extras}
     for j, i in enumerate(pack.sample_ids):
         fields = {name: split[name][j].tolist() for name in resp}
-        samples[i] = Sample(tokens=toks[j].tolist(), response_length=pack.response_lengths[j], **fields)
+        samples[i] = Sample(tokens=toks[j].tolist(), response_length=pack.response_lengths[j],
+                            images=pack.images[j] if pack.images else None, **fields)
         for name in extras:
             extras[name][i] = split[name][j].tolist()
     return pack_samples(

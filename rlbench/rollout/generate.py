@@ -50,8 +50,23 @@ class GenerateArgs:
 GenerateFn = Callable[[GenerateArgs, Sequence[Any], SamplingParams, Sequence[int]], list[list[Sample]]]
 
 
-def to_sample(item, gen: Generation, tokenizer) -> Sample:
-    """A Sample from a prompt item and one single-turn generation (response decoded for the reward)."""
+def cut_at(gen: Generation, token_id: int | None) -> Generation:
+    """`gen` ending before its first `token_id` (finish reason "length"), or `gen` itself when it has none.
+
+    A VLM's response must not hold its image placeholder: the training forward would take it for an image's place
+    (the HF forward scatters the images into every placeholder of the row). The kept prefix is exactly what the engine
+    sampled, with its log-probs."""
+    if token_id is None or token_id not in gen.token_ids:
+        return gen
+    k = gen.token_ids.index(token_id)
+    return Generation(gen.prompt_index, gen.token_ids[:k], gen.log_probs[:k], "length", gen.weight_version,
+                      gen.sample_index, gen.session)
+
+
+def to_sample(item, gen: Generation, tokenizer, image_token_id: int | None = None) -> Sample:
+    """A Sample from a prompt item and one single-turn generation (response decoded for the reward); with
+    `image_token_id` (a round with images) the response ends before a sampled image placeholder (`cut_at`)."""
+    gen = cut_at(gen, image_token_id)
     return Sample(
         tokens=list(item.prompt_token_ids) + list(gen.token_ids),
         response_length=len(gen.token_ids),
@@ -62,6 +77,7 @@ def to_sample(item, gen: Generation, tokenizer) -> Sample:
         label=item.label,
         response=tokenizer.decode(gen.token_ids, skip_special_tokens=True),
         metadata=dict(item.metadata),
+        images=getattr(item, "images", None),
     )
 
 
@@ -74,16 +90,27 @@ def single_turn(args: GenerateArgs, items: Sequence[Any], sampling: SamplingPara
 
     def on_finish(g: Generation) -> None:
         index = g.prompt_index * n + g.sample_index
-        early[index] = to_sample(items[g.prompt_index], g, args.tokenizer)
+        early[index] = to_sample(items[g.prompt_index], g, args.tokenizer, image_id)
         args.on_sample(index, early[index])
 
-    reports = args.on_sample is not None and "on_finish" in inspect.signature(engine.generate).parameters
-    gens = engine.generate([it.prompt_token_ids for it in items], sampling, seeds=seeds,
-                           **({"on_finish": on_finish} if reports else {}))
+    params = inspect.signature(engine.generate).parameters
+    reports = args.on_sample is not None and "on_finish" in params
+    kwargs = {"on_finish": on_finish} if reports else {}
+    images = [getattr(it, "images", None) for it in items]
+    image_id = None
+    if any(im is not None for im in images):
+        from rlbench.data.images import IMAGE_TOKEN
+
+        image_id = args.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+        if "images" not in params:
+            raise ValueError(f"the prompts have images but {type(engine).__name__}.generate takes token ids only; "
+                             "use --rollout-engine torch for a vision-language model")
+        kwargs["images"] = images
+    gens = engine.generate([it.prompt_token_ids for it in items], sampling, seeds=seeds, **kwargs)
     if len(gens) != len(items) * n:
         raise RuntimeError(f"engine returned {len(gens)} generations for {len(items)} prompts x n={n}")
-    flat = [early.get(g.prompt_index * n + g.sample_index) or to_sample(items[g.prompt_index], g, args.tokenizer)
-            for g in gens]
+    flat = [early.get(g.prompt_index * n + g.sample_index)
+            or to_sample(items[g.prompt_index], g, args.tokenizer, image_id) for g in gens]
     return [flat[i * n : (i + 1) * n] for i in range(len(items))]
 
 

@@ -24,6 +24,7 @@ from rlbench.backends.export import export_hf, named_weight_buckets
 from rlbench.backends.fsdp.model import build_sharded_model
 from rlbench.backends.offload import Parking, state_tensors, to_device
 from rlbench.backends.optim import build_optimizer, build_scheduler, init_optimizer_state
+from rlbench.backends.vision import pack_vision_inputs
 from rlbench.configs.backend import TrainConfig
 from rlbench.distributed.mesh import DistEnv, barrier, init_distributed
 from rlbench.host_memory import retain_freed_host_memory
@@ -156,7 +157,10 @@ class FSDPBackend(CommittedCheckpoints):
         extra = {}
         if self.cfg.batch_invariant:  # tiles from the pack's host position ids: no device sync before the layers
             extra["rl_tiles"] = _forward_tiles(pack.position_ids[None], self.hf_config, dev)
-        return dict(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask, **extra), index
+        inputs = dict(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask)
+        if self._features.vision:  # M-RoPE rows after the text row, and the pack's images
+            inputs |= pack_vision_inputs(self.model, pack, tokens, positions)
+        return inputs | extra, index
 
     def _forward_pack_cp(self, model, pack, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward_pack` of one CP rank: the model sees the rank's slice; the result is the FULL `[R]`.
@@ -463,7 +467,8 @@ def _laid_out_for_cp(pack, cp: int, zigzag: bool) -> bool:
 def _check_kv_head_chunk(cfg: TrainConfig, hf_config) -> None:
     """`cp_kv_head_chunk` must divide the model's KV heads (checked at init, not at the first CP forward)."""
     chunk = cfg.fsdp.cp_kv_head_chunk
-    n_kv = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    text = hf_config.get_text_config()  # a VLM's decoder config is its text_config
+    n_kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     if cfg.cp_size > 1 and chunk is not None and n_kv % chunk:
         raise ValueError(f"cp_kv_head_chunk={chunk} does not divide the model's {n_kv} KV heads; use a divisor of "
                          f"{n_kv} or None (all heads per all-gather)")

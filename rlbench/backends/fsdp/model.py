@@ -15,12 +15,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
-from transformers import (
-    AutoModelForCausalLM,
-    AutoModelForTokenClassification,
-    PretrainedConfig,
-    PreTrainedModel,
-)
+from transformers import AutoModelForTokenClassification, PretrainedConfig, PreTrainedModel
 
 from rlbench.backends.hf_weights import load_hf_weights, model_config, random_init
 from rlbench.configs.backend import TrainConfig
@@ -28,6 +23,7 @@ from rlbench.distributed.mesh import DistEnv
 from rlbench.models.build import params_on_meta, restore_buffers
 from rlbench.models.capabilities import TRUE_ON_POLICY_TRAINER, check_model, trainer
 from rlbench.models.value_head import VALUE_HEAD, value_config, zero_head_
+from rlbench.models.vlm import auto_model_class, is_vlm_config
 
 _RECOMPILE_LIMIT = 64  # compiled variants kept per decoder-layer code object (grad modes x bucketed pack lengths)
 # `torch.compile` kwargs of every decoder layer (tests swap the backend). Static shapes, one graph per pack length T,
@@ -54,6 +50,29 @@ def decoder_layers(model: PreTrainedModel) -> list[nn.Module]:
     if not layers:
         raise ValueError(f"{type(model).__name__} lists no `_no_split_modules`; cannot find its decoder layers")
     return layers
+
+
+def frozen_prefixes(model: nn.Module, cfg: TrainConfig) -> tuple[str, ...]:
+    """Parameter-name prefixes not trained: the vision tower (`cfg.freeze_vision`, the module named `visual`) and
+    `cfg.freeze_modules`, each of which must match a parameter."""
+    names = [n for n, _ in model.named_parameters()]
+    for prefix in cfg.freeze_modules:
+        if not any(n.startswith(prefix) for n in names):
+            near = sorted({n.rsplit(".", 2)[0] for n in names if n.split(".")[0] == prefix.split(".")[0]})[:3]
+            raise ValueError(f"freeze_modules prefix {prefix!r} matches no parameter of {type(model).__name__}; "
+                             f"parameter names look like {near or names[:3]}")
+    vision = tuple(n + "." for n, _ in model.named_modules() if n.split(".")[-1] == "visual") if cfg.freeze_vision \
+        else ()
+    return vision + tuple(cfg.freeze_modules)
+
+
+def freeze(model: nn.Module, cfg: TrainConfig) -> int:
+    """Turn off `requires_grad` of the `frozen_prefixes` parameters (the optimizer skips them); returns how many."""
+    prefixes = frozen_prefixes(model, cfg)
+    frozen = [p for n, p in model.named_parameters() if prefixes and n.startswith(prefixes)]
+    for p in frozen:
+        p.requires_grad_(False)
+    return len(frozen)
 
 
 def _checkpoint_forward(layer: nn.Module) -> None:
@@ -91,10 +110,14 @@ def build_sharded_model(
     hf_config._attn_implementation = cfg.attention
     hf_config.use_cache = False
     if value_head:
+        if is_vlm_config(hf_config):
+            raise ValueError(f"{hf_config.model_type}: a value model (critic, reward model) of a vision-language model "
+                             "is not implemented; train it with a GRPO-family estimator (no critic)")
         hf_config = value_config(hf_config)
-    auto = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
+    auto = AutoModelForTokenClassification if value_head else auto_model_class(hf_config)
     with params_on_meta():
         model = auto.from_config(hf_config, dtype=torch.float32, attn_implementation=cfg.attention)
+    freeze(model, cfg)
     if value_head:  # an exported critic names its class (fully_shard renames the module's)
         hf_config.architectures = [type(model).__name__]
     if cfg.cp_size > 1:  # context parallel: every attention layer reads the forward's rl_cp= context
