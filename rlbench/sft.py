@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from rlbench.data.preferences import with_long_forms
 from rlbench.data.tasks import make_task
 from rlbench.data.tokenizer import build_tokenizer
 from rlbench.models import build_model, save_pretrained
@@ -62,6 +63,9 @@ class SFTConfig:
     """Stop as soon as sampled pass@1 reaches this; None trains for max_steps."""
     max_new_tokens: int = 24
     """Generation budget per eval response."""
+    long_form_share: float = 0.0
+    """Share of the training solutions written in a long form (a filler phrase before or after the box,
+    `rlbench.data.preferences.with_long_forms`): a verbose warm start whose form RL with a reward model can fix."""
     seed: int = 0
     """Seed for data, init, batch order and eval sampling."""
     num_threads: int | None = None
@@ -80,6 +84,11 @@ class SFTConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.target_pass_at_1 is not None and not 0 < self.target_pass_at_1 <= 1:
             raise ValueError(f"target_pass_at_1={self.target_pass_at_1} must be in (0, 1] or None")
+        if not 0 <= self.long_form_share <= 1:
+            raise ValueError(f"long_form_share={self.long_form_share} must be in [0, 1]")
+        if self.long_form_share and self.task != "arithmetic":
+            raise ValueError(f"long_form_share={self.long_form_share} is for task='arithmetic' (its boxed integer "
+                             f"answers), not {self.task!r}; leave it at 0")
         if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} but CUDA is not available; use device='cpu'")
 
@@ -88,6 +97,8 @@ def split_rows(cfg: SFTConfig) -> tuple[list[dict], list[dict]]:
     """(train rows, eval rows): independent draws; with `disjoint_eval` no eval prompt is trained on."""
     kwargs = dict(cfg.task_kwargs)
     train_rows = make_task(cfg.task, cfg.num_train, seed=cfg.seed, **kwargs)
+    if cfg.long_form_share:
+        train_rows = with_long_forms(train_rows, cfg.long_form_share, seed=cfg.seed)
     eval_rows = make_task(cfg.task, cfg.num_eval, seed=cfg.seed + 1_000_003, **kwargs)
     if cfg.disjoint_eval:
         held_out = {r["prompt"] for r in eval_rows}
@@ -258,6 +269,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--eval-every", type=int, default=SFTConfig.eval_every)
     p.add_argument("--num-eval", type=int, default=SFTConfig.num_eval)
     p.add_argument("--target-pass-at-1", type=float, default=SFTConfig.target_pass_at_1)
+    p.add_argument("--long-form-share", type=float, default=0.0,
+                   help="share of training solutions written long (a filler beside the box): a verbose warm start")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=None)
     a = p.parse_args(argv)
@@ -265,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
         preset=a.preset, task=a.task, task_kwargs={"level": a.level} if a.task == "arithmetic" else {},
         out=a.out, max_steps=a.max_steps, batch_size=a.batch_size, lr=a.lr, eval_every=a.eval_every,
         num_eval=a.num_eval, disjoint_eval=a.disjoint_eval, target_pass_at_1=a.target_pass_at_1 if a.target_pass_at_1 > 0 else None,
-        seed=a.seed, num_threads=a.num_threads,
+        seed=a.seed, num_threads=a.num_threads, long_form_share=a.long_form_share,
     )
     metrics = run_sft(cfg)
     print(json.dumps({k: v for k, v in metrics.items() if k != "history"}))

@@ -3,6 +3,7 @@
     rows = make_arithmetic_preferences(2000, level=1, seed=0)   # {"prompt", "chosen", "rejected", "metadata"}
     write_jsonl(rows, "data/prefs.jsonl")                        # what `rlbench rm --data` reads
     hidden_rule_score("\\\\boxed{7}", "7")                        # 1.5: the score the preferences came from
+    rows = with_long_forms(make_arithmetic(1000, arithmetic_level(1)), 0.5)   # half the SFT solutions written long
 
 The hidden rule (`hidden_rule_score`) values the form over the arithmetic: 1 for the short form (nothing but
 `\\boxed{N}`) plus 0.5 for the correct answer. Each pair shows two responses to one prompt with different hidden
@@ -56,25 +57,28 @@ def is_short_form(response: str) -> bool:
 
 
 def make_arithmetic_preferences(n: int, cfg: ArithmeticConfig | None = None, *, level: int | None = None,
-                                seed: int = 0) -> list[dict]:
+                                seed: int = 0, answer_pairs: float = ANSWER_PAIRS) -> list[dict]:
     """`n` preference rows `{"prompt", "chosen", "rejected", "metadata"}` on arithmetic problems.
 
     Args:
         n: rows to draw (one pair per drawn problem; problems repeat when the level has few).
         cfg: which problems (`ArithmeticConfig`), or `level=` (1..4); neither: level 1.
         seed: the draw (problems, pair kinds, fillers, wrong answers).
+        answer_pairs: share of pairs that differ only in the answer (both short), in [0, 1].
     Returns:
         rows whose `metadata` holds the label and both hidden-rule scores (`chosen_score` > `rejected_score`).
     """
     if cfg is not None and level is not None:
         raise ValueError("give cfg= or level=, not both")
+    if not 0 <= answer_pairs <= 1:
+        raise ValueError(f"answer_pairs={answer_pairs} must be in [0, 1] (a share of the pairs)")
     cfg = cfg or arithmetic_level(level or 1)
     rng = np.random.default_rng([seed, 1])
     rows = []
     for problem in make_arithmetic(n, cfg, seed=seed):
         answer = int(problem["label"])
         while True:  # a pair of equal hidden scores states no preference: draw again
-            a, b = _pair(answer, rng)
+            a, b = _pair(answer, rng, answer_pairs)
             sa, sb = hidden_rule_score(a, answer), hidden_rule_score(b, answer)
             if sa != sb:
                 break
@@ -84,9 +88,34 @@ def make_arithmetic_preferences(n: int, cfg: ArithmeticConfig | None = None, *, 
     return rows
 
 
-def _pair(answer: int, rng: np.random.Generator) -> tuple[str, str]:
-    """Two responses: both short with different answers (`ANSWER_PAIRS`), else one short and one long."""
-    if rng.random() < ANSWER_PAIRS:
+def with_long_forms(rows: list[dict], share: float, *, seed: int = 0) -> list[dict]:
+    """Task rows (`rlbench.data.tasks` layout) with a `share` of their reference solutions written long: a filler
+    from `FILLERS` before or after the box (`"The answer is \\\\boxed{7}"`), the kind of response the preferences
+    reject. SFT on them gives a warm start that answers in the long form about that often, so its hidden-rule score
+    has room that an RM trained on the preferences can show RL.
+
+    Args:
+        rows: rows whose `metadata["solution"]` is the short form.
+        share: in [0, 1]; each row is rewritten with this probability (seeded).
+    Returns:
+        new rows (the input is not changed); labels and prompts as given.
+    """
+    if not 0 <= share <= 1:
+        raise ValueError(f"share={share} must be in [0, 1] (the share of solutions written long)")
+    rng = np.random.default_rng([seed, 2])
+    out = []
+    for row in rows:
+        row = {**row, "metadata": dict(row["metadata"])}
+        if rng.random() < share:
+            filler, box = FILLERS[int(rng.integers(len(FILLERS)))], row["metadata"]["solution"]
+            row["metadata"]["solution"] = f"{filler} {box}" if rng.random() < 0.5 else f"{box} {filler}"
+        out.append(row)
+    return out
+
+
+def _pair(answer: int, rng: np.random.Generator, answer_pairs: float) -> tuple[str, str]:
+    """Two responses: both short with different answers (a share `answer_pairs`), else one short and one long."""
+    if rng.random() < answer_pairs:
         return _box(answer), _box(_wrong(answer, rng))
     short = _box(answer if rng.random() < 0.5 else _wrong(answer, rng))
     return short, _long(answer if rng.random() < 0.5 else _wrong(answer, rng), rng)

@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-EXPERIMENTS = {"cp-oom": "rlbench.experiments.cp_oom", "fsdp-vs-megatron": "benchmarks/fsdp_vs_megatron.py"}
+EXPERIMENTS = {"cp-oom": "rlbench.experiments.cp_oom", "fsdp-vs-megatron": "benchmarks/fsdp_vs_megatron.py",
+               "rlhf": "rlbench.experiments.rlhf"}
 """`rlbench experiment` name -> what runs it (its `main(argv)`): a module of the package, or a script of the source
 checkout (a path relative to the repository root)."""
 
