@@ -51,16 +51,18 @@ def token_traces(batch: Any, *, limit: int | None = None) -> list[dict]:
                 keep = pack.loss_mask[span].detach().cpu() > 0
                 index = offset + sid
                 sample = batch.samples[index]
-
-                def pick(arrays, span=span, keep=keep):
-                    return None if arrays is None else arrays[s][m][span].detach().cpu()[keep].double().tolist()
-
                 out[index] = {"sample": index, "reward": float(sample.reward), "response": sample.response,
-                              "advantages": pick(adv), "values": pick(values), "returns": pick(returns)}
+                              "advantages": _tokens(adv, s, m, span, keep), "values": _tokens(values, s, m, span, keep),
+                              "returns": _tokens(returns, s, m, span, keep)}
                 start += length
         offset += len({i for p in step_packs for i in p.sample_ids})
     rows = [out[i] for i in sorted(out)]
     return rows[:limit] if limit is not None else rows
+
+
+def _tokens(arrays, s: int, m: int, span: slice, keep) -> list[float] | None:
+    """The trained tokens of one sample's span in pack `m` of step `s` (None when the arrays were not computed)."""
+    return None if arrays is None else arrays[s][m][span].detach().cpu()[keep].double().tolist()
 
 
 def token_trace_figure(trace: Mapping[str, Any]) -> go.Figure:
