@@ -83,14 +83,15 @@ def train_reward_model(out: str, *, n_pairs: int = 800, seed: int = 0) -> tuple[
 
 def run_config(model: str, reward_model: str, workdir: str, *, estimator: str = "grpo", reward: str = "rm",
                seed: int = 0, steps: int = 20, eval_interval: int | None = None, lr: float = 2e-4,
-               kl_target: float = 0.1) -> RunConfig:
+               kl_target: float = 0.1, kl_horizon: float = 10000.0) -> RunConfig:
     """The RL run: `presets.cpu_test` on level-1 addition, 16 prompts x 8 samples per rollout, 64 samples per
     optimizer step, lr `lr`; eval on 32 held-out prompts x 8 samples every `eval_interval` rollouts (default
     `steps`: at the start and the end).
 
     Args:
         estimator: "grpo" (group baseline, no KL) or "ppo" (a critic: GAE with λ 0.95, whitened advantages,
-            KL-in-reward against the warm start with the adaptive controller from β 0.05 towards `kl_target`).
+            KL-in-reward against the warm start with the adaptive controller from β 0.05 towards `kl_target`;
+            β moves by at most a factor 1 ± 0.2 x 128 / `kl_horizon` per rollout, verl's 10000: ~0.3 %).
         reward: "rm" (the RM's score alone) or "rm+math" (plus the math reward, weight 1 each).
     """
     if estimator not in ESTIMATORS:
@@ -101,7 +102,7 @@ def run_config(model: str, reward_model: str, workdir: str, *, estimator: str = 
     backend = dataclasses.replace(cfg.backend, optim=OptimConfig(lr=lr, betas=(0.9, 0.98)))
     if estimator == "ppo":
         loss = LossConfig(advantage_estimator="gae", normalize_advantages=True, lambd=0.95, kl_coef=0.05,
-                          kl_ctl_type="adaptive", kl_target=kl_target)
+                          kl_ctl_type="adaptive", kl_target=kl_target, kl_horizon=kl_horizon)
         backend = dataclasses.replace(backend, critic=CriticConfig(lr=1e-3), ref_model=model)
     else:
         loss = LossConfig(advantage_estimator="grpo")
