@@ -17,8 +17,9 @@ from rlbench.data.preferences import (
     hidden_rule_score,
     is_short_form,
     make_arithmetic_preferences,
+    with_long_forms,
 )
-from rlbench.data.tasks import write_jsonl
+from rlbench.data.tasks import arithmetic_level, make_arithmetic, verify_arithmetic, write_jsonl
 from rlbench.models.value_head import load_value_model, read_stamp, token_values
 from rlbench.reward_model.data import encode_pair, load_preferences, render_prompt
 from rlbench.reward_model.serve import RewardModel
@@ -56,6 +57,33 @@ def test_the_hidden_rule():
             == hidden_rule_score(row["rejected"], meta["label"])
     both_short = sum(is_short_form(r["chosen"]) and is_short_form(r["rejected"]) for r in rows) / len(rows)
     assert abs(both_short - ANSWER_PAIRS) < 0.05  # the answer-only share (binomial std 0.015)
+
+
+def test_answer_pair_share_and_long_form_solutions():
+    assert make_arithmetic_preferences(200, level=1, seed=3) == make_arithmetic_preferences(
+        200, level=1, seed=3, answer_pairs=ANSWER_PAIRS)  # the default draw is unchanged
+    for share, expected in ((1.0, 300), (0.0, 0)):
+        rows = make_arithmetic_preferences(300, level=1, seed=4, answer_pairs=share)
+        assert sum(is_short_form(r["chosen"]) and is_short_form(r["rejected"]) for r in rows) == expected
+    rows = make_arithmetic(400, arithmetic_level(1), seed=0)
+    long = with_long_forms(rows, 0.5, seed=0)
+    assert all(is_short_form(r["metadata"]["solution"]) for r in rows)  # the input is left as it was
+    n_long = sum(not is_short_form(r["metadata"]["solution"]) for r in long)
+    assert 160 <= n_long <= 240, n_long  # binomial(400, 0.5): std 10
+    for short, written in zip(rows, long):  # same prompt and answer; a long one scores 0.5 under the rule
+        assert (written["prompt"], written["label"]) == (short["prompt"], short["label"])
+        assert verify_arithmetic(written["metadata"]["solution"], written["label"])
+        assert hidden_rule_score(written["metadata"]["solution"], written["label"]) in (0.5, 1.5)
+    from rlbench.sft import SFTConfig, split_rows
+
+    train, _ = split_rows(SFTConfig(task_kwargs={"level": 1}, num_train=200, long_form_share=1.0))
+    assert not any(is_short_form(r["metadata"]["solution"]) for r in train)
+    with pytest.raises(ValueError, match=r"share=1.5 must be in \[0, 1\]"):
+        with_long_forms(rows, 1.5)
+    with pytest.raises(ValueError, match="answer_pairs=-0.1 must be in"):
+        make_arithmetic_preferences(10, answer_pairs=-0.1)
+    with pytest.raises(ValueError, match="is for task='arithmetic'"):
+        SFTConfig(task="countdown", task_kwargs={}, long_form_share=0.5)
 
 
 def test_malformed_rows_are_named_by_file_and_line(tmp_path, capsys):

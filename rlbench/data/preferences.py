@@ -7,15 +7,16 @@
 
 The hidden rule (`hidden_rule_score`) values the form over the arithmetic: 1 for the short form (nothing but
 `\\boxed{N}`) plus 0.5 for the correct answer. Each pair shows two responses to one prompt with different hidden
-scores; the higher one is `chosen`. In a share `ANSWER_PAIRS` of the pairs both responses are short and only the
+scores; the higher one is `chosen`. In a share `answer_pairs` (default `ANSWER_PAIRS`) of the pairs both responses are short and only the
 answer differs (by at most `WRONG_SPREAD`); in the others one response is short and the other is not (text before
 or after the box, a broken or cut box, junk with or without a box), each correct or not at random.
 
 The form half is easy to learn from text and the arithmetic half is hard, so a small reward model learns mostly
 the form: its held-out pair accuracy is high, yet on a policy's samples it barely tells a right answer from a near
-miss. RL against it raises its own score and the hidden-rule score through the form, while the share of correct
-answers stays where it was: reward hacking, measured by scoring the same responses both ways
-(`rlbench.reward_model.serve.RewardModel` vs `hidden_rule_score`).
+miss. RL against it raises its own score and, where the policy's form has room (`with_long_forms`), the
+hidden-rule score through the form, while the share of correct answers drifts down: reward hacking, measured by
+scoring the same responses both ways (`rlbench.reward_model.serve.RewardModel` vs `hidden_rule_score`;
+`rlbench.experiments.rlhf`).
 """
 
 from __future__ import annotations
