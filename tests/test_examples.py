@@ -39,7 +39,7 @@ def _run(script: str, tmp_path: pathlib.Path, *argv: str) -> subprocess.Complete
 
 
 def test_every_example_is_tested():
-    assert sorted(p.name for p in EXAMPLES.glob("*.sh")) == sorted([*EXPECTED, "train_rm.sh"])
+    assert sorted(p.name for p in EXAMPLES.glob("*.sh")) == sorted([*EXPECTED, "train_rm.sh", "rlhf_hidden_rule.sh"])
 
 
 def test_train_rm_example_writes_a_reward_model_on_cpu(tmp_path):
@@ -53,6 +53,30 @@ def test_train_rm_example_writes_a_reward_model_on_cpu(tmp_path):
     assert final["rm/epoch"] == 1.0 and final["rm/eval_pairs"] == 200 and final["rm/eval_accuracy"] >= 0.9
     stamp = json.loads((tmp_path / "rm" / "version.json").read_text())
     assert stamp["version"] == final["version"] and f"--reward-model {tmp_path / 'rm'}" in proc.stdout
+
+
+def test_rlhf_example_runs_the_chain_on_cpu(tmp_path):
+    """SFT (40 steps), an RM on 64 pairs and one PPO step against it: each stage's output is where the next reads it,
+    and the run's config is the one the script's comments describe."""
+    env = dict(os.environ, WORK=str(tmp_path / "w"), SFT_STEPS="40", N_PAIRS="64",
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], OMP_NUM_THREADS="1")
+    script = str(EXAMPLES / "rlhf_hidden_rule.sh")
+    small = ["--num-rollout", "1", "--eval-interval", "1", "--rollout-batch-size", "4", "--global-batch-size", "32"]
+    proc = subprocess.run(["bash", script, *small], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    work = tmp_path / "w"
+    assert (work / "sft" / "config.json").is_file() and (work / "rm" / "version.json").is_file()
+    assert len((work / "prefs.jsonl").read_text().splitlines()) == 64
+    summary = json.loads(proc.stdout[proc.stdout.rindex("\n{") + 1:])
+    assert summary["eval/rollout_id/end"] == 1.0 and "eval/reward/start" in summary
+    proc = subprocess.run(["bash", script, "--print-config"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    cfg = json.loads(proc.stdout)
+    rollout, loss = cfg["rollout"], cfg["loss"]
+    assert (rollout["reward_model"], rollout["reward_weights"], rollout["rm_type"], cfg["data"]["metadata_key"]) == (
+        str(work / "rm"), {"rm": 1.0}, "rlbench.data.preferences:hidden_rule_score", None)
+    assert (loss["advantage_estimator"], loss["kl_ctl_type"], loss["kl_target"], cfg["backend"]["ref_model"]) == (
+        "gae", "adaptive", 0.1, str(work / "sft"))
 
 
 @pytest.mark.parametrize("script", sorted(EXPECTED))
