@@ -8,6 +8,7 @@ import json
 import socket
 import threading
 import types
+import uuid
 
 import pytest
 import torch
@@ -378,7 +379,8 @@ def joined(model_dir, scheduler):
     """(adapter over the child's engine, the trainer's BroadcastGroup, the group's name): a fresh group per test."""
     scheduler.reset()
     engine = SGLangEngine(SGLangEngineConfig(model_path=model_dir), engine=scheduler)
-    name, port = f"rlbench-test-{_free_port()}", _free_port()
+    # a fresh name per test: a port number can come back, and a process keeps every group name it created
+    name, port = f"rlbench-test-{uuid.uuid4().hex[:12]}", _free_port()
     joining = engine.init_weights_update_group("127.0.0.1", port, rank_offset=1, world_size=2, group_name=name,
                                                backend="gloo")
     group = BroadcastGroup("127.0.0.1", port, 0, 2, torch.device("cpu"), GROUP_TIMEOUT_S, group_name=name)
