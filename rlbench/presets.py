@@ -233,11 +233,15 @@ def quickstart(model: str, data: str, *, eval_data: str | None = None, workdir: 
 
 
 def longest_prompt(model: str, data: DataConfig, path: str) -> int:
-    """Tokens of the longest prompt in `path` as the run renders it (`data`'s keys and chat template, `model`'s
-    tokenizer). The whole file is validated on the way (`PromptDataset`: every bad line at once)."""
+    """Tokens of the longest prompt in `path` as the run renders it (`data`'s keys, chat template and image key,
+    `model`'s tokenizer; a vision-language model's image placeholders expanded by its processor to the tokens the
+    engine holds). The whole file is validated on the way (`PromptDataset`: every bad line at once)."""
     from rlbench.data.datasets import PromptDataset
     from rlbench.models import load_tokenizer
+    from rlbench.models.vlm import load_processor
 
+    tokenizer = load_tokenizer(model)
     dataset = PromptDataset(DataConfig(path=path, input_key=data.input_key, label_key=data.label_key,
-                                       apply_chat_template=data.apply_chat_template), load_tokenizer(model))
+                                       apply_chat_template=data.apply_chat_template, image_key=data.image_key),
+                            tokenizer, load_processor(model, tokenizer))
     return max(len(item.prompt_token_ids) for item in dataset.items)

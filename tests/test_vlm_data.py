@@ -92,3 +92,32 @@ def test_message_prompts_need_one_image_part_per_image(tmp_path, processor):
     path = _write(tmp_path, [{"prompt": messages, "label": "r", "images": ["red.png", "red.png"]}])
     with pytest.raises(ValueError, match="the messages hold 1 image parts"):
         PromptDataset(DataConfig(path=path), processor.tokenizer, processor)
+
+
+def test_longest_prompt_counts_the_expanded_image_tokens(tmp_path, monkeypatch, capsys):
+    """`rlbench train DIR --prompt-data FILE` without a preset sizes the engine from the longest prompt as the engine
+    holds it: a 56 x 56 image is 16 `<|image_pad|>` tokens, not the one placeholder of the template's text."""
+    from rlbench.cli import main
+    from rlbench.models.vlm import auto_model_class, build_vlm_config, preset_processor
+    from rlbench.presets import longest_prompt
+
+    tokenizer = build_tokenizer(128, vision=True)
+    config = build_vlm_config("tiny-vl")
+    auto_model_class(config).from_config(config).save_pretrained(tmp_path / "vl")
+    tokenizer.save_pretrained(tmp_path / "vl")
+    preset_processor("tiny-vl", tokenizer).image_processor.save_pretrained(tmp_path / "vl")
+    (tmp_path / "big.png").write_bytes(_png((0, 0, 255), 56))
+    (tmp_path / "small.png").write_bytes(_png((255, 0, 0), 28))
+    path = _write(tmp_path, [{"prompt": "colour?", "label": "blue", "images": ["big.png"]},
+                             {"prompt": "what colour is it?", "label": "red", "images": ["small.png"]}])
+    text = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"},
+                                                                       {"type": "text", "text": "colour?"}]}],
+                                         tokenize=False, add_generation_prompt=True)
+    assert text.count(IMAGE_TOKEN) == 1
+    with_one_placeholder = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    longest = longest_prompt(str(tmp_path / "vl"), DataConfig(path=path), path)
+    assert longest == with_one_placeholder + 15 == 44  # 16 image tokens; the other row: 4 + 11 more chars = 43
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--hf-checkpoint", "vl", "--prompt-data", "data.jsonl", "--device", "cpu",
+                 "--rollout-max-response-len", "8", "--print-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["engine"]["max_seq_len"] == 16 * -(-(44 + 8) // 16) == 64

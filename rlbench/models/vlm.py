@@ -81,6 +81,18 @@ def preset_processor(preset: str, tokenizer):
                            tokenizer)
 
 
+def load_processor(model: str, tokenizer):
+    """The `VisionProcessor` of a model directory (its `preprocessor_config.json`) or of a VLM preset name; None for
+    a text-only model (prompt rows with images are then refused)."""
+    import os
+
+    if os.path.isdir(model):
+        from rlbench.data.images import VisionProcessor
+
+        return VisionProcessor.load(model, tokenizer)
+    return preset_processor(model, tokenizer) if model in VLM_PRESETS else None
+
+
 def is_mrope(model: torch.nn.Module) -> bool:
     """Whether `model` is a VLM whose decoder takes M-RoPE positions (it has the HF `get_rope_index`)."""
     return hasattr(getattr(model, "model", None), "get_rope_index")

@@ -22,7 +22,7 @@ from rlbench.configs import RunConfig, SGLangEngineConfig, TaskConfig
 from rlbench.data import PromptDataset, build_tokenizer, write_jsonl
 from rlbench.models import build_config, load_tokenizer
 from rlbench.models.build import materialize, params_on_meta
-from rlbench.models.vlm import VLM_PRESETS, auto_model_class, is_vlm_config, preset_processor
+from rlbench.models.vlm import auto_model_class, is_vlm_config, load_processor
 from rlbench.rewards import get_reward_fn
 from rlbench.rollout.manager import RolloutManager
 from rlbench.rollout.reward_pool import default_workers as default_reward_workers
@@ -75,16 +75,6 @@ def build_tokenizer_for(model: str, overrides: dict | None = None):
         return load_tokenizer(model)
     config = hf_config_for(model, overrides or {})
     return build_tokenizer(config.get_text_config().vocab_size, vision=is_vlm_config(config))
-
-
-def build_processor_for(model: str, tokenizer):
-    """A vision-language model's `VisionProcessor` (its directory's image processor, or a VLM preset's); None for a
-    text-only model (prompt rows with images are then refused)."""
-    if os.path.isdir(model):
-        from rlbench.data.images import VisionProcessor
-
-        return VisionProcessor.load(model, tokenizer)
-    return preset_processor(model, tokenizer) if model in VLM_PRESETS else None
 
 
 def hf_config_for(model: str, overrides: dict) -> PretrainedConfig:
@@ -167,7 +157,7 @@ def build_data(cfg: RunConfig) -> tuple[Any, PromptDataset, list]:
         _, task_eval = materialize_task(cfg.task)
         eval_path = eval_path or task_eval
     tokenizer = build_tokenizer_for(cfg.backend.model, getattr(cfg.backend, "model_overrides", None))
-    processor = build_processor_for(cfg.backend.model, tokenizer)
+    processor = load_processor(cfg.backend.model, tokenizer)
     dataset = PromptDataset(cfg.data, tokenizer, processor)
     eval_items = []
     if cfg.eval.interval is not None:
