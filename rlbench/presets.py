@@ -164,6 +164,33 @@ def cpu_test(model: str | None = None, workdir: str = "runs/test", *, level: int
     )
 
 
+def cpu_vlm_shapes(model: str, data: str, eval_data: str, workdir: str = "runs/vlm-shapes", *, seed: int = 0,
+                   num_rollout: int = 30) -> RunConfig:
+    """GRPO of a tiny VLM on the synthetic shapes task (`rlbench.data.shapes`) on a CPU: 8 prompts x 8 samples per
+    rollout, one optimizer step each at lr 6e-4, exact-match reward, held-out pass@1 at temperature 1 every 5.
+
+    Args:
+        model: the HF directory of a VLM warm start (`rlbench.vlm_sft.shapes_warm_start`).
+        data, eval_data: the task's train and held-out jsonl (`write_shapes_task`).
+        seed: the rollout sampling seed and the prompt order.
+
+    About 1.5 s a rollout on 2 CPU cores for tiny-vl at 28 x 28 (4 image tokens; prompts are 32 tokens).
+    """
+    return RunConfig(
+        data=DataConfig(path=data, seed=seed),
+        backend=TrainConfig(model=model, device="cpu", param_dtype="fp32", seed=seed,
+                            optim=OptimConfig(lr=6e-4, betas=(0.9, 0.98), clip_grad=1.0)),
+        rollout=RolloutConfig(rollout_batch_size=8, n_samples_per_prompt=8, max_response_len=8, temperature=1.0,
+                              rm_type="exact", seed=seed),
+        batch=BatchConfig(global_batch_size=64, use_dynamic_batch_size=True, max_tokens_per_gpu=1024,
+                          num_rollout=num_rollout),
+        loss=LossConfig(advantage_estimator="grpo"),
+        engine=TorchEngineConfig(max_seq_len=48, num_slots=64),
+        eval=EvalConfig(interval=5, data_path=eval_data, n_samples_per_prompt=4, pass_k=(1, 4), temperature=1.0),
+        logging=LoggingConfig(jsonl_path=os.path.join(workdir, "metrics.jsonl"), console=False),
+    )
+
+
 def qwen3_0p6b_gpu(model: str, workdir: str | None = None, *, num_rollout: int = 4) -> RunConfig:
     """The Qwen3-0.6B shape on one H200, colocated: rbs 32 x n 8 = 256 samples, gbs 128, bf16, dynamic batches.
 
