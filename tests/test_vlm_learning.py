@@ -46,7 +46,7 @@ def _trainer(warm, workdir, num_rollout: int) -> Trainer:
 
 
 def test_the_warm_start_reads_the_image(warm, tmp_path, one_thread):
-    """Held-out pass@1 of the warm start is above chance (1/4) with each prompt's own image, at chance with another
+    """Held-out pass@1 of the warm start is above chance (1/4) with each prompt's own image, below it with another
     prompt's image (the labels kept; 0.441 and 0.137 at seed 0): the answer comes from the image, not the text."""
     trainer = _trainer(warm, str(tmp_path), 1)
     items = trainer.eval_items
