@@ -11,8 +11,8 @@ through its protocol only, so any engine works. A reward model
 scores each round's samples in one batched call after generation; the training reward is then the weighted sum
 `cfg.reward_mix` of it and the rule rewards (the rm_type reward is kept per sample in `metadata["rule_reward"]`, the
 model's score in `metadata["rm_score"]`). Evaluation scores with the rule reward alone. With `reward_workers` > 0 rewards are scored in worker processes (`reward_pool.RewardPool`); a generate
-function that reports samples as they finish (the default does, on the torch engine) has them scored while the rest
-generate.
+function that reports samples as they finish (the default does on the torch engine, the multi-turn one as each
+trajectory ends) has them scored while the rest generate.
 Sampling seeds derive from (rollout seed, rollout id, refill round, prompt), so a resumed run draws
 exactly what the uninterrupted run drew. Advantages are not computed here (the Trainer's `score`
 step does it with the configured estimator); groups stay contiguous and in prompt order.

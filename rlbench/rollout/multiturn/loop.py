@@ -17,12 +17,16 @@ output. `metadata` gains `turns`, `tool_calls` (turn, name, arguments, error kin
 
 A malformed call, an unknown tool, bad arguments, a tool that raises or hangs: each is an observation naming the
 problem, and the model goes on. Samples of a round run in waves that fit the engine's free KV slots.
+
+A sample is final the moment its trajectory ends (a final answer, a budget, the last turn): it becomes its `Sample`
+then, and goes to `args.on_sample` at once, so the manager scores it while the rest of its wave still runs turns
+and tools. The returned groups hold those same objects, in item order.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from rlbench.engine.protocol import Generation, SamplingParams, Session, supports_sessions
@@ -47,6 +51,8 @@ class Trajectory:
 
     item: object
     seed: int
+    index: int
+    """The sample's place in the round, `i * n + j` (what `args.on_sample` gets)."""
     session: Session | None = None
     weight_version: int = 0
     tool_calls: list[dict] = field(default_factory=list)
@@ -69,21 +75,26 @@ def generate(args: GenerateArgs, items: Sequence, sampling: SamplingParams, seed
     if wave < 1:
         raise ValueError(f"a group of n={n} samples needs {n} free KV slots for its sessions, the engine has "
                          f"{engine.free_slots}; raise engine.num_slots")
-    flat: list[Sample] = []
+    flat: list[Sample | None] = [None] * (len(items) * n)
+
+    def done(traj: Trajectory) -> None:  # the trajectory ended: its Sample now, scored while the wave goes on
+        flat[traj.index] = to_sample(traj, args.tokenizer)
+        if args.on_sample is not None:
+            args.on_sample(traj.index, flat[traj.index])
+
     for start in range(0, len(items), wave):
         part = list(range(start, min(start + wave, len(items))))
-        trajs = [Trajectory(items[i], int(seeds[i]) + j) for i in part for j in range(n)]
-        _run_wave(args, tools, trajs, [items[i].prompt_token_ids for i in part], [seeds[i] for i in part], sampling)
-        for k, traj in enumerate(trajs):
-            flat.append(to_sample(traj, args.tokenizer))
-            if args.on_sample is not None:
-                args.on_sample(start * n + k, flat[-1])
+        trajs = [Trajectory(items[i], int(seeds[i]) + j, i * n + j) for i in part for j in range(n)]
+        _run_wave(args, tools, trajs, [items[i].prompt_token_ids for i in part], [seeds[i] for i in part], sampling,
+                  done)
+    assert all(s is not None for s in flat), "every trajectory of every wave ends with a finish"
     return [flat[i * n : (i + 1) * n] for i in range(len(items))]
 
 
 def _run_wave(args: GenerateArgs, tools: dict[str, Tool], trajs: list[Trajectory], prompts: list, seeds: list,
-              sampling: SamplingParams) -> None:
-    """Every turn of `trajs` (the samples of `prompts`, n each); leaves each with a `finish` and no open session."""
+              sampling: SamplingParams, done: Callable[[Trajectory], None]) -> None:
+    """Every turn of `trajs` (the samples of `prompts`, n each); leaves each with a `finish` and no open session.
+    `done(traj)` is called once per trajectory, when it ends (its session is complete then, though still open)."""
     engine, mt, tokenizer = args.engine, args.cfg.multiturn, args.tokenizer
     total = sampling.max_new_tokens
     per_turn = min(mt.max_turn_tokens or total, total)
@@ -92,8 +103,13 @@ def _run_wave(args: GenerateArgs, tools: dict[str, Tool], trajs: list[Trajectory
     live = list(zip(trajs, gens))
     try:
         for t in range(1, mt.max_turns + 1):
-            calls = [(traj, call) for traj, gen in live if (call := _after_turn(traj, gen, sampling, per_turn, total,
-                                                                                 tokenizer, last=t == mt.max_turns))]
+            calls = []
+            for traj, gen in live:
+                call = _after_turn(traj, gen, sampling, per_turn, total, tokenizer, last=t == mt.max_turns)
+                if call is None:
+                    done(traj)
+                else:
+                    calls.append((traj, call))
             if not calls:
                 break
             pending, observations = [], []
@@ -105,6 +121,7 @@ def _run_wave(args: GenerateArgs, tools: dict[str, Tool], trajs: list[Trajectory
                                 add_special_tokens=False)["input_ids"]
                 if len(traj.session.response_ids) + len(obs) >= total:  # no room to sample after it
                     traj.finish = "total_budget"
+                    done(traj)
                 else:
                     pending.append(traj)
                     observations.append(obs)
