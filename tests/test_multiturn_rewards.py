@@ -91,7 +91,7 @@ def test_a_sample_that_answers_is_scored_while_its_wave_still_runs_tools(tmp_pat
     assert len(direct) == len(tooled) == early and len(done) == early  # each sample scored once
     assert max(direct) < min(done), log  # the answers were scored before any tool of their wave returned
     assert max(done) < min(tooled), log
-    assert batch.metrics["rollout/raw_reward"] == 1.0 and batch.metrics["perf/reward_wait_time"] >= 0.0
+    assert batch.metrics["rollout/raw_reward"] == 1.0
 
 
 KINDS = ("answer", "wrong", "calculator", "malformed", "unknown", "raises", "chatty", "long")
