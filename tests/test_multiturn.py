@@ -128,7 +128,7 @@ def test_the_default_is_single_turn_and_a_custom_function_gets_the_round(tmp_pat
     ("no_such_module_xyz:generate", r"cannot import module 'no_such_module_xyz'"),
     ("rlbench.rollout.multiturn:generat", r"has no callable 'generat' \(did you mean 'generate'"),
     ("rlbench.rollout.multiturn:TOOLS", r"has no callable 'TOOLS'"),
-    ("rlbench.rollout.generate:to_sample", r"must take \(args, items, sampling, seeds\)"),
+    ("rlbench.rollout.generate:cut_at", r"must take \(args, items, sampling, seeds\)"),
     ("test_multiturn:async_generate", r"is an async function; define it with plain `def`"),
 ])
 def test_a_bad_generate_path_fails_when_the_manager_is_built(tmp_path, tok, path, match):
