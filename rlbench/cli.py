@@ -1,6 +1,7 @@
 """`rlbench train|sft|demo|bench|experiment ...`: slime-named flags generated from the config dataclasses.
 
     python -m rlbench.cli demo                          # SFT warm start (cached) + GRPO on arithmetic (make run)
+    python -m rlbench.cli demo --seed 1                 # the same warm start, other rollout draws and prompt order
     rlbench train --preset cpu_demo --num-rollout 5 --lr 1e-4   # the same warm start, 5 steps
     rlbench train --hf-checkpoint DIR --prompt-data mine.jsonl --eval-prompt-data held_out.jsonl --eval-interval 5
     rlbench train --preset cpu_demo --print-config      # the resolved RunConfig as JSON
@@ -19,7 +20,8 @@ the chosen preset; `build_parser()` and `FLAG_NAMES` are the single source, so n
 Parsing imports no torch (`--help` and a bad flag answer in a fraction of a second). A mistake is one line
 naming the flag and the fix (an unknown flag gets "did you mean"; config errors are reworded from field
 names to flags, `engine.max_seq_len` -> `--engine-max-seq-len`); `--debug` shows the traceback instead.
-Each run writes its metrics to a fresh `runs/<preset>-<time>/` (`--run-dir` to choose).
+Each run writes its metrics to a fresh `runs/<preset>-<time>/` (`--run-dir` to choose), and with two evals or
+more a `curve.png` of held-out pass@k beside them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import ast
 import dataclasses
 import difflib
 import functools
+import inspect
 import json
 import os
 import re
@@ -387,7 +390,10 @@ def preset_config(args: argparse.Namespace, model: str | None = None):
     if model is None:
         model = (args.sft_dir or presets.demo_sft_dir()) if args.preset in CPU_PRESETS else "qwen3-0.6b-shape"
     workdir = getattr(args, "run_dir", None) or presets.new_run_dir(args.preset.replace("_", "-"))
-    return apply_flags(getattr(presets, args.preset)(model=model, workdir=workdir), args)
+    preset = getattr(presets, args.preset)
+    # --seed also seeds a task preset's rollouts (sampling and prompt order), so that it picks another RL run.
+    seeded = {"seed": args.seed} if "seed" in vars(args) and "seed" in inspect.signature(preset).parameters else {}
+    return apply_flags(preset(model=model, workdir=workdir, **seeded), args)
 
 
 def check_quickstart_paths(args: argparse.Namespace) -> None:
@@ -496,12 +502,16 @@ def ensure_sft(args: argparse.Namespace) -> str:
 
 def run_train(cfg) -> dict:
     """Build the trainer of `cfg.cluster.backend`, train `num_rollout` steps, print a summary; returns the last metrics."""
+    from rlbench.curve_png import write_run_curve
     from rlbench.orchestration import build_trainer
 
     trainer = build_trainer(cfg)
     trainer.fit()
     summary = summarize_run(trainer)
     print(json.dumps(summary, indent=1), flush=True)
+    curve = write_run_curve(trainer)
+    if curve:
+        print(f"[rlbench] curve -> {curve}", flush=True)
     trainer.close()
     return summary
 

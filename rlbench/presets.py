@@ -118,12 +118,14 @@ def _task_run(model: str, task: TaskConfig, *, device: str, param_dtype: str, wo
     return RunConfig(**(parts | sections))
 
 
-def cpu_demo(model: str | None = None, workdir: str | None = None) -> RunConfig:
+def cpu_demo(model: str | None = None, workdir: str | None = None, *, seed: int = 0) -> RunConfig:
     """GRPO on 1-digit arithmetic from the SFT-warmed `small` model (`make run`): 60 steps, a few s each on 2 CPU cores.
 
     Args:
         model: HF directory or model preset; None: the demo's warm start (`demo_warm_start()`, built on first use).
         workdir: where the metrics go (`metrics.jsonl`); None: a fresh `new_run_dir("demo")`.
+        seed: the RL's sampling seeds and prompt order (`rollout.seed`, `data.seed`). The warm start, the eval
+            prompts and the eval draws are the same for every seed: seeds compare RL runs from one start.
 
     The eval prompts are the SFT's held-out split (`DEMO_SFT` uses the same task, level, n_eval, seed); the task
     files are generated once into the cache.
@@ -133,7 +135,8 @@ def cpu_demo(model: str | None = None, workdir: str | None = None) -> RunConfig:
     task = TaskConfig(name="arithmetic", level=1, n_eval=32, out_dir=os.path.join(cache_dir(), "data"))
     return _task_run(
         model, task, device="cpu", param_dtype="fp32", workdir=workdir,
-        rollout=RolloutConfig(rollout_batch_size=16, n_samples_per_prompt=8, max_response_len=12, temperature=1.0),
+        rollout=RolloutConfig(rollout_batch_size=16, n_samples_per_prompt=8, max_response_len=12, temperature=1.0,
+                              seed=seed),
         batch=BatchConfig(global_batch_size=64, use_dynamic_batch_size=True, max_tokens_per_gpu=1024, num_rollout=60),
         loss=LossConfig(advantage_estimator="grpo", eps_clip=0.2, eps_clip_high=0.28),
         optim=OptimConfig(lr=2e-4, betas=(0.9, 0.98), clip_grad=1.0),
