@@ -261,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="where this run writes its metrics (default: a fresh runs/<preset>-<time>/)")
         p.add_argument("--adam-beta1", type=float, help="AdamW beta1")
         p.add_argument("--adam-beta2", type=float, help="AdamW beta2")
+        if name == "demo":
+            p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: min(2, the cores); "
+                           "the demo's timings are for 2 idle cores)")
         if name != "quickstart":  # quickstart starts from your model: no warm start
             p.add_argument("--sft-steps", type=int, default=None, help="SFT warm-start max steps (when it is "
                            "built: cpu presets without --hf-checkpoint, bench)")
@@ -595,7 +598,9 @@ def run_command(args: argparse.Namespace) -> int:
     if args.command == "demo":
         import torch
 
-        torch.set_num_threads(min(2, os.cpu_count() or 1))
+        if args.threads is not None and args.threads < 1:
+            raise ValueError(f"--threads {args.threads} must be >= 1")
+        torch.set_num_threads(args.threads or min(2, os.cpu_count() or 1))
     if not derived and model is None and args.preset in CPU_PRESETS and not args.print_config:
         model = ensure_sft(args)
     elif model is None and args.command == "bench":

@@ -154,5 +154,5 @@ def test_print_config_without_a_warm_start_builds_nothing(capsys, tmp_path, monk
     monkeypatch.setenv("RLBENCH_CACHE", str(tmp_path / "cache"))
     assert main(["train", "--preset", "cpu_demo", "--print-config"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["backend"]["model"] == str(tmp_path / "cache" / "sft-small-arith1")
+    assert out["backend"]["model"] == str(tmp_path / "cache" / presets.DEMO_SFT_NAME)
     assert not (tmp_path / "cache").exists()

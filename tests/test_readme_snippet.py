@@ -1,6 +1,6 @@
 """The README's first Python block, run as a new user would: a fresh process in an empty directory, with an
-empty cache. The one deviation: the demo's SFT warm start is built with 2 steps instead of ~120 first (the
-README's `cpu_demo()` builds the full one, about 40 s on 2 cores), so the block then finds it in the cache."""
+empty cache. The one deviation: the demo's SFT warm start is built with 2 steps instead of 80 first (the
+README's `cpu_demo()` builds the full one, about 30 s on 2 cores), so the block then finds it in the cache."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import os
 import pathlib
 import subprocess
 import sys
+
+from rlbench import presets
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -42,10 +44,10 @@ def test_readme_snippet_runs_in_an_empty_directory(tmp_path):
     proc = subprocess.run([sys.executable, "-c", PRELUDE + snippet + REPORT], cwd=work, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"[rlbench] SFT warm start -> {cache / 'sft-small-arith1'}" in proc.stdout
+    assert f"[rlbench] SFT warm start -> {cache / presets.DEMO_SFT_NAME}" in proc.stdout
     report = json.loads(proc.stdout.split("REPORT ", 1)[1])
-    assert report["model"] == str(cache / "sft-small-arith1")
-    assert (cache / "sft-small-arith1" / "config.json").is_file()
+    assert report["model"] == str(cache / presets.DEMO_SFT_NAME)
+    assert (cache / presets.DEMO_SFT_NAME / "config.json").is_file()
     assert report["cwd"] == ["runs"]  # the run's metrics, nothing else, in the user's directory
     assert report["jsonl"].startswith(os.path.join("runs", "demo-"))
     assert (work / report["jsonl"]).is_file()
