@@ -1,6 +1,6 @@
 """The README's first Python block, run as a new user would: a fresh process in an empty directory, with an
-empty cache. The one deviation: the demo's SFT warm start is built with 2 steps instead of 80 first (the
-README's `cpu_demo()` builds the full one, about 30 s on 2 cores), so the block then finds it in the cache."""
+empty cache. The one deviation: the demo's SFT warm start is built with 2 steps instead of 100 first (the
+README's `cpu_demo()` builds the full one, about 40 s on 2 cores), so the block then finds it in the cache."""
 
 from __future__ import annotations
 
