@@ -386,9 +386,12 @@ def apply_flags(cfg, args: argparse.Namespace):
 def preset_config(args: argparse.Namespace, model: str | None = None):
     """The preset's RunConfig with the flags applied. The model: `model`, else `--hf-checkpoint`, else the
     demo's warm start directory for a cpu preset (not built here) or the preset's model shape; the metrics go
-    to `--run-dir` or a fresh `runs/<preset>-<time>/`."""
+    to `--run-dir` or a fresh `runs/<preset>-<time>/`. `train` without `--preset` is `cpu_demo` here (the derived
+    config is `quickstart_config`)."""
     from rlbench import presets
 
+    if args.preset is None:
+        args.preset = "cpu_demo"
     model = model or getattr(args, "hf_checkpoint", None)
     if model is None:
         model = (args.sft_dir or presets.demo_sft_dir()) if args.preset in CPU_PRESETS else "qwen3-0.6b-shape"
