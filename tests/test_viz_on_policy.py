@@ -169,7 +169,9 @@ def test_table_html_and_cell_formats():
     assert "×2.00" in html and f"{number}0.007<" in html and f"{number}–</td>" in html
     assert html.startswith("<div class='rlbench-table-box' style='overflow-x:auto")  # wide tables scroll
     long = table_html([{"evidence": "ran: " + "tests/x.py::test_y " * 5, "n": 1}], [("evidence", "e"), ("n", "n")])
-    assert "text-align:left;white-space:normal;min-width:8em;max-width:28em'>ran: tests" in long  # text wraps
+    assert "text-align:left;white-space:normal;overflow-wrap:anywhere;min-width:8em;max-width:28em'>ran: tests" in long
+    folded = table_html([{"evidence": "yes (ran: " + "x" * 50 + ")"}], [("evidence", "e")], fold_chars=12)
+    assert "<details><summary>yes (ran: xx…</summary>yes (ran: " + "x" * 50 + ")</details>" in folded
     assert format_value(0.0) == "0" and format_value(None) == "–" and format_value(12345.6) == "12,346"
     assert format_value(8.3e-8) == "8.30e-08"
     assert format_value(3, "steps") == "3" and format_value(0.25, "step_time_s_x") == "×0.25"

@@ -303,24 +303,34 @@ TEXT_CELL_WIDTH_EM = 28  # a long text cell wraps at this width instead of widen
 CELL = "padding:2px 8px;vertical-align:top"
 
 
-def table_html(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str]]) -> str:
+def table_html(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str]], *,
+               fold_chars: int | None = None) -> str:
     """An HTML table of `rows` with the `(key, header)` columns; columns no row has are left out.
 
-    Numbers are right-aligned; text cells are left-aligned and wrap (at most `TEXT_CELL_WIDTH_EM` wide). The
-    table sits in a horizontally scrolling box, so a wide one scrolls instead of being clipped at the right.
+    Numbers are right-aligned; text cells are left-aligned and wrap (at most `TEXT_CELL_WIDTH_EM` wide, long
+    names broken anywhere). The table sits in a horizontally scrolling box, so a wide one scrolls instead of
+    being clipped at the right. `fold_chars`: a text cell longer than that shows its first `fold_chars`
+    characters and unfolds to the whole text on a click (a `<details>`), which keeps a wordy table short.
     """
     cols = [(k, h) for k, h in columns if any(k in r for r in rows)]
     text = {k for k, _ in cols if any(isinstance(r.get(k), str) and len(r[k]) > 12 for r in rows)}
 
     def style(k: str) -> str:
         if k in text:
-            return f"{CELL};text-align:left;white-space:normal;min-width:8em;max-width:{TEXT_CELL_WIDTH_EM}em"
+            return (f"{CELL};text-align:left;white-space:normal;overflow-wrap:anywhere;min-width:8em;"
+                    f"max-width:{TEXT_CELL_WIDTH_EM}em")
         return f"{CELL};text-align:right;white-space:nowrap"
+
+    def cell(value: Any, k: str) -> str:
+        shown = format_value(value, k)
+        if fold_chars is None or k not in text or len(shown) <= fold_chars:
+            return html.escape(shown)
+        return (f"<details><summary>{html.escape(shown[:fold_chars].rstrip())}…</summary>"
+                f"{html.escape(shown)}</details>")
 
     head = "".join(f"<th style='{style(k)}'>{html.escape(h)}</th>" for k, h in cols)
     body = "".join(
-        "<tr>" + "".join(f"<td style='{style(k)}'>{html.escape(format_value(r.get(k), k))}</td>" for k, _ in cols)
-        + "</tr>"
+        "<tr>" + "".join(f"<td style='{style(k)}'>{cell(r.get(k), k)}</td>" for k, _ in cols) + "</tr>"
         for r in rows)
     return (f"<div class='rlbench-table-box' style='overflow-x:auto;max-width:100%'><table class='rlbench-table'>"
             f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>")
