@@ -238,28 +238,38 @@ def _use_selection_widgets(page, name: str) -> int:
     return used
 
 
-FIGURE_HEIGHTS_JS = "() => [...document.querySelectorAll('.js-plotly-plot')].map(e => e.getBoundingClientRect().height)"
+FIGURE_HEIGHTS_JS = """() => {
+  const heights = [];
+  for (const o of document.querySelectorAll('.jp-OutputArea-output')) {
+    if (o.classList.contains('js-plotly-plot')) {  // a static figure output, drawn
+      heights.push(o.getBoundingClientRect().height);
+      continue;
+    }
+    const plots = o.querySelectorAll('.js-plotly-plot');  // figures inside widgets
+    const img = o.querySelector('img.plot-img');  // a static figure of a reloaded notebook: its PNG snapshot
+    if (!plots.length && img) heights.push(img.getBoundingClientRect().height);
+    for (const p of plots) heights.push(p.getBoundingClientRect().height);
+  }
+  return heights.map(Math.round);
+}"""
 
 
 def _save_reload_and_check_figures(page, name: str) -> None:
-    """Saves, reloads the page (the kernel and its widgets live on) and checks every figure has a height."""
-    before = len(page.evaluate(FIGURE_HEIGHTS_JS))
+    """Saves, reloads the page (the kernel and its widget models live on) and checks that every figure is back,
+    each at the height it had (never 0)."""
+    before = page.evaluate(FIGURE_HEIGHTS_JS)
     page.locator(".jp-Notebook").first.click(position={"x": 5, "y": 5})
     page.keyboard.press("Control+s")
     page.wait_for_function("() => !document.querySelector('.jp-mod-dirty')", timeout=30_000)
     page.reload()
     page.wait_for_function(f"() => document.querySelectorAll('.jp-CodeCell').length === {_n_code_cells(name)}",
                            timeout=60_000)
-    try:
-        page.wait_for_function(f"() => document.querySelectorAll('.js-plotly-plot').length >= {before}",
-                               timeout=60_000)
-    except Exception:  # noqa: BLE001 - report what came back
-        _shot(page, f"{name}-reload")
-        pytest.fail(f"{name}: {len(page.evaluate(FIGURE_HEIGHTS_JS))} of {before} figures came back after a reload")
-    time.sleep(2)  # let the widget views lay out
-    heights = page.evaluate(FIGURE_HEIGHTS_JS)
+    deadline = time.time() + 90
+    while (after := page.evaluate(FIGURE_HEIGHTS_JS)) != before and time.time() < deadline:
+        time.sleep(1)  # widget views come back once the kernel's models are fetched
     _shot(page, f"{name}-after-reload")
-    assert heights and min(heights) > 0, f"{name}: figure heights after a reload {heights}"
+    assert before and min(before) > 0, f"{name}: figure heights before the reload {before}"
+    assert after == before, f"{name}: figure heights {before} before a reload, {after} after"
 
 
 @pytest.mark.parametrize("notebook", [n for n in NOTEBOOKS if not n.startswith("01_")])

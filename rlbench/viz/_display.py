@@ -12,6 +12,7 @@ the last one always lands (a timer flushes it). Updates are trait assignments, s
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import threading
@@ -138,4 +139,9 @@ class FigureView:
                             dst[prop] = src[prop]
             if layout != self._pushed_layout:
                 fw.layout = fig.layout
-                self._pushed_layout = layout
+        # plotly stores a FigureWidget's state for new views (a page reload) only when it is built or displayed
+        # itself, never inside a VBox; the messages above reach only the views open now. Store what they show.
+        fw._widget_data = copy.deepcopy(fw._data)
+        if layout != self._pushed_layout:
+            fw._widget_layout = copy.deepcopy(fw._layout_obj._props)
+            self._pushed_layout = layout
