@@ -172,7 +172,7 @@ def test_figure_widget_backend_restyles_in_place():
     view.refresh()
     assert [t.uid for t in fw.data] == uids and fw.data[0].y == (1, 5) and fw.data[1].y == (2,)  # same traces
     # the stored state a reloaded page draws from follows too (plotly itself stores it only when built)
-    assert [t["y"] for t in fw._widget_data] == [(1, 5), (2,)] and fw._widget_layout["height"] == 300
+    assert [list(t["y"]) for t in fw._widget_data] == [[1, 5], [2]] and fw._widget_layout["height"] == 300
     view.figure = go.Figure(go.Bar(x=[1], y=[1], name="c"), layout={"height": 200})
     view.refresh()  # another set of traces: rebuilt
     assert [t.name for t in fw.data] == ["c"] and fw.layout.height == 200 and fw._widget_layout["height"] == 200
