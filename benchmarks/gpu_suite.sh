@@ -16,8 +16,11 @@
 #   top      the true on-policy GPU tests (engine vs trainer bit for bit, kernels), the no-host-sync train test, then the mode beside the defaults
 #            with each one's rollout and train phase profiled (`--profile`)
 #   top4b    the mode beside the defaults at the 4B shape through the real loop (bits and cost)
-#   notebooks  every notebook under nbval with RLBENCH_SMOKE=0: the `%%gpu_only` cells run (they skip on a CPU)
-#            and the live cells use the Qwen3-0.6B shape; needs the notebook wheels below in .whl/
+#   notebooks  the notebooks under nbval with RLBENCH_SMOKE=0, one after the other, 4 min each at most (04's 500-step
+#            SFT warm start takes minutes): all of them, or those whose names start with $NOTEBOOKS ("01 02 03"), so
+#            they can be spread over calls;
+#            the `%%gpu_only` cells run (they skip on a CPU) and the live cells use the Qwen3-0.6B shape; needs the
+#            notebook wheels below in .whl/
 # Two-GPU parts (a 2-GPU kind):
 #   cp2      issue 31: the 4B cp-oom sweep with AC, emulated on GPU0 (the one-GPU prediction), then real on both GPUs
 #            (torchrun: cp1 = dp2, cp2 = dp1 x cp2), then a 3-step GRPO loop at cp=2 with 8k responses (Ray, colocated)
@@ -106,8 +109,9 @@ for part in "$@"; do case $part in
           --colocate --metrics-jsonl $OUT/megatron_ray_coloc.jsonl"
         run megatron_ray_disagg 0,1 "$(lim 150)" "$common --actor-num-gpus-per-node 1 --no-colocate --rollout-num-gpus 1 \
           --metrics-jsonl $OUT/megatron_ray_disagg.jsonl" ;;
-  notebooks) run notebooks 0 "$(lim 560)" "RLBENCH_SMOKE=0 python3 -m pytest -q -p no:cacheprovider --nbval-lax \
-               --nbval-cell-timeout 420 notebooks" ;;
+  notebooks) for nb in $(for n in ${NOTEBOOKS:-0}; do ls notebooks/"$n"*.ipynb; done); do  # one limit each
+               run "nb_$(basename "$nb" .ipynb)" 0 "$(lim 240)" "RLBENCH_SMOKE=0 python3 -m pytest -q -p no:cacheprovider \
+                 --nbval-lax --nbval-cell-timeout 230 $nb"; done ;;
   gputests) run gputests 0 "$(lim 240)" "python3 -m pytest -q -m gpu tests/test_rollout_gpu.py tests/test_fsdp_gpu.py tests/test_e2e_gpu.py" ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac; done

@@ -190,13 +190,15 @@ def _wait_status(page, controller, pattern: str, name: str, timeout_s: float = S
         time.sleep(0.3)
 
 
-def _press_controller_buttons(page, name: str) -> None:
-    """Each StepController: Rollout, Train, Sync (each waits for its status), then Step (+1 step done)."""
+def _press_controller_buttons(page, name: str, sub_steps: bool = True) -> None:
+    """Each StepController: Rollout, Train, Sync (each waits for its status; `sub_steps`), then Step (+1 step)."""
     controllers = page.locator(".jp-OutputArea-output", has=page.locator(".rlbench-status"))
     for i in range(controllers.count()):
         c = controllers.nth(i)
         c.scroll_into_view_if_needed()
         for label, done in (("Rollout", r"^rollout done"), ("Train", r"^train done"), ("Sync", r"^weights synced")):
+            if not sub_steps:
+                break
             c.get_by_role("button", name=label, exact=True).click()
             _wait_status(page, c, done, name)
         before = _steps_done(c)
@@ -277,7 +279,7 @@ def test_notebook_runs_all_widgets_and_reload(lab, browser, notebook):
     page = _open_and_run_all(browser, lab, notebook)
     _shot(page, f"{notebook}-after-run-all")
     used = _use_selection_widgets(page, notebook)
-    _press_controller_buttons(page, notebook)
+    _press_controller_buttons(page, notebook, sub_steps=False)  # the same widget as 01's, whose sub-steps run there
     if notebook.startswith("02_"):
         inspector = page.locator(".jp-OutputArea-output", has=page.locator(".rlbench-packing-summary")).first
         assert used >= 8 and "micro-batches/rank" in inspector.inner_text()
@@ -301,18 +303,18 @@ def _dashboard_state(page) -> tuple[int, int]:
     return steps, page.evaluate(REWARD_POINTS_JS)
 
 
-def _run_n_then_stop(page, controller) -> None:
-    """A 100-step Run N: the page answers within a second throughout; Stop ends it within 2 steps."""
+def _run_n_then_stop(page, controller, steps_before_stop: int) -> None:
+    """A 100-step Run N: the page answers within 2 s throughout; Stop ends it within 2 steps of the click."""
     controller.locator("input[type='number']").fill("100")
     controller.locator("input[type='number']").press("Enter")
     start = _steps_done(controller)
     controller.get_by_role("button", name="Run N", exact=True).click()
-    slowest, deadline = 0.0, time.time() + 3 * STEP_TIMEOUT_S
-    while _steps_done(controller) < start + 3:  # the page answers a script call promptly while steps stream in
+    slowest, deadline = 0.0, time.time() + steps_before_stop * STEP_TIMEOUT_S
+    while _steps_done(controller) < start + steps_before_stop:  # the page answers promptly while steps stream in
         t0 = time.perf_counter()
         page.evaluate("() => document.querySelectorAll('.js-plotly-plot').length")
         slowest = max(slowest, time.perf_counter() - t0)
-        assert time.time() < deadline, f"Run N did 3 steps in {3 * STEP_TIMEOUT_S}s: {_steps_done(controller) - start}"
+        assert time.time() < deadline, f"Run N did {_steps_done(controller) - start} steps of {steps_before_stop}"
         time.sleep(0.2)
     clicked_at = _steps_done(controller)
     controller.get_by_role("button", name="Stop", exact=True).click()
@@ -338,13 +340,14 @@ def test_setup_notebook_dashboard_follows_steps_stop_and_reload(lab, browser):
             pytest.fail(f"dashboard at {_dashboard_state(page)} after Step (was {steps0, points0})")
         time.sleep(0.3)
     _use_selection_widgets(page, "01_setup.ipynb")  # the rollout viewer's group and colour controls
-    _run_n_then_stop(page, controller)
+    # for the README's screenshots (RLBENCH_DOCS_IMG=1) the run goes on long enough to show the reward rising
+    _run_n_then_stop(page, controller, steps_before_stop=25 if os.environ.get("RLBENCH_DOCS_IMG") == "1" else 2)
     steps, points = _dashboard_state(page)
     deadline = time.time() + 10
     while points != steps and time.time() < deadline:
         time.sleep(0.3)
         steps, points = _dashboard_state(page)
-    assert points == steps > steps0 + 3  # the last throttled update landed
+    assert points == steps >= steps0 + 3  # the last throttled update landed
 
     dashboard = page.locator(".jp-OutputArea-output", has=page.locator(".rlbench-steps")).first
     viewer = page.locator(".jp-OutputArea-output", has=page.locator(".rlbench-rollout-summary")).first
