@@ -154,7 +154,7 @@ def test_history_row_skips_the_warmup_and_the_cost_table_renders():
     assert history_row(hist[:1], preset="t", mode="default")["step_time_s"] == 9.0  # too short: all steps
     html = table_html(cost_table(GPU_JSON), COST_COLUMNS)
     assert html.count("<tr>") == 1 + len(GPU_JSON["rows"])
-    assert "×2.00" in html and ">0.007<" in html and "<td style='text-align:right;padding:2px 8px'>–</td>" in html
+    assert "×2.00" in html and ">0.007<" in html and "text-align:right;white-space:nowrap'>–</td>" in html
     assert all(header in html for _, header in COST_COLUMNS)
 
 
