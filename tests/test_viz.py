@@ -58,6 +58,9 @@ class FakeTrainer:
         self.last_rollout = make_samples()
         return self.last_rollout
 
+    def score(self, batch):
+        self.calls.append(f"score({len(batch)})")
+
     def train_step(self, batch):
         self.calls.append(f"train({len(batch)})")
         return {"train/loss": 0.5}
@@ -232,7 +235,7 @@ def test_controller_sub_steps_call_trainer():
     c.rollout()
     assert c.train() == {"train/loss": 0.5}
     c.sync()
-    assert trainer.calls == ["rollout", "train(4)", "sync"]
+    assert trainer.calls == ["rollout", "score(4)", "train(4)", "sync"]  # Rollout scores: Train has advantages
     with pytest.raises(TypeError, match="callable"):
         c.on_step(3)
 

@@ -178,6 +178,9 @@ class TrainerGroup:
 
     def rollout(self) -> GroupRollout:
         batches = {name: t.rollout() for name, t in self.trainers.items()}
+        for name, t in self.trainers.items():  # rewards and group advantages, as StepController.rollout does
+            if hasattr(t, "score"):
+                t.score(batches[name])
         return GroupRollout(batches, [s for b in batches.values() for s in getattr(b, "samples", [])])
 
     @property
