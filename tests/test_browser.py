@@ -35,6 +35,8 @@ DOCS_IMG = ROOT / "docs" / "img"
 CHROMIUM = os.environ.get("PLAYWRIGHT_CHROMIUM_EXECUTABLE") or shutil.which("chromium") or "/usr/bin/chromium"
 NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
 RUN_ALL_TIMEOUT_S = 480
+# 06 trains its 400-step calculator SFT warm start live: ~20 min on a loaded 2-core box (docs/log/2026-12.md)
+RUN_ALL_TIMEOUT_S_OF = {"06_tool_use.ipynb": 2400}
 STEP_TIMEOUT_S = 240
 STOP_WITHIN_STEPS = 2
 # the longest a script call may wait on the page during a Run N: the kernel, the server and chromium share 2 busy
@@ -162,7 +164,8 @@ def _open_and_run_all(browser, url: str, notebook: str):
     page = _open(browser, url, notebook)
     n_code = _n_code_cells(notebook)
     _run_all(page, notebook)
-    deadline = time.time() + RUN_ALL_TIMEOUT_S
+    limit = RUN_ALL_TIMEOUT_S_OF.get(notebook, RUN_ALL_TIMEOUT_S)
+    deadline = time.time() + limit
     while True:  # done when every code cell shows an execution number
         _check_no_error_output(page, notebook)
         done = [p for p in _prompts(page) if p.startswith("[") and p[1:-2].strip().isdigit()]
@@ -170,7 +173,7 @@ def _open_and_run_all(browser, url: str, notebook: str):
             return page
         if time.time() > deadline:
             _shot(page, f"{notebook}-timeout")
-            pytest.fail(f"{notebook}: {len(done)}/{n_code} cells ran in {RUN_ALL_TIMEOUT_S}s; prompts {_prompts(page)}")
+            pytest.fail(f"{notebook}: {len(done)}/{n_code} cells ran in {limit}s; prompts {_prompts(page)}")
         time.sleep(1)
 
 
@@ -273,7 +276,7 @@ def _save_reload_and_check_figures(page, name: str) -> None:
     while (after := page.evaluate(FIGURE_HEIGHTS_JS)) != before and time.time() < deadline:
         time.sleep(1)  # widget views come back once the kernel's models are fetched
     _shot(page, f"{name}-after-reload")
-    assert before and min(before) > 0, f"{name}: figure heights before the reload {before}"
+    assert min(before, default=1) > 0, f"{name}: figure heights before the reload {before}"  # 07 draws none
     assert after == before, f"{name}: figure heights {before} before a reload, {after} after"
 
 
