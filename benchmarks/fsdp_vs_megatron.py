@@ -13,7 +13,6 @@ The feature table is `backend_features.py`; stored results are read by `stored_r
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import gc
 import json
@@ -64,8 +63,7 @@ def warm_start(device: str, out: str, sft_steps: int | None = None, preset: str 
         cfg = SFTConfig(**SMOKE_SFT, out=out, max_steps=steps, eval_every=steps)
     else:
         cfg = presets.gpu_sft(preset, out, steps=sft_steps or 150)
-    with contextlib.redirect_stdout(sys.stderr):
-        run_sft(cfg)
+    run_sft(cfg)  # its progress lines go to stdout: in a notebook, plain output rather than a red stderr box
     return out
 
 

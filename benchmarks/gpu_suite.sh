@@ -16,6 +16,11 @@
 #   top      the true on-policy GPU tests (engine vs trainer bit for bit, kernels), the no-host-sync train test, then the mode beside the defaults
 #            with each one's rollout and train phase profiled (`--profile`)
 #   top4b    the mode beside the defaults at the 4B shape through the real loop (bits and cost)
+#   notebooks  the notebooks under nbval with RLBENCH_SMOKE=0, one after the other, 4 min each at most (04's 500-step
+#            SFT warm start takes minutes): all of them, or those whose names start with $NOTEBOOKS ("01 02 03"), so
+#            they can be spread over calls;
+#            the `%%gpu_only` cells run (they skip on a CPU) and the live cells use the Qwen3-0.6B shape; needs the
+#            notebook wheels below in .whl/
 # Two-GPU parts (a 2-GPU kind):
 #   cp2      issue 31: the 4B cp-oom sweep with AC, emulated on GPU0 (the one-GPU prediction), then real on both GPUs
 #            (torchrun: cp1 = dp2, cp2 = dp1 x cp2), then a 3-step GRPO loop at cp=2 with 8k responses (Ray, colocated)
@@ -28,6 +33,17 @@
 #   pip download -d .whl --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #     --platform manylinux_2_17_x86_64 --platform any trl==1.16.0 datasets==4.8.5 'dill<0.4.1' 'multiprocess<0.70.19' xxhash \
 #     math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
+# The notebooks part also needs nbval, a kernel, ipywidgets and plotly (+ anywidget for FigureWidget), at the venv's
+# versions, without the machine's own pytest/packaging/typing_extensions:
+#   pip download -d .whl --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#     --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any nbval==0.11.0 coverage==7.18.0 \
+#     nbformat==5.11.1 fastjsonschema==2.22.3 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 \
+#     rpds-py==2026.9.1 attrs==26.1.0 jupyter_client==8.10.0 jupyter_core==5.9.1 platformdirs==4.14.9 \
+#     python-dateutil==4.0.0 pyzmq==27.3.0 tornado==6.6.1 traitlets==5.16.1 ipykernel==7.4.0 comm==0.2.3 \
+#     debugpy==1.8.22 psutil==7.2.2 nest-asyncio2==1.7.4 ipython==9.19.1 ipython_pygments_lexers==1.1.1 jedi==0.20.1 \
+#     parso==0.8.7 matplotlib-inline==0.2.2 prompt_toolkit==3.0.53 wcwidth==0.9.5 pexpect==4.9.0 ptyprocess==0.7.0 \
+#     stack_data==0.6.3 executing==2.3.0 asttokens==3.0.2 pure_eval==0.2.4 pygments==2.21.0 ipywidgets==8.1.9 \
+#     widgetsnbextension==4.0.16 jupyterlab_widgets==3.0.17 plotly==7.1.0 narwhals==2.29.0 anywidget==0.11.0 psygnal==0.16.1
 set -u
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
@@ -93,6 +109,9 @@ for part in "$@"; do case $part in
           --colocate --metrics-jsonl $OUT/megatron_ray_coloc.jsonl"
         run megatron_ray_disagg 0,1 "$(lim 150)" "$common --actor-num-gpus-per-node 1 --no-colocate --rollout-num-gpus 1 \
           --metrics-jsonl $OUT/megatron_ray_disagg.jsonl" ;;
+  notebooks) for nb in $(for n in ${NOTEBOOKS:-0}; do ls notebooks/"$n"*.ipynb; done); do  # one limit each
+               run "nb_$(basename "$nb" .ipynb)" 0 "$(lim 240)" "RLBENCH_SMOKE=0 python3 -m pytest -q -p no:cacheprovider \
+                 --nbval-lax --nbval-cell-timeout 230 $nb"; done ;;
   gputests) run gputests 0 "$(lim 240)" "python3 -m pytest -q -m gpu tests/test_rollout_gpu.py tests/test_fsdp_gpu.py tests/test_e2e_gpu.py" ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac; done

@@ -32,6 +32,24 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 """Where the stored results are."""
 
 
+REPO_DIRS = ("rlbench", "benchmarks", "tests", "examples", "tools", "docs", "notebooks", "data")
+ABS_PATH = re.compile(r"(?<![\w.~:/-])/(?:[\w.+@-]+/)*[\w.+@-]+")
+
+
+def portable_command(text: str) -> str:
+    """A stored command line without the absolute paths of the machine that ran it.
+
+    A path inside a checkout of this repository (`/work/main/rlbench/cli.py`) becomes repository-relative
+    (`rlbench/cli.py`); any other (`/tmp/fvm06`, `/root/out/e2e.json`) keeps its last component only.
+    """
+    def short(m: re.Match) -> str:
+        parts = m.group(0).strip("/").split("/")
+        inside = next((i for i, part in enumerate(parts) if i > 0 and part in REPO_DIRS), None)
+        return "/".join(parts[inside:]) if inside is not None else parts[-1]
+
+    return ABS_PATH.sub(short, text)
+
+
 # ---------------------------------------------------------------------------------------------- finding files
 def newest_result(directory: str | Path, prefix: str) -> Path | None:
     """The newest `<prefix><YYYY-MM-DD>.json` in `directory` (what the benchmarks write by default), or None.

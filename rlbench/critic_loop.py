@@ -68,5 +68,7 @@ class CriticLoop:
         missing); `critic/*` averaged over the steps. `progress` resumes an interrupted call."""
         self._enter("train")
         if batch.returns is None:
+            if self.rank_step.needs_log_probs(batch.old_log_probs, batch.ref_log_probs):
+                self.compute_log_probs(batch)  # KL-in-reward needs every step's old and ref log-probs first
             self.compute_advantages(batch)
         return self.rank_step.train_critic(batch.packs, batch.values, batch.returns, progress)

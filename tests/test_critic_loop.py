@@ -29,3 +29,17 @@ def test_critic_only_steps_leave_the_actor_alone(tmp_path):
     assert both["critic/step"] == 4.0 and both["train/step"] == 2.0 and both["train/grad_norm"] > 0
     assert trainer.policy_version == trainer.version == 2
     assert both["rollout/weight_version"] == 0.0  # the second rollout was still sampled by the starting policy
+
+
+def test_train_step_on_a_fresh_rollout_with_kl_in_reward(tmp_path):
+    """The sub-steps a StepController's Rollout / Train buttons call: `train_step` on a scored rollout whose
+    log-probs nobody computed runs the critic first, whose advantages need KL-in-reward's old and ref log-probs
+    of every step."""
+    cfg = tiny_config(str(tmp_path), critic=True, ref=True)
+    assert cfg.loss.kl_coef != 0
+    trainer = Trainer(cfg)
+    batch = trainer.rollout()
+    trainer.score(batch)
+    metrics = trainer.train_step(batch)
+    assert metrics["critic/grad_norm"] > 0 and metrics["train/grad_norm"] > 0
+    assert all(o is not None for o in batch.old_log_probs) and batch.ref_log_probs is not None

@@ -24,6 +24,7 @@ from stored_results import (  # noqa: E402
     mismatch_summary,
     newest_e2e_with_mode,
     newest_result,
+    portable_command,
 )
 
 from rlbench.viz.on_policy import table_html  # noqa: E402
@@ -153,7 +154,7 @@ def test_history_row_skips_the_warmup_and_the_cost_table_renders():
     assert history_row(hist[:1], preset="t", mode="default")["step_time_s"] == 9.0  # too short: all steps
     html = table_html(cost_table(GPU_JSON), COST_COLUMNS)
     assert html.count("<tr>") == 1 + len(GPU_JSON["rows"])
-    assert "×2.00" in html and ">0.007<" in html and "<td style='text-align:right;padding:2px 8px'>–</td>" in html
+    assert "×2.00" in html and ">0.007<" in html and "text-align:right;white-space:nowrap'>–</td>" in html
     assert all(header in html for _, header in COST_COLUMNS)
 
 
@@ -171,3 +172,12 @@ def test_the_stored_results_the_notebooks_load_are_found_and_read():
     (default, top_row) = e2e_cost_rows(e2e)
     assert top_row["step_time_s"] == e2e["rows"]["rlbench-top"]["steady_step_s"]
     assert default["mode"] == "default" and top_row["mode"] == "true_on_policy"
+
+
+def test_portable_command_drops_machine_paths():
+    cmd = ("python3 /work/main/rlbench/cli.py experiment fsdp-vs-megatron --lr 1e-5 --workdir /tmp/fvm06 "
+           "--out /root/out/fsdp_vs_megatron_2026-12-02_sft500.json --ratio 1/2 http://x/y")
+    assert portable_command(cmd) == (
+        "python3 rlbench/cli.py experiment fsdp-vs-megatron --lr 1e-5 --workdir fvm06 "
+        "--out fsdp_vs_megatron_2026-12-02_sft500.json --ratio 1/2 http://x/y")
+    assert portable_command("benchmarks/mismatch.py --steps 3") == "benchmarks/mismatch.py --steps 3"

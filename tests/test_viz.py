@@ -58,6 +58,9 @@ class FakeTrainer:
         self.last_rollout = make_samples()
         return self.last_rollout
 
+    def score(self, batch):
+        self.calls.append(f"score({len(batch)})")
+
     def train_step(self, batch):
         self.calls.append(f"train({len(batch)})")
         return {"train/loss": 0.5}
@@ -123,6 +126,61 @@ def test_figure_view_backend_validation():
     assert view.widget.outputs[0]["output_type"] == "display_data"
 
 
+def test_figure_view_throttles_streaming_updates_and_lands_the_last():
+    import time
+
+    import plotly.graph_objects as go
+
+    view = FigureView(go.Figure(go.Scatter(x=[0], y=[0])), backend="output", min_interval_s=0.3)
+    assert view.pushes == 1 and view.widget.outputs[0]["data"][PLOTLY_MIME]["layout"]["height"] == 400
+    assert view.widget.outputs[0]["data"][PLOTLY_MIME]["config"]["responsive"] is False  # a reload keeps the height
+    for i in range(1, 20):  # a fast stream: one push now at most, the rest wait for the timer
+        view.figure.data[0].x, view.figure.data[0].y = list(range(i + 1)), list(range(i + 1))
+        view.refresh(throttle=True)
+    assert view.pushes == 1
+    deadline = time.monotonic() + 5
+    while view.pushes < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert view.pushes == 2  # one timer push carried the newest state
+    assert len(view.widget.outputs[0]["data"][PLOTLY_MIME]["data"][0]["x"]) == 20
+    view.refresh()  # a direct refresh (a click, a toggle) is never held back
+    assert view.pushes == 3
+
+
+def test_dashboard_long_run_pushes_a_few_times_not_per_step():
+    d = LiveDashboard(backend="output")
+    d.view.min_interval_s = 3600.0  # a clock-free check: every update lands inside one interval
+    first = d.view.pushes
+    for i in range(100):
+        d.update(metrics(i))
+    assert d.view.pushes == first and d.n_points("reward: train") == 100  # state kept, page not yet redrawn
+    d.view.flush()  # what the timer does at the end of the interval
+    assert d.view.pushes == first + 1
+    spec = d.view.widget.outputs[0]["data"][PLOTLY_MIME]
+    assert [len(t["x"]) for t in spec["data"] if t.get("name") == "reward: train"] == [100]
+    assert spec["layout"]["xaxis"]["dtick"] == 10  # integer step ticks, at most ~10 of them
+
+
+def test_figure_widget_backend_restyles_in_place():
+    pytest.importorskip("anywidget")
+    import plotly.graph_objects as go
+
+    fig = go.Figure([go.Scatter(x=[0], y=[1], name="a"), go.Scatter(x=[0], y=[2], name="b")])
+    fig.update_layout(height=300)
+    view = FigureView(fig, backend="figurewidget", min_interval_s=0)
+    fw = view.widget
+    uids = [t.uid for t in fw.data]
+    assert fw.layout.height == 300 and [t.y for t in fw.data] == [(1,), (2,)]
+    fig.data[0].x, fig.data[0].y = [0, 1], [1, 5]
+    view.refresh()
+    assert [t.uid for t in fw.data] == uids and fw.data[0].y == (1, 5) and fw.data[1].y == (2,)  # same traces
+    # the stored state a reloaded page draws from follows too (plotly itself stores it only when built)
+    assert [list(t["y"]) for t in fw._widget_data] == [[1, 5], [2]] and fw._widget_layout["height"] == 300
+    view.figure = go.Figure(go.Bar(x=[1], y=[1], name="c"), layout={"height": 200})
+    view.refresh()  # another set of traces: rebuilt
+    assert [t.name for t in fw.data] == ["c"] and fw.layout.height == 200 and fw._widget_layout["height"] == 200
+
+
 # ---- StepController ------------------------------------------------------------------------------
 def test_controller_step_fires_callbacks_and_updates_dashboard():
     trainer, d = FakeTrainer(), LiveDashboard(backend="output")
@@ -177,7 +235,7 @@ def test_controller_sub_steps_call_trainer():
     c.rollout()
     assert c.train() == {"train/loss": 0.5}
     c.sync()
-    assert trainer.calls == ["rollout", "train(4)", "sync"]
+    assert trainer.calls == ["rollout", "score(4)", "train(4)", "sync"]  # Rollout scores: Train has advantages
     with pytest.raises(TypeError, match="callable"):
         c.on_step(3)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rlbench.viz import StepController
+from rlbench.viz.figures import step_dtick
 from rlbench.viz.on_policy import (
     RunsView,
     TrainerGroup,
@@ -96,7 +97,19 @@ def test_step_series_x_values_and_missing_keys():
     assert step_series(hist, "a") == ([1.0, 4.0], [1.0, 0.5])
     assert step_series([{"step": 7, "a": 2}, {"a": 3}], "a") == ([7.0, 2.0], [2.0, 3.0])
     fig = metric_curves({"x": hist, "y": [{"b": 1.0}]}, ["a", "b"])
-    assert [(t.name, t.showlegend) for t in fig.data] == [("x", True), ("y", False)]
+    assert [(t.name, t.showlegend) for t in fig.data] == [("x", True), ("y", True)]  # y has no line in "a"
+
+
+def test_metric_curves_name_every_run_once_and_keep_identical_runs_apart():
+    same = [{"rollout/id": float(i), "a": 0.0, "b": 1.0} for i in range(3)]
+    fig = metric_curves({"p": same, "q": same, "r": same[:1]}, ["a", "b"])
+    assert [(t.name, t.showlegend) for t in fig.data] == [("p", True), ("q", True), ("r", True),
+                                                         ("p", False), ("q", False), ("r", False)]
+    styles = {(t.line.dash, t.marker.symbol) for t in fig.data[:3]}
+    assert len(styles) == 3  # identical values, yet three distinguishable lines
+    assert fig.layout.xaxis.dtick == 1 and fig.layout.xaxis2.dtick == 1  # steps 1..3: integer ticks
+    assert step_dtick(3) == 1 and step_dtick(10) == 1 and step_dtick(11) == 2 and step_dtick(100) == 10
+    assert step_dtick(101) == 20 and step_dtick(0) == 1 and step_dtick(240) == 50
 
 
 class FakeTrainer:
@@ -152,7 +165,13 @@ def test_table_html_and_cell_formats():
     html = table_html(rows, [("mode", "mode"), ("step_time_s", "step s"), ("step_time_s_x", "× default"),
                              ("diff", "|diff|"), ("absent", "never shown")])
     assert html.count("<tr>") == 1 + len(rows) and "never shown" not in html  # columns no row has are left out
-    assert "×2.00" in html and ">0.007<" in html and "<td style='text-align:right;padding:2px 8px'>–</td>" in html
+    number = "<td style='padding:2px 8px;vertical-align:top;text-align:right;white-space:nowrap'>"
+    assert "×2.00" in html and f"{number}0.007<" in html and f"{number}–</td>" in html
+    assert html.startswith("<div class='rlbench-table-box' style='overflow-x:auto")  # wide tables scroll
+    long = table_html([{"evidence": "ran: " + "tests/x.py::test_y " * 5, "n": 1}], [("evidence", "e"), ("n", "n")])
+    assert "text-align:left;white-space:normal;overflow-wrap:anywhere;min-width:8em;max-width:28em'>ran: tests" in long
+    folded = table_html([{"evidence": "yes (ran: " + "x" * 50 + ")"}], [("evidence", "e")], fold_chars=12)
+    assert "<details><summary>yes (ran: xx…</summary>yes (ran: " + "x" * 50 + ")</details>" in folded
     assert format_value(0.0) == "0" and format_value(None) == "–" and format_value(12345.6) == "12,346"
     assert format_value(8.3e-8) == "8.30e-08"
     assert format_value(3, "steps") == "3" and format_value(0.25, "step_time_s_x") == "×0.25"

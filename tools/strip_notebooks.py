@@ -4,7 +4,7 @@
     python tools/strip_notebooks.py --check notebooks/*.ipynb  # exit 1 and list the dirty ones
 
 Removes cell outputs, execution counts, widget state and per-cell execution metadata; keeps cell
-tags (nbval-skip etc.). The JSON is written the way Jupyter writes it (indent 1, trailing newline).
+tags (gpu, nbval-* etc.). The JSON is written the way Jupyter writes it (indent 1, trailing newline).
 """
 
 from __future__ import annotations

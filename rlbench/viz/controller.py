@@ -51,7 +51,7 @@ class StepController(WidgetMixin):
                                   layout=widgets.Layout(width="auto"))
 
         self.buttons = {
-            "rollout": button("Rollout", "generate one rollout batch (trainer.rollout())"),
+            "rollout": button("Rollout", "generate and score one rollout batch (trainer.rollout(), .score())"),
             "train": button("Train", "train on the last rollout (trainer.train_step(last_rollout))"),
             "sync": button("Sync", "push the trained weights to the rollout engine"),
             "step": button("Step", "one full RL step (trainer.step())", "primary"),
@@ -122,9 +122,12 @@ class StepController(WidgetMixin):
         return out
 
     def rollout(self) -> Any:
-        """`trainer.rollout()`; the batch lands in `trainer.last_rollout`."""
+        """`trainer.rollout()`, then `trainer.score(batch)` when the trainer has it (rewards and the group
+        advantages that Train needs); the batch lands in `trainer.last_rollout`."""
         self._set_status("rollout ...")
         batch = self.trainer.rollout()
+        if hasattr(self.trainer, "score"):
+            self.trainer.score(batch)
         n = len(getattr(batch, "samples", batch) or [])
         self._set_status(f"rollout done: {n} samples", "#2a7")
         return batch

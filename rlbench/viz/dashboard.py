@@ -17,6 +17,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from rlbench.viz._display import FigureView, WidgetMixin
+from rlbench.viz.figures import step_dtick
 
 STEP_KEYS = ("rollout/id", "step")  # train/step is a mean over optimizer steps, not an x value
 TOTAL_TIME_KEYS = ("perf/step_time", "perf/total_time")
@@ -121,9 +122,13 @@ class LiveDashboard(WidgetMixin):
         return f"{panel.title}: {series.name}"
 
     def update(self, metrics: Mapping[str, object]) -> None:
-        """Appends the values present in one step's flat metric dict and redraws; missing keys are skipped."""
+        """Appends the values present in one step's flat metric dict; missing keys are skipped.
+
+        The page follows at most every `FigureView.min_interval_s` (the newest state always lands), so a
+        long Run N does not re-draw nine panels per step.
+        """
         self._append(metrics)
-        self._redraw()
+        self._redraw(throttle=True)
 
     def extend(self, history: Iterable[Mapping]) -> None:
         """Appends many steps, then redraws once."""
@@ -153,9 +158,10 @@ class LiveDashboard(WidgetMixin):
         xs, _ = self.points.get(trace_name) or self.phases.get(trace_name) or ([], [])
         return len(xs)
 
-    def _redraw(self) -> None:
+    def _redraw(self, throttle: bool = False) -> None:
         with self._lock:
             fig = self.view.figure
+            fig.update_xaxes(dtick=step_dtick(max(self.steps, default=1.0)), tick0=0)
             for trace in fig.data:
                 if trace.name in self.points:
                     trace.x, trace.y = (list(v) for v in self.points[trace.name])
@@ -164,7 +170,7 @@ class LiveDashboard(WidgetMixin):
                 if note.name and note.name.startswith("empty: "):
                     note.visible = not self._panel_has_data(note.name[len("empty: "):])
             self.counter.value = self._counter_text()
-        self.view.refresh()
+        self.view.refresh(throttle=throttle)
 
     def _panel_has_data(self, title: str) -> bool:
         panel = next(p for p in PANELS if p.title == title)

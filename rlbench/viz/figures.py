@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
+
+
+def step_dtick(last_step: float, max_ticks: int = 10) -> int:
+    """An integer tick spacing (1, 2, 5, 10, 20, 50, ...) giving at most `max_ticks` ticks up to `last_step`.
+
+    Step axes use it so a short run is labelled 0, 1, 2 rather than 0, 0.5, 1, 1.5.
+    """
+    span = max(float(last_step), 1.0)
+    for exp in range(0, 12):
+        for base in (1, 2, 5):
+            tick = base * 10 ** exp
+            if math.ceil(span / tick) <= max_ticks:
+                return tick
+    raise ValueError(f"last_step={last_step} is too large for a step axis")
 
 
 def length_histogram(lengths: Sequence[int], *, bins: int = 40) -> go.Figure:

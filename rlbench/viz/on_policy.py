@@ -29,11 +29,22 @@ from plotly.subplots import make_subplots
 
 from rlbench.viz._display import FigureView, WidgetMixin
 from rlbench.viz.dashboard import first_value
+from rlbench.viz.figures import step_dtick
 
 DIFF_KEYS = ("train/train_rollout_logprob_abs_diff", "train/first_mb_kl_vs_rollout", "train/mismatch_k3_kl",
              "train/ppo_kl")
 """The per-step mismatch metrics `RunsView` offers by default."""
 COLORS = ("#4c78a8", "#e45756", "#54a24b", "#f58518", "#b279a2", "#72b7b2", "#9d755d", "#bab0ac")
+DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
+SYMBOLS = ("circle", "x", "diamond", "square", "triangle-up", "cross", "star", "triangle-down")
+
+
+def run_style(i: int) -> dict:
+    """Line and marker style of the i-th run: colour, dash and marker symbol all differ, so runs with identical
+    values (the mode's all-zero diffs) stay visible on top of each other."""
+    return {"line": dict(color=COLORS[i % len(COLORS)], dash=DASHES[i % len(DASHES)], width=2),
+            "marker": dict(symbol=SYMBOLS[i % len(SYMBOLS)], size=7 + 2 * (i % 3),
+                           color=COLORS[i % len(COLORS)])}
 
 
 # ---------------------------------------------------------------------------------------------- per-token diffs
@@ -119,22 +130,27 @@ def step_series(history: Iterable[Mapping[str, Any]], key: str) -> tuple[list[fl
 
 def metric_curves(runs: Mapping[str, Iterable[Mapping[str, Any]]], keys: Sequence[str], *, cols: int = 2,
                   height: int = 260) -> go.Figure:
-    """One subplot per metric key, one line per run (same colour in every subplot); a run without the key has
-    no line there."""
+    """One subplot per metric key, one line per run (the same style in every subplot); a run without the key
+    has no line there. The legend, above the plots, names every run that has a line in any subplot."""
     runs = {name: list(h) for name, h in runs.items()}
     rows = math.ceil(len(keys) / cols)
+    in_legend: set[str] = set()
+    last_step = 1.0
     fig = make_subplots(rows=rows, cols=cols, subplot_titles=list(keys), vertical_spacing=0.18 if rows > 1 else 0.1,
                         horizontal_spacing=0.1)
     for j, key in enumerate(keys):
         r, c = divmod(j, cols)
         for i, (name, history) in enumerate(runs.items()):
             xs, ys = step_series(history, key)
-            if xs:
+            if xs:  # every run in the legend once, from the first subplot that has it
                 fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines+markers", name=name, legendgroup=name,
-                                         showlegend=j == 0, line=dict(color=COLORS[i % len(COLORS)])),
+                                         showlegend=name not in in_legend, **run_style(i)),
                               row=r + 1, col=c + 1)
-    fig.update_layout(height=height * rows, template="plotly_white", margin=dict(l=50, r=10, t=40, b=30))
-    fig.update_xaxes(title_text="step")
+                in_legend.add(name)
+                last_step = max(last_step, max(xs))
+    fig.update_layout(height=height * rows, template="plotly_white", margin=dict(l=50, r=10, t=40, b=30),
+                      legend=dict(orientation="h", yanchor="bottom", y=1.02 + 0.1 / rows, x=0))
+    fig.update_xaxes(title_text="step", dtick=step_dtick(last_step), tick0=0)
     return fig
 
 
@@ -162,6 +178,9 @@ class TrainerGroup:
 
     def rollout(self) -> GroupRollout:
         batches = {name: t.rollout() for name, t in self.trainers.items()}
+        for name, t in self.trainers.items():  # rewards and group advantages, as StepController.rollout does
+            if hasattr(t, "score"):
+                t.score(batches[name])
         return GroupRollout(batches, [s for b in batches.values() for s in getattr(b, "samples", [])])
 
     @property
@@ -214,17 +233,17 @@ class RunsView(WidgetMixin):
         return self.toggle.value
 
     def update(self, name: str, metrics: Mapping[str, Any]) -> None:
-        """Appends one step of run `name` and redraws."""
+        """Appends one step of run `name` and redraws (throttled: see `FigureView.refresh`)."""
         with self._lock:
             self.runs.setdefault(name, []).append(dict(metrics))
-        self.redraw()
+        self.redraw(throttle=True)
 
     def update_all(self, metrics_by_run: Mapping[str, Mapping[str, Any]]) -> None:
-        """Appends one step of every run (`TrainerGroup.step()`'s dict) and redraws once."""
+        """Appends one step of every run (`TrainerGroup.step()`'s dict) and redraws once (throttled)."""
         with self._lock:
             for name, metrics in metrics_by_run.items():
                 self.runs.setdefault(name, []).append(dict(metrics))
-        self.redraw()
+        self.redraw(throttle=True)
 
     def series(self, name: str, key: str | None = None) -> tuple[list[float], list[float]]:
         """`step_series` of run `name` for `key` (default: the metric shown)."""
@@ -244,19 +263,23 @@ class RunsView(WidgetMixin):
                          f"{' (all exactly 0.0)' if exact else ''}")
         return "; ".join(parts)
 
-    def redraw(self) -> None:
+    def redraw(self, throttle: bool = False) -> None:
+        """Rebuilds the figure for the metric shown; `throttle=True` for per-step updates."""
         with self._lock:
             key = self.key
             fig = go.Figure()
+            last_step = 1.0
             for i, name in enumerate(self.runs):
                 xs, ys = self.series(name, key)
-                fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines+markers", name=name,
-                                         line=dict(color=COLORS[i % len(COLORS)])))
-            fig.update_layout(height=320, template="plotly_white", margin=dict(l=60, r=10, t=40, b=40),
-                              title=key, xaxis_title="step", yaxis=dict(exponentformat="e"))
+                fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines+markers", name=name, **run_style(i)))
+                last_step = max(last_step, *xs) if xs else last_step
+            fig.update_layout(height=340, template="plotly_white", margin=dict(l=60, r=10, t=40, b=40),
+                              title=key, xaxis=dict(title="step", dtick=step_dtick(last_step), tick0=0),
+                              yaxis=dict(exponentformat="e"),
+                              legend=dict(orientation="h", yanchor="top", y=-0.2, x=0))
             self.view.figure = fig
             self.summary.value = f"<span class='rlbench-runs-summary'>{html.escape(self.summary_text(key))}</span>"
-        self.view.refresh()
+        self.view.refresh(throttle=throttle)
 
 
 # ---------------------------------------------------------------------------------------------- tables
@@ -279,12 +302,38 @@ def format_value(value: Any, key: str = "") -> str:
     return f"{value:.3g}"
 
 
-def table_html(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str]]) -> str:
-    """An HTML table of `rows` with the `(key, header)` columns; columns no row has are left out."""
+TEXT_CELL_WIDTH_EM = 28  # a long text cell wraps at this width instead of widening the table past the page
+CELL = "padding:2px 8px;vertical-align:top"
+
+
+def table_html(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str]], *,
+               fold_chars: int | None = None) -> str:
+    """An HTML table of `rows` with the `(key, header)` columns; columns no row has are left out.
+
+    Numbers are right-aligned; text cells are left-aligned and wrap (at most `TEXT_CELL_WIDTH_EM` wide, long
+    names broken anywhere). The table sits in a horizontally scrolling box, so a wide one scrolls instead of
+    being clipped at the right. `fold_chars`: a text cell longer than that shows its first `fold_chars`
+    characters and unfolds to the whole text on a click (a `<details>`), which keeps a wordy table short.
+    """
     cols = [(k, h) for k, h in columns if any(k in r for r in rows)]
-    head = "".join(f"<th style='text-align:right;padding:2px 8px'>{html.escape(h)}</th>" for _, h in cols)
+    text = {k for k, _ in cols if any(isinstance(r.get(k), str) and len(r[k]) > 12 for r in rows)}
+
+    def style(k: str) -> str:
+        if k in text:
+            return (f"{CELL};text-align:left;white-space:normal;overflow-wrap:anywhere;min-width:8em;"
+                    f"max-width:{TEXT_CELL_WIDTH_EM}em")
+        return f"{CELL};text-align:right;white-space:nowrap"
+
+    def cell(value: Any, k: str) -> str:
+        shown = format_value(value, k)
+        if fold_chars is None or k not in text or len(shown) <= fold_chars:
+            return html.escape(shown)
+        return (f"<details><summary>{html.escape(shown[:fold_chars].rstrip())}…</summary>"
+                f"{html.escape(shown)}</details>")
+
+    head = "".join(f"<th style='{style(k)}'>{html.escape(h)}</th>" for k, h in cols)
     body = "".join(
-        "<tr>" + "".join(f"<td style='text-align:right;padding:2px 8px'>{html.escape(format_value(r.get(k), k))}</td>"
-                         for k, _ in cols) + "</tr>"
+        "<tr>" + "".join(f"<td style='{style(k)}'>{cell(r.get(k), k)}</td>" for k, _ in cols) + "</tr>"
         for r in rows)
-    return f"<table class='rlbench-table'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return (f"<div class='rlbench-table-box' style='overflow-x:auto;max-width:100%'><table class='rlbench-table'>"
+            f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>")

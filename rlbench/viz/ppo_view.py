@@ -20,7 +20,8 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from rlbench.viz._display import FigureView, WidgetMixin
-from rlbench.viz.on_policy import COLORS, step_series
+from rlbench.viz.figures import step_dtick
+from rlbench.viz.on_policy import COLORS, run_style, step_series
 
 
 def token_traces(batch: Any, *, limit: int | None = None) -> list[dict]:
@@ -102,16 +103,18 @@ def kl_figure(runs: Mapping[str, Iterable[Mapping[str, Any]]], *, target: float 
     """Per step: the batch's KL to the reference (`rollout/reward_kl`) against `target`, and the KL-in-reward
     coefficient β (`rollout/kl_coef`) that the controller set, one line per run."""
     fig = make_subplots(rows=1, cols=2, subplot_titles=["KL(π_old ‖ π_ref) per sample", "β (kl_coef)"])
+    last_step = 1.0
     for i, (name, history) in enumerate(runs.items()):
         history = list(history)
         for col, key in ((1, "rollout/reward_kl"), (2, "rollout/kl_coef")):
             xs, ys = step_series(history, key)
             fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines+markers", name=name, legendgroup=name,
-                                     showlegend=col == 1, line=dict(color=COLORS[i % len(COLORS)])), row=1, col=col)
+                                     showlegend=col == 1, **run_style(i)), row=1, col=col)
+            last_step = max(last_step, *xs) if xs else last_step
     if target is not None:
         fig.add_hline(y=target, line_dash="dash", line_color="gray", annotation_text="target", row=1, col=1)
     fig.update_layout(height=300, template="plotly_white", margin=dict(l=50, r=10, t=40, b=30))
-    fig.update_xaxes(title_text="step")
+    fig.update_xaxes(title_text="step", dtick=step_dtick(last_step), tick0=0)
     return fig
 
 
@@ -120,13 +123,15 @@ def eval_figure(runs: Mapping[str, Iterable[Mapping[str, Any]]], keys: Sequence[
     """Held-out records of several runs: one subplot per key, x = the record's `rollout/id` (0: before training)."""
     titles = titles or {}
     fig = make_subplots(rows=1, cols=len(keys), subplot_titles=[titles.get(k, k) for k in keys])
+    last = 1.0
     for i, (name, evals) in enumerate(runs.items()):
         evals = [e for e in evals if "rollout/id" in e]
         for j, key in enumerate(keys):
             pts = [(e["rollout/id"], e[key]) for e in evals if key in e]
             fig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="lines+markers", name=name,
-                                     legendgroup=name, showlegend=j == 0, line=dict(color=COLORS[i % len(COLORS)])),
+                                     legendgroup=name, showlegend=j == 0, **run_style(i)),
                           row=1, col=j + 1)
+            last = max(last, *(p[0] for p in pts)) if pts else last
     fig.update_layout(height=300, template="plotly_white", margin=dict(l=50, r=10, t=40, b=30))
-    fig.update_xaxes(title_text="rollout")
+    fig.update_xaxes(title_text="rollout", dtick=step_dtick(last), tick0=0)
     return fig
