@@ -42,9 +42,10 @@ def env():
 
 def _backend(env, **kw):
     from rlbench.backends.fsdp.actor import FSDPBackend
-    from rlbench.configs.backend import OptimConfig, TrainConfig
+    from rlbench.configs.backend import FSDPOptions, OptimConfig, TrainConfig
 
-    cfg = TrainConfig(model="small", device="cuda", optim=OptimConfig(lr=1e-4), **kw)
+    fsdp = {k: kw.pop(k) for k in ("attn_implementation", "compile", "gradient_checkpointing") if k in kw}
+    cfg = TrainConfig(model="small", device="cuda", optim=OptimConfig(lr=1e-4), fsdp=FSDPOptions(**fsdp), **kw)
     b = FSDPBackend(cfg, env=env, loss_fn=_loss)
     b.init()
     return b

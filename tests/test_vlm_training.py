@@ -137,3 +137,17 @@ def test_true_on_policy_refuses_vision_and_freeze_modules_are_checked(shapes, tm
         Trainer(_run_config(path, shapes[0], str(tmp_path / "a"), on_policy=True))
     with pytest.raises(ValueError, match="freeze_modules prefix 'model.vision.' matches no parameter"):
         Trainer(_run_config(path, shapes[0], str(tmp_path / "b"), freeze_modules=("model.vision.",)))
+
+
+def test_cuda_default_attention_falls_back_to_sdpa_for_a_vlm(capsys):
+    """The CUDA default (flex_attention) has no Qwen2.5-VL path in transformers: a VLM trains with sdpa, said once;
+    an explicit choice is kept, and a text model keeps flex."""
+    from rlbench.backends.fsdp.model import with_model_attention
+    from rlbench.configs.backend import FSDPOptions, TrainConfig
+
+    vlm = with_model_attention(TrainConfig(model="tiny-vl", device="cuda"))
+    assert vlm.attention == "sdpa" and "uses sdpa" in capsys.readouterr().out
+    explicit = TrainConfig(model="tiny-vl", device="cuda", fsdp=FSDPOptions(attn_implementation="eager"))
+    assert with_model_attention(explicit) is explicit
+    text = TrainConfig(model="tiny", device="cuda")
+    assert with_model_attention(text).attention == "flex_attention"

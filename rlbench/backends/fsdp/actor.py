@@ -21,7 +21,7 @@ from rlbench.backends.attention import packed_attention_mask
 from rlbench.backends.base import LossFn, PackOutputs
 from rlbench.backends.checkpoint import CommittedCheckpoints, load_checkpoint, save_checkpoint
 from rlbench.backends.export import export_hf, named_weight_buckets
-from rlbench.backends.fsdp.model import build_sharded_model
+from rlbench.backends.fsdp.model import build_sharded_model, with_model_attention
 from rlbench.backends.offload import Parking, state_tensors, to_device
 from rlbench.backends.optim import build_optimizer, build_scheduler, init_optimizer_state
 from rlbench.backends.vision import pack_vision_inputs
@@ -73,6 +73,7 @@ class FSDPBackend(CommittedCheckpoints):
         if cfg.critic is not None and getattr(self, "critic", None) is None:
             raise ValueError("TrainConfig.critic is set: build the backend with a critic, "
                              "rlbench.backends.fsdp.critic.FSDPActorCritic (build_backend picks it from the config)")
+        self.cfg = cfg = with_model_attention(cfg)
         torch.manual_seed(cfg.seed)
         self.model, self.hf_config = self.build_model()
         self._features = model_features(self.hf_config)

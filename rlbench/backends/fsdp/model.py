@@ -8,6 +8,7 @@ Order (fixed, torchtitan-style): meta-device construction -> activation checkpoi
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -86,6 +87,21 @@ def _checkpoint_forward(layer: nn.Module) -> None:
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     layer.forward = forward_with_recompute
+
+
+def with_model_attention(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with the attention its model class supports: where the device default (flex_attention on CUDA) was not
+    chosen by the user and the model's class has no flex path (Qwen2.5-VL), sdpa, said in one line. A user's explicit
+    `attn_implementation` is kept (transformers refuses it with the model's name if unsupported)."""
+    if cfg.fsdp.attn_implementation is not None or cfg.attention != "flex_attention":
+        return cfg
+    hf_config = model_config(cfg.model, cfg.model_overrides)
+    cls = auto_model_class(hf_config)._model_mapping[type(hf_config)]
+    if getattr(cls, "_supports_flex_attn", True):
+        return cfg
+    print(f"[rlbench] {cls.__name__} has no flex_attention path in transformers: the trainer uses sdpa "
+          "(--attn-implementation to choose)", flush=True)
+    return dataclasses.replace(cfg, fsdp=dataclasses.replace(cfg.fsdp, attn_implementation="sdpa"))
 
 
 def build_sharded_model(
