@@ -201,3 +201,45 @@ def test_gemv_batch1_adds_one_batch1_graph_set():
 def test_config_errors():
     with pytest.raises(ValueError, match="decode_attention"):
         TorchEngineConfig(decode_attention="flash")
+
+
+def test_a_failed_decode_compile_falls_back_for_that_shape_only():
+    """A decode shape whose compile fails decodes eagerly, said with its shape; the other shapes stay compiled; a
+    second failing shape turns compile off everywhere (a compile that fails everywhere costs its time once more)."""
+
+    class FailingBackend(_CountingBackend):
+        def __init__(self, batches):
+            super().__init__()
+            self.batches = batches
+
+        def __call__(self, gm, example_inputs):
+            if any(isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[0] in self.batches for t in example_inputs):
+                raise RuntimeError("injected compile failure")
+            return super().__call__(gm, example_inputs)
+
+    torch._dynamo.reset()  # no layer graph cached by an earlier test: the first decode compiles
+    engine, eager = _engine(_arch("qwen3")), _engine(_arch("qwen3"))
+    backend = FailingBackend({4})
+    engine.runner = ModelRunner(engine.model, engine.cache, TorchEngineConfig(compile=True, cuda_graphs=False,
+                                                                              gemv_batch1=False),
+                                compile_backend=backend)
+    with pytest.warns(UserWarning, match="failed at batch 4, kv_len 32.*this shape decodes without compile"):
+        engine.runner.decode(4, 32, "greedy")
+    assert engine.runner.compiled and engine.runner._eager_keys == {(4, 32, "greedy", 1)}
+    compiled_before = len(backend.graphs)
+    engine.runner.decode(2, 32, "greedy")  # another shape compiles
+    assert engine.runner.compiled and len(backend.graphs) > compiled_before
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=6)
+    prompts = _prompts(lengths=(3, 7, 12, 5))
+    for batch in (prompts[:2], prompts):  # batch 2 compiled, batch 4 eager: the eager engine's tokens
+        assert [g.token_ids for g in engine.generate(batch, sampling)] == \
+            [g.token_ids for g in eager.generate(batch, sampling)]
+    torch._dynamo.reset()  # a fresh runner whose compiles fail at two shapes (dynamic: each new graph compiles once)
+    engine.runner = ModelRunner(engine.model, engine.cache, TorchEngineConfig(compile=True, cuda_graphs=False,
+                                                                              gemv_batch1=False),
+                                compile_backend=FailingBackend({2, 4}))
+    with pytest.warns(UserWarning, match="this shape decodes without compile"):
+        engine.runner.decode(4, 32, "greedy")
+    with pytest.warns(UserWarning, match="decoding every shape without compile"):
+        engine.runner.decode(2, 32, "greedy")
+    assert not engine.runner.compiled

@@ -41,6 +41,8 @@ from rlbench.models.vlm import is_mrope
 
 SAMPLE_MODES = ("greedy", "sample", "truncate")
 """Decode-step variants, chosen once per `SamplingParams`: argmax only; Gumbel noise; noise + top-k/top-p."""
+COMPILE_FAILURES = 2
+"""Decode shapes whose compile may fail before the engine stops compiling any (`Runner._compile_failed`)."""
 
 
 class SlotState:
@@ -144,6 +146,9 @@ class ModelRunner:
         self._graphs: dict[tuple[int, int, str, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
         self._warmed: set[tuple[int, int, str, int]] = set()
+        self._eager_keys: set[tuple[int, int, str, int]] = set()
+        self._fn_sets: dict[bool, tuple] = {}
+        """Decode shapes `(batch, kv_len, mode, group)` whose compile failed: they run eagerly, the others compiled."""
         self._use_compiled(opts.compile)
         self.prefilled_tokens = 0
         self.prefill_deltas: list[int] = []
@@ -189,11 +194,19 @@ class ModelRunner:
             self.megakernel.unbind()  # it holds the layers (and TMA descriptors of them) too
 
     def _use_compiled(self, compiled: bool) -> None:
+        """Point the step at its compiled or eager functions (each set built once: switching back and forth, as
+        `_step` does for a shape whose compile failed, keeps the compiled graphs)."""
         self.compiled = compiled
+        if compiled not in self._fn_sets:
+            self._fn_sets[compiled] = self._functions(compiled)
+        self._attend, self._prologue_fn, self._embed_fn, self._layer_fn, self._head_fn = self._fn_sets[compiled]
+
+    def _functions(self, compiled: bool) -> tuple:
+        """`(attend, prologue, embed, layer, head)` of the decode step, compiled or eager."""
         cuda = self.device.type == "cuda"
-        self._attend = {group: decode_attention(self.opts.decode_attention, compiled=compiled, grouped=group, cuda=cuda)
-                        for group in (False, True)}
-        """The decode attention of the slot layout (False) and of the grouped layout (True)."""
+        # The decode attention of the slot layout (False) and of the grouped layout (True).
+        attend = {group: decode_attention(self.opts.decode_attention, compiled=compiled, grouped=group, cuda=cuda)
+                  for group in (False, True)}
         # Coordinate-descent tuning (for the batch-1 GEMV graph) benchmarks every kernel of every graph in a cold
         # compile; where the megakernel decodes batch 1 no layer graph runs at batch 1, so it is skipped.
         tune = self.opts.gemv_batch1 and self.megakernel is None
@@ -204,13 +217,11 @@ class ModelRunner:
             from rlbench import numerics
 
             options = numerics.compile_options()
-            self._prologue_fn, self._embed_fn = self._prologue, self._embed
-            self._layer_fn = _compile(self._invariant_layer, False, self.compile_backend, options)
-            self._head_fn = _compile(self._invariant_head, False, self.compile_backend, options)
-            return
+            return (attend, self._prologue, self._embed,
+                    _compile(self._invariant_layer, False, self.compile_backend, options),
+                    _compile(self._invariant_head, False, self.compile_backend, options))
         wrap = (lambda fn: _compile(fn, tune, self.compile_backend)) if compiled else (lambda fn: fn)
-        self._prologue_fn, self._layer_fn, self._head_fn = wrap(self._prologue), wrap(self._layer), wrap(self._head)
-        self._embed_fn = wrap(self._embed)
+        return attend, wrap(self._prologue), wrap(self._embed), wrap(self._layer), wrap(self._head)
 
     # ---- prefill (eager; matmul-bound) ----
     @torch.inference_mode()
@@ -409,7 +420,18 @@ class ModelRunner:
             self._warm_up(key)
             self.state.restore(saved)
             self._warmed.add(key)
-        self._decode_eager(*key)
+        self._step(key)
+
+    def _step(self, key: tuple[int, int, str, int]) -> None:
+        """One decode step of shape `key`, eager where its compile failed (`_warm_up`)."""
+        if key not in self._eager_keys or not self.compiled:
+            self._decode_eager(*key)
+            return
+        self._use_compiled(False)
+        try:
+            self._decode_eager(*key)
+        finally:
+            self._use_compiled(True)
 
     def _warm_up(self, key: tuple[int, int, str, int]) -> None:
         """Run the step twice (on a side stream on CUDA; this compiles on first use); a failed compile falls back."""
@@ -422,15 +444,26 @@ class ModelRunner:
         with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
             for _ in range(2):
                 try:
-                    self._decode_eager(*key)
+                    self._step(key)
                 except Exception as err:  # torch.compile is an optimisation: fall back loudly, not silently
-                    if not self.compiled:
+                    if not self.compiled or key in self._eager_keys:
                         raise
-                    warnings.warn(f"torch.compile of the decode step failed ({type(err).__name__}: {err}); "
-                                  "decoding without compile (compile=False)", stacklevel=3)
-                    self._use_compiled(False)
+                    self._compile_failed(key, err)
         if cuda:
             torch.cuda.current_stream().wait_stream(stream)
+
+    def _compile_failed(self, key: tuple[int, int, str, int], err: Exception) -> None:
+        """A failed compile of shape `key`: that shape decodes eagerly from now on; after `COMPILE_FAILURES` shapes
+        failed, every shape does (a compile that fails everywhere would otherwise cost its time at each new shape)."""
+        self._eager_keys.add(key)
+        everywhere = len(self._eager_keys) >= COMPILE_FAILURES
+        b, kv_len, mode, group = key
+        warnings.warn(f"torch.compile of the decode step failed at batch {b}, kv_len {kv_len}, mode {mode}, group "
+                      f"{group} ({type(err).__name__}: {str(err).strip().splitlines()[0]}); "
+                      + ("decoding every shape without compile (compile=False)" if everywhere
+                         else "this shape decodes without compile, the others stay compiled"), stacklevel=4)
+        if everywhere:
+            self._use_compiled(False)
 
     def _capture(self, key: tuple[int, int, str, int]) -> None:
         """Warm up, capture the step into a graph and replay it once; the state is restored in between."""
@@ -442,14 +475,14 @@ class ModelRunner:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._pool):
-                self._decode_eager(*key)
+                self._step(key)
         except RuntimeError as err:  # capture is an optimisation: say so loudly and run eager from now on
             warnings.warn(f"CUDA graph capture failed for {key} ({err}); decoding eagerly (cuda_graphs=False)",
                           stacklevel=3)
             self.cuda_graphs = False
             torch.cuda.synchronize()
             self.state.restore(saved)
-            self._decode_eager(*key)
+            self._step(key)
             return
         self._graphs[key] = graph
         graph.replay()
