@@ -79,7 +79,7 @@ def build_config(args, preset: str, mode: str, workdir: str):
     base = presets.qwen3_0p6b_gpu(model=preset, workdir=workdir)
     device = args.device
     backend = dataclasses.replace(base.backend, device=device, param_dtype="bf16" if device == "cuda" else "fp32",
-                                  gradient_checkpointing=args.ac)
+                                  fsdp=dataclasses.replace(base.backend.fsdp, gradient_checkpointing=args.ac))
     cfg = base.replace(
         task=None, eval=EvalConfig(), logging=LoggingConfig(console=False), backend=backend,
         data=dataclasses.replace(base.data, path=data_path, metadata_key=None, apply_chat_template=False),
