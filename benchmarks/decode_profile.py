@@ -122,7 +122,8 @@ def run_variant(model, args, fused: bool, attention: str, gemv: bool, mk: bool, 
     return rows
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The flags, with the checks that need several of them (tests/test_gpu_paths.py parses the suite's lines)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3-0.6b-shape")
     ap.add_argument("--kv", type=int, nargs="+", default=[256, 1024])
@@ -150,6 +151,11 @@ def main() -> None:
     if args.steps >= min(args.kv):
         ap.error(f"--steps {args.steps} must be below every --kv (the timed steps run the positions just below the "
                  f"kv bucket's length; kv {min(args.kv)} leaves room for {min(args.kv) - 1})")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     model = build_model(args.preset, device="cuda", dtype=torch.bfloat16)
     floor = weight_bytes(model) / (args.bandwidth_tbs * 1e12) * 1e3
     print(f"{args.preset}: weights {weight_bytes(model) / 2**30:.2f} GiB, floor {floor:.3f} ms "

@@ -12,6 +12,8 @@
 #   loop     `rlbench bench e2e` 0.6B shape: defaults, --fast, the true on-policy mode and TRL, cold caches
 #   warm     the same without TRL on the caches `loop` left: the warm-cache first step
 #   gputests the rollout, FSDP and e2e GPU tests
+#   others   the GPU tests no other part runs: every architecture on CUDA, the log-prob kernels' memory, CP's kernel
+#            path, megatron beside FSDP (tests/test_gpu_paths.py checks that every GPU test module is in some part)
 #   loop4b   `rlbench bench e2e` 4B shape, defaults and TRL (the memory plan's peak per phase, the ratio to TRL)
 #   top      the true on-policy GPU tests (engine vs trainer bit for bit, kernels), the no-host-sync train test, then the mode beside the defaults
 #            with each one's rollout and train phase profiled (`--profile`)
@@ -113,6 +115,8 @@ for part in "$@"; do case $part in
                run "nb_$(basename "$nb" .ipynb)" 0 "$(lim 240)" "RLBENCH_SMOKE=0 python3 -m pytest -q -p no:cacheprovider \
                  --nbval-lax --nbval-cell-timeout 230 $nb"; done ;;
   gputests) run gputests 0 "$(lim 240)" "python3 -m pytest -q -m gpu tests/test_rollout_gpu.py tests/test_fsdp_gpu.py tests/test_e2e_gpu.py" ;;
+  others) run others 0 "$(lim 400)" "python3 -m pytest -q -m gpu tests/test_architectures.py tests/test_algorithms_logprobs.py \
+            tests/test_cp_gpu.py tests/test_megatron_gpu.py" ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac; done
 wait
