@@ -440,6 +440,6 @@ def notebook_source(path: Path) -> tuple[str, typing.Callable[[int], str]]:
 def check_file(path: Path) -> list[str]:
     """`check_source` of a Python file or of a notebook's code cells."""
     if path.suffix == ".ipynb":
-        source, where = notebook_source(path)
-        return check_source(source, path.name, path.parent, where)
+        source, where = notebook_source(path)  # notebooks import the benchmarks' modules (benchmarks/ on sys.path)
+        return check_source(source, path.name, path.parent.parent / "benchmarks", where)
     return check_source(path.read_text(), str(path), path.parent)

@@ -155,3 +155,17 @@ def test_true_on_policy_bench_configs_build_for_every_mode(tmp_path, monkeypatch
             cfg = bench.build_config(args, "qwen3-0.6b-shape", mode, str(tmp_path))
             assert (cfg.backend.fsdp.gradient_checkpointing, cfg.backend.device) == (ac, "cuda")
             assert cfg.true_on_policy_mode == (mode != "default")
+
+
+def test_megatron_gpu_configs_construct_both_backends():
+    """tests/test_megatron_gpu.py's configs pass both constructors' checks (megatron refuses FSDP-only options)."""
+    pytest.importorskip("megatron.core")
+    import test_megatron_gpu as t
+
+    from rlbench.backends.fsdp.actor import FSDPBackend
+    from rlbench.backends.megatron import MegatronBackend
+
+    for dtype, attn in t.CASES:
+        cfg, megatron, fsdp_cfg = t.backend_configs(dtype, attn)
+        assert MegatronBackend(cfg, megatron, temperature=0.8).cfg.fsdp.changed() == []
+        assert FSDPBackend(fsdp_cfg, temperature=0.8).cfg.fsdp.attn_implementation in ("sdpa", "flex_attention")

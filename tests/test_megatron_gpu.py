@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 pytest.importorskip("megatron.core")
-pytestmark = pytest.mark.gpu
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 from rlbench.backends.fsdp.actor import FSDPBackend  # noqa: E402
 from rlbench.backends.megatron import MegatronBackend, MegatronConfig  # noqa: E402
@@ -28,13 +28,24 @@ def _loss(logp, ent, inputs):
     return -(logp * inputs["w"]).sum() - 0.01 * (ent * inputs["w"]).sum(), {}
 
 
-@pytest.mark.parametrize("dtype,attn", [("fp32", "sdpa"), ("bf16", "flex"), ("bf16", "sdpa")])
+CASES = [("fp32", "sdpa"), ("bf16", "flex"), ("bf16", "sdpa")]
+"""(param dtype, attention) of the comparison."""
+
+
+def backend_configs(dtype: str, attn: str) -> tuple[TrainConfig, MegatronConfig, TrainConfig]:
+    """megatron's configs and FSDP's, the same but for FSDP's own options (megatron refuses them)."""
+    cfg = TrainConfig(model="small", device="cuda", param_dtype=dtype, with_entropy=True)
+    fsdp = FSDPOptions(compile=False, attn_implementation="sdpa" if attn == "sdpa" else "flex_attention")
+    return cfg, MegatronConfig(attention=attn), dataclasses.replace(cfg, fsdp=fsdp)
+
+
+@pytest.mark.parametrize("dtype,attn", CASES)
 def test_megatron_matches_fsdp_on_gpu(dtype, attn):
     """Log-probs / entropy at T = 0.8 and two training steps (entropy term): fp32 to 1e-5, bf16 to bf16 rounding."""
-    cfg = TrainConfig(model="small", device="cuda", param_dtype=dtype, with_entropy=True, fsdp=FSDPOptions(compile=False, attn_implementation="sdpa" if attn == "sdpa" else "flex_attention"))
-    mb = MegatronBackend(cfg, MegatronConfig(attention=attn), temperature=0.8)
+    cfg, megatron, fsdp_cfg = backend_configs(dtype, attn)
+    mb = MegatronBackend(cfg, megatron, temperature=0.8)
     mb.init()
-    fb = FSDPBackend(cfg, env=mb.env, temperature=0.8)
+    fb = FSDPBackend(fsdp_cfg, env=mb.env, temperature=0.8)
     fb.init()
     pack = _pack(128)
     a, b = fb.compute_log_prob([pack], with_entropy=True)[0], mb.compute_log_prob([pack], with_entropy=True)[0]
