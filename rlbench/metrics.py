@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from rlbench.configs import LoggingConfig
+from rlbench.progress import echo
 
 # Keys the console sink prints (when present), in this order, with short labels.
 CONSOLE_KEYS: tuple[tuple[str, str], ...] = (
@@ -53,9 +54,9 @@ class Sink(Protocol):
 class ConsoleSink:
     """One short line per step: `step 3 | reward 0.41 | eval 0.52 | loss -0.003 | t_step 4.1s`."""
 
-    def __init__(self, extra_keys: Sequence[str] = (), printer=print) -> None:
+    def __init__(self, extra_keys: Sequence[str] = (), printer=echo) -> None:
         self.keys = list(CONSOLE_KEYS) + [(k, k) for k in extra_keys]
-        self.printer = printer
+        self.printer = printer  # default: above an open progress bar (`rlbench.progress.echo`), flushed
 
     def write(self, metrics: dict[str, float], step: int) -> None:
         self.printer(format_line(metrics, step, self.keys))

@@ -26,6 +26,7 @@ from rlbench.data.preferences import with_long_forms
 from rlbench.data.tasks import make_task
 from rlbench.data.tokenizer import build_tokenizer
 from rlbench.models import build_model, save_pretrained
+from rlbench.progress import Progress
 from rlbench.rewards import score_batch
 
 
@@ -223,14 +224,16 @@ def run_sft(cfg: SFTConfig) -> dict:
     batches = _batches(examples, cfg.batch_size, tokenizer.pad_token_id, cfg.seed)
     history, step = [], 0
     model.train()
-    while step < cfg.max_steps:
-        loss = train_step(model, opt, next(batches))
-        sched.step()
-        step += 1
-        if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            history.append(_eval_record(model, tokenizer, eval_rows, cfg, step, loss, start, start_cpu))
-            if cfg.target_pass_at_1 is not None and history[-1]["eval/pass@1"] >= cfg.target_pass_at_1:
-                break
+    with Progress(cfg.max_steps, "SFT", unit="step") as bar:  # stops early at the target: the bar ends short
+        while step < cfg.max_steps:
+            loss = train_step(model, opt, next(batches))
+            sched.step()
+            step += 1
+            bar.update()
+            if step % cfg.eval_every == 0 or step == cfg.max_steps:
+                history.append(_eval_record(model, tokenizer, eval_rows, cfg, step, loss, start, start_cpu, bar.write))
+                if cfg.target_pass_at_1 is not None and history[-1]["eval/pass@1"] >= cfg.target_pass_at_1:
+                    break
     metrics = dict(history[-1]) | {"sft/stopped_early": step < cfg.max_steps, "history": history}
     if cfg.out:
         save_pretrained(model, tokenizer, cfg.out)
@@ -244,14 +247,16 @@ def _special_ids(tokenizer) -> dict:
     return {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id, "bos_token_id": None}
 
 
-def _eval_record(model, tokenizer, rows, cfg: SFTConfig, step: int, loss: float, start: float, start_cpu: float) -> dict:
-    """One flat eval record: sampled and greedy pass@1, loss, steps, wall and process CPU time."""
+def _eval_record(model, tokenizer, rows, cfg: SFTConfig, step: int, loss: float, start: float, start_cpu: float,
+                 printer=print) -> dict:
+    """One flat eval record: sampled and greedy pass@1, loss, steps, wall and process CPU time (printed as one line
+    by `printer`)."""
     kw = dict(max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + step)
     sampled = evaluate_pass_at_1(model, tokenizer, rows, greedy=False, **kw)
     greedy = evaluate_pass_at_1(model, tokenizer, rows, greedy=True, **kw)
     rec = {"sft/step": step, "sft/loss": loss, "eval/pass@1": sampled, "eval/pass@1_greedy": greedy,
            "perf/wall_s": time.perf_counter() - start, "perf/cpu_s": time.process_time() - start_cpu}
-    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()), flush=True)
+    printer(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()))
     return rec
 
 

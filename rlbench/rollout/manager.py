@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -105,6 +105,10 @@ class RolloutManager:
         self.reward_model = reward_model
         self.reward_mix = cfg.reward_mix  # None: the rule reward is the training reward, untouched
         self._rm_time = 0.0  # seconds the reward model scored, this rollout
+        self.progress: Callable[[int], None] | None = None
+        """When set, called with how many samples just finished (training rounds and eval): one by one as an
+        engine that reports them (the torch engine's `on_finish`) stops each, the rest when the generate call
+        returns. A progress bar's `update` (`rlbench.progress.Progress`, the CLI's rollout bar)."""
 
     def sampling(self, n: int, temperature: float | None = None, max_new_tokens: int | None = None) -> SamplingParams:
         """The engine's SamplingParams for `n` samples per prompt."""
@@ -211,13 +215,19 @@ class RolloutManager:
         if any(p is None for p in prompts):
             raise ValueError("prompt items have no prompt_token_ids; build the PromptDataset with a tokenizer")
         early: dict[int, tuple[Sample, Future | None]] = {}  # scored while the rest generate
+        progress = self.progress
 
         def on_sample(index: int, sample: Sample) -> None:
-            early[index] = sample, self._submit(sample, index)
+            early[index] = sample, None if self.reward_pool is None else self._submit(sample, index)
+            if progress is not None:
+                progress(1)
 
-        args = GenerateArgs(self.engine, self.tokenizer, self.cfg, on_sample if self.reward_pool is not None else None)
+        wants = self.reward_pool is not None or progress is not None
+        args = GenerateArgs(self.engine, self.tokenizer, self.cfg, on_sample if wants else None)
         groups = self.generate_fn(args, items, self.sampling(n, **sampling), seeds)
         flat = check_groups(groups, len(items), n, self.cfg.custom_generate_function_path or "single_turn")
+        if progress is not None and len(flat) > len(early):  # an engine that does not report samples as they end
+            progress(len(flat) - len(early))
         start = time.perf_counter()
         pairs = [early[i] if i in early and early[i][0] is s else (s, None) for i, s in enumerate(flat)]
         for s, r in zip([s for s, _ in pairs], self._rewards(pairs)):
