@@ -2,6 +2,7 @@
 
     python -m rlbench.cli demo                          # SFT warm start (cached) + GRPO on arithmetic (make run)
     python -m rlbench.cli demo --seed 1                 # the same warm start, other rollout draws and prompt order
+    rlbench demo --device cuda                          # the same task at the Qwen3-0.6B shape on one GPU (cuda_demo)
     rlbench train --preset cpu_demo --num-rollout 5 --lr 1e-4   # the same warm start, 5 steps
     rlbench train --hf-checkpoint DIR --prompt-data mine.jsonl --eval-prompt-data held_out.jsonl --eval-interval 5
     rlbench train --preset cpu_demo --print-config      # the resolved RunConfig as JSON
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -98,9 +100,10 @@ SKIP = {("loss", "mis"), ("backend", "model_overrides"), ("backend", "optim"), (
 # Nested sections: "parent.field" -> the dataclass held in that field.
 NESTED = ("backend.optim", "backend.fsdp", "backend.critic", "engine.megakernel", "rollout.multiturn")
 
-PRESETS = ("cpu_demo", "cpu_test", "qwen3_0p6b_gpu")
-CPU_PRESETS = ("cpu_demo", "cpu_test")
-"""Presets that start from the demo's SFT warm start when no --hf-checkpoint is given (`presets.demo_warm_start`)."""
+PRESETS = ("cpu_demo", "cpu_test", "qwen3_0p6b_gpu", "cuda_demo")
+WARM_STARTS = {"cpu_demo": "cpu", "cpu_test": "cpu", "cuda_demo": "cuda"}
+"""Presets that start from a demo SFT warm start when no --hf-checkpoint is given: preset -> its device key in
+`presets.DEMO_SFTS` (`presets.demo_warm_start(device=...)`, built once into the cache)."""
 MODEL_FLAGS = ("hf_checkpoint", "ref_load", "critic_load")
 """Flags that take a model: an HF directory or a model preset name."""
 FILE_FLAGS = ("prompt_data", "eval_prompt_data")
@@ -250,10 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "quickstart":
             p.set_defaults(preset="quickstart")
         else:
-            default_preset = {"bench": "qwen3_0p6b_gpu", "demo": "cpu_demo"}.get(name)
-            p.add_argument("--preset", choices=PRESETS, default=default_preset, help="base configuration" + (
-                " (default: derived from --hf-checkpoint DIR and --prompt-data FILE, as quickstart does; "
-                "cpu_demo without them)" if name == "train" else ""))
+            default_preset = {"bench": "qwen3_0p6b_gpu"}.get(name)
+            p.add_argument("--preset", choices=PRESETS, default=default_preset, help="base configuration" + {
+                "train": " (default: derived from --hf-checkpoint DIR and --prompt-data FILE, as quickstart does; "
+                         "cpu_demo without them)",
+                "demo": " (default: cuda_demo with --device cuda, cpu_demo otherwise)"}.get(name, ""))
         p.add_argument("--print-config", action="store_true", default=False, help="print the RunConfig and exit")
         p.add_argument("--debug", action="store_true", default=False,
                        help="on an error, raise it with its traceback instead of the one-line message")
@@ -262,8 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--adam-beta1", type=float, help="AdamW beta1")
         p.add_argument("--adam-beta2", type=float, help="AdamW beta2")
         if name == "demo":
-            p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: min(2, the cores); "
-                           "the demo's timings are for 2 idle cores)")
+            p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: min(2, the cores) "
+                           "on the CPU, torch's own on a GPU; the CPU demo's timings are for 2 idle cores)")
         if name != "quickstart":  # quickstart starts from your model: no warm start
             p.add_argument("--sft-steps", type=int, default=None, help="SFT warm-start max steps (when it is "
                            "built: cpu presets without --hf-checkpoint, bench)")
@@ -384,22 +388,47 @@ def apply_flags(cfg, args: argparse.Namespace):
 
 
 def preset_config(args: argparse.Namespace, model: str | None = None):
-    """The preset's RunConfig with the flags applied. The model: `model`, else `--hf-checkpoint`, else the
-    demo's warm start directory for a cpu preset (not built here) or the preset's model shape; the metrics go
-    to `--run-dir` or a fresh `runs/<preset>-<time>/`. `train` without `--preset` is `cpu_demo` here (the derived
+    """The preset's RunConfig with the flags applied. The model: `model`, else `--hf-checkpoint`, else the warm
+    start directory of a preset that has one (`WARM_STARTS`; not built here) or the Qwen3-0.6B shape; the metrics
+    go to `--run-dir` or a fresh `runs/<preset>-<time>/`. An open `--preset` is `resolve_preset`'s (the derived
     config is `quickstart_config`)."""
     from rlbench import presets
 
-    if args.preset is None:
-        args.preset = "cpu_demo"
+    preset_name = resolve_preset(args)
     model = model or getattr(args, "hf_checkpoint", None)
     if model is None:
-        model = (args.sft_dir or presets.demo_sft_dir()) if args.preset in CPU_PRESETS else "qwen3-0.6b-shape"
+        warm = WARM_STARTS.get(preset_name)
+        model = (args.sft_dir or presets.demo_sft_dir(warm)) if warm else "qwen3-0.6b-shape"
     workdir = getattr(args, "run_dir", None) or presets.new_run_dir(args.preset.replace("_", "-"))
     preset = getattr(presets, args.preset)
     # --seed also seeds a task preset's rollouts (sampling and prompt order), so that it picks another RL run.
     seeded = {"seed": args.seed} if "seed" in vars(args) and "seed" in inspect.signature(preset).parameters else {}
     return apply_flags(preset(model=model, workdir=workdir, **seeded), args)
+
+
+def resolve_preset(args: argparse.Namespace) -> str:
+    """`args.preset`, filled in where it was left open: `demo --device cuda` runs `cuda_demo`, any other `demo`
+    or `train` `cpu_demo` (`train` with a model and data derives its config instead: `derives_config`)."""
+    if args.preset is None:
+        cuda = str(vars(args).get("device", "cpu")).startswith("cuda")
+        args.preset = "cuda_demo" if args.command == "demo" and cuda else "cpu_demo"
+    return args.preset
+
+
+def check_device(cfg, args: argparse.Namespace) -> None:
+    """Raise ValueError naming the fix when the run is on CUDA and this machine has none (before anything is built:
+    the warm start, the model)."""
+    if not str(cfg.backend.device).startswith("cuda"):
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    asked = f"--device {cfg.backend.device}" if "device" in vars(args) else f"--preset {args.preset} (a GPU preset)"
+    fix = "run `rlbench demo` without --device for the CPU demo" if args.command == "demo" else \
+        "give --device cpu with a CPU preset (cpu_demo, cpu_test)"
+    raise ValueError(f"{asked}: no CUDA device here (torch {torch.__version__}: torch.cuda.is_available() is False); "
+                     f"{fix}, or run on a machine with an NVIDIA GPU and a CUDA build of torch")
 
 
 def check_quickstart_paths(args: argparse.Namespace) -> None:
@@ -497,13 +526,15 @@ def derivations(cfg, args: argparse.Namespace) -> dict[str, str]:
 
 
 def ensure_sft(args: argparse.Namespace) -> str:
-    """The demo's SFT warm start (`presets.demo_warm_start`) in `--sft-dir` or the cache, built when missing."""
+    """The SFT warm start of `args.preset` (`WARM_STARTS`: `presets.demo_warm_start` on its device) in `--sft-dir`
+    or the cache, built when missing."""
     from rlbench.presets import demo_sft_dir, demo_warm_start
 
-    out = args.sft_dir or demo_sft_dir()
+    device = WARM_STARTS[args.preset]
+    out = args.sft_dir or demo_sft_dir(device)
     if os.path.isfile(os.path.join(out, "config.json")):
         print(f"[rlbench] reusing SFT warm start {out}", flush=True)
-    return demo_warm_start(out, max_steps=args.sft_steps)  # announces a build itself
+    return demo_warm_start(out, max_steps=args.sft_steps, device=device)  # announces a build itself
 
 
 def run_train(cfg) -> dict:
@@ -512,7 +543,8 @@ def run_train(cfg) -> dict:
     from rlbench.orchestration import build_trainer
 
     trainer = build_trainer(cfg)
-    trainer.fit()
+    with rollout_progress(trainer):
+        trainer.fit()
     summary = summarize_run(trainer)
     print(json.dumps(summary, indent=1), flush=True)
     curve = write_run_curve(trainer)
@@ -520,6 +552,37 @@ def run_train(cfg) -> dict:
         print(f"[rlbench] curve -> {curve}", flush=True)
     trainer.close()
     return summary
+
+
+@contextlib.contextmanager
+def rollout_progress(trainer):
+    """A progress bar of the samples the run still generates (training rounds and evals, `expected_samples`), fed
+    by the rollout manager as each sample ends (`RolloutManager.progress`); the per-step lines print above it."""
+    from rlbench.progress import Progress
+
+    manager = getattr(trainer, "rollouts", None)
+    total = expected_samples(trainer.cfg, len(trainer.eval_items), trainer.rollout_id)
+    if manager is None or not hasattr(manager, "progress") or total < 1:
+        yield
+        return
+    with Progress(total, "rollout", unit="sample") as bar:
+        manager.progress = bar.update
+        try:
+            yield
+        finally:
+            manager.progress = None
+
+
+def expected_samples(cfg, n_eval_items: int, done: int = 0) -> int:
+    """Samples a run generates from rollout `done` to `num_rollout`: one round of `prompts_per_round` x n per
+    rollout (dynamic sampling may draw more rounds: the bar's total then grows) and every eval due, the one before
+    training included unless skipped."""
+    r, e, end = cfg.rollout, cfg.eval, cfg.batch.num_rollout
+    train = max(0, end - done) * r.prompts_per_round * r.n_samples_per_prompt
+    evals = 0
+    if e.interval and n_eval_items:
+        evals = end // e.interval - done // e.interval + (done == 0 and not e.skip_before_train)
+    return train + evals * n_eval_items * e.n_samples_per_prompt
 
 
 def summarize_run(trainer) -> dict:
@@ -592,27 +655,32 @@ def derives_config(args: argparse.Namespace) -> bool:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """`train`, `demo`, `bench` or `quickstart` from parsed flags: check paths, build the config, print it or train."""
+    """`train`, `demo`, `bench` or `quickstart` from parsed flags: check paths, build the config, print it, or check
+    the device, build the warm start it starts from when missing, and train."""
     derived = derives_config(args)
     if derived:
         check_quickstart_paths(args)
     check_paths(args)
-    model = getattr(args, "hf_checkpoint", None)
-    if args.command == "demo":
-        import torch
-
-        if args.threads is not None and args.threads < 1:
-            raise ValueError(f"--threads {args.threads} must be >= 1")
-        torch.set_num_threads(args.threads or min(2, os.cpu_count() or 1))
-    if not derived and model is None and args.preset in CPU_PRESETS and not args.print_config:
-        model = ensure_sft(args)
-    elif model is None and args.command == "bench":
-        model = ensure_device_sft(args, "qwen3-0.6b-shape")
+    given_model = getattr(args, "hf_checkpoint", None)
+    warm = not derived and given_model is None and resolve_preset(args) in WARM_STARTS
+    bench_sft = not derived and given_model is None and args.command == "bench"
+    if args.command == "demo" and args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads {args.threads} must be >= 1")
+    model = device_sft_dir(args, "qwen3-0.6b-shape") if bench_sft else given_model  # a warm start: built below
     cfg = quickstart_config(args) if derived else preset_config(args, model=model)
     if args.print_config:
         out = cfg.to_dict() | ({"derived": derivations(cfg, args)} if derived else {})
         print(json.dumps(out, indent=1, default=str))
         return 0
+    check_device(cfg, args)
+    if args.command == "demo" and (args.threads is not None or cfg.backend.device == "cpu"):
+        import torch
+
+        torch.set_num_threads(args.threads or min(2, os.cpu_count() or 1))
+    if warm:
+        ensure_sft(args)  # into cfg.backend.model: the same directory
+    elif bench_sft:
+        ensure_device_sft(args, "qwen3-0.6b-shape")
     if derived:
         print(quickstart_summary(cfg, args), flush=True)
     if not derived and "prompt_data" in vars(args) and "eval_prompt_data" not in vars(args):
@@ -673,9 +741,14 @@ def run_bench_e2e(argv: list[str]) -> int:
     return load_benchmark("benchmarks/e2e.py", "rlbench_bench_e2e").main(argv)
 
 
+def device_sft_dir(args: argparse.Namespace, preset: str) -> str:
+    """Where `rlbench bench`'s SFT warm start of `preset` is: `--sft-dir`, else `runs/sft-<preset>`."""
+    return args.sft_dir or os.path.join("runs", f"sft-{preset}")
+
+
 def ensure_device_sft(args: argparse.Namespace, preset: str) -> str:
-    """A short SFT warm start of `preset` on the GPU (cached in --sft-dir); returns the HF dir."""
-    out = args.sft_dir or os.path.join("runs", f"sft-{preset}")
+    """A short SFT warm start of `preset` on the GPU in `device_sft_dir` (reused when there); returns the HF dir."""
+    out = device_sft_dir(args, preset)
     if os.path.isfile(os.path.join(out, "config.json")):
         print(f"[rlbench] reusing SFT warm start {out}", flush=True)
         return out

@@ -3,6 +3,7 @@
     cfg = rlbench.presets.cpu_demo()                 # what `make run` trains (builds the SFT warm start once)
     cfg = rlbench.presets.cpu_test(model=sft_dir)    # seconds per step, for tests and notebooks
     cfg = rlbench.presets.qwen3_0p6b_gpu(model=dir)  # one H200, colocated
+    cfg = rlbench.presets.cuda_demo()                # `rlbench demo --device cuda` (builds its GPU warm start once)
     cfg = rlbench.presets.quickstart(model=hf_dir, data="mine.jsonl")  # no preset: sizes from device and data
 
 Change a field with `dataclasses.replace` on the section (`cfg.replace(batch=replace(cfg.batch, num_rollout=5))`).
@@ -15,8 +16,11 @@ from any directory. Each run writes its metrics to a fresh `runs/<name>-<time>/`
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from rlbench.configs import (
@@ -66,30 +70,65 @@ DEMO_SFT_NAME = f"sft-small-arith1-{DEMO_SFT_STEPS}steps"
 DEMO_SFT = dict(preset="small", task="arithmetic", task_kwargs={"level": 1}, batch_size=32, eval_every=50,
                 num_eval=128, max_steps=DEMO_SFT_STEPS, target_pass_at_1=None)
 
+# SFT on one GPU as `rlbench bench` and tests/test_e2e_gpu.py ran it on the H100 / H200 (bf16 autocast over fp32
+# weights, AdamW at 3e-4, 64 sequences a step): the model shape keeps its own 151,936-row embedding, so every GPU
+# kernel (the engine's head and sampler, the megakernel, the trainer's chunked log-probs) runs at the verified
+# shapes; the tokenizer is the CPU demo's char-level one (128 ids), and the ids above it are never trained on.
+GPU_SFT = dict(device="cuda", tokenizer_vocab=False, batch_size=64, lr=3e-4)
 
-def demo_sft_dir() -> str:
-    """The directory of the demo's SFT warm start in the cache (it may not exist yet: `demo_warm_start`)."""
-    return os.path.join(cache_dir(), DEMO_SFT_NAME)
+# The warm start of `rlbench demo --device cuda` (`cuda_demo`): the Qwen3-0.6B shape from random init on the CPU
+# demo's task (1-digit addition, the same 128 eval prompts). It stops at the first eval (every 20 steps, 128
+# prompts x 1 sample, s.e. ~0.04) whose sampled pass@1 reaches 0.3, at most 400 steps: how fast this shape learns
+# level 1 at 3e-4 is not measured (level 3 took 500 steps to 0.19, 2026-12-02), and a fixed count could land near
+# 0 or near 1; 0.3 is where the CPU study saw GRPO rise fastest (docs/log/2026-12.md, 2026-12-07, make run).
+# Time on one H100, estimated from the 500-step level-3 SFT (66 s on an H200 with one eval and the save): ~0.1 s a
+# step at 64 x ~35 tokens, ~1 s an eval (two HF generates of <= 24 tokens on 128 prompts), ~5 s to save 2.4 GB of
+# fp32 weights: 20-30 s if it stops at 100-200 steps, ~65 s at the 400-step cap.
+DEMO_SFT_CUDA = GPU_SFT | dict(preset="qwen3-0.6b-shape", task="arithmetic", task_kwargs={"level": 1},
+                               warmup_steps=20, max_steps=400, eval_every=20, num_eval=128, target_pass_at_1=0.3)
+DEMO_SFTS = {"cpu": DEMO_SFT, "cuda": DEMO_SFT_CUDA}
+"""The demo's warm start per device (`SFTConfig` fields): `cpu_demo` starts from "cpu", `cuda_demo` from "cuda"."""
+DEMO_SFT_TIME = {"cpu": "about 40 s on 2 CPU cores", "cuda": "about 1 min on one H100 (estimated, not yet measured)"}
+"""What a first build costs, for the announcement."""
 
 
-def demo_warm_start(out: str | None = None, max_steps: int | None = None) -> str:
-    """The demo's SFT warm start: `out` (default `demo_sft_dir()`) when a finished one is there, else trained
-    into it first (`DEMO_SFT`; about 40 s on 2 CPU cores, announced on stdout). Returns the HF directory.
+def demo_sft_name(device: str = "cpu") -> str:
+    """The cache directory name of the demo's warm start on `device` ("cpu" or "cuda"). The CPU one carries its step
+    count (`DEMO_SFT_NAME`); the GPU one the preset, the task and a digest of every field of `DEMO_SFT_CUDA`, so a
+    cache from another recipe is never reused."""
+    if device not in DEMO_SFTS:
+        raise ValueError(f"no demo warm start for device {device!r}; use one of {sorted(DEMO_SFTS)}")
+    if device == "cpu":
+        return DEMO_SFT_NAME
+    spec = DEMO_SFTS[device]
+    digest = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:8]
+    return f"sft-{spec['preset']}-arith{spec['task_kwargs']['level']}-{device}-{digest}"
+
+
+def demo_sft_dir(device: str = "cpu") -> str:
+    """The directory of the demo's SFT warm start on `device` in the cache (it may not exist yet: `demo_warm_start`)."""
+    return os.path.join(cache_dir(), demo_sft_name(device))
+
+
+def demo_warm_start(out: str | None = None, max_steps: int | None = None, device: str = "cpu") -> str:
+    """The demo's SFT warm start on `device`: `out` (default `demo_sft_dir(device)`) when a finished one is there,
+    else trained into it first (`DEMO_SFTS[device]`; announced on stdout with its cost, `DEMO_SFT_TIME`). Returns
+    the HF directory.
 
     The model is trained into a temporary sibling and renamed, so an interrupted build leaves no half model.
     `max_steps` caps the SFT (tests use a few steps; the cap only matters when it is built).
     """
-    out = out or demo_sft_dir()
+    out = out or demo_sft_dir(device)
     if os.path.isfile(os.path.join(out, "config.json")):
         return out
     if os.path.exists(out) and os.listdir(out):
         raise ValueError(f"{out!r} exists but holds no finished model (no config.json); remove it and run again")
     from rlbench.sft import SFTConfig, run_sft
 
-    print(f"[rlbench] SFT warm start -> {out} (built once, about 40 s on 2 CPU cores)", flush=True)
+    print(f"[rlbench] SFT warm start -> {out} (built once, {DEMO_SFT_TIME[device]})", flush=True)
     tmp = f"{out}.tmp-{os.getpid()}"
     steps = {"max_steps": max_steps} if max_steps else {}
-    run_sft(SFTConfig(**(DEMO_SFT | steps), out=tmp))
+    run_sft(SFTConfig(**(DEMO_SFTS[device] | steps), out=tmp))
     if os.path.exists(out):
         os.rmdir(out)  # empty (checked above)
     os.replace(tmp, out)
@@ -98,12 +137,12 @@ def demo_warm_start(out: str | None = None, max_steps: int | None = None) -> str
 
 def gpu_sft(preset: str = "qwen3-0.6b-shape", out: str | None = None, steps: int = 150) -> SFTConfig:
     """A short SFT warm start of a model shape on one GPU (`rlbench bench`, tests/test_e2e_gpu.py): 3-digit
-    arithmetic, `steps` AdamW steps at 3e-4, the preset's own 152k vocabulary, one pass@1 eval at the end."""
+    arithmetic, `steps` AdamW steps at 3e-4 (`GPU_SFT`), the preset's own 152k vocabulary, one pass@1 eval at the
+    end."""
     from rlbench.sft import SFTConfig
 
-    return SFTConfig(preset=preset, task="arithmetic", task_kwargs={"level": 3}, out=out, device="cuda",
-                     tokenizer_vocab=False, batch_size=64, lr=3e-4, warmup_steps=max(1, steps // 10),
-                     max_steps=steps, eval_every=steps, target_pass_at_1=None)
+    return SFTConfig(**GPU_SFT, preset=preset, task="arithmetic", task_kwargs={"level": 3}, out=out,
+                     warmup_steps=max(1, steps // 10), max_steps=steps, eval_every=steps, target_pass_at_1=None)
 
 
 def _task_run(model: str, task: TaskConfig, *, device: str, param_dtype: str, workdir: str, **sections) -> RunConfig:
@@ -215,6 +254,43 @@ def qwen3_0p6b_gpu(model: str, workdir: str | None = None, *, num_rollout: int =
         optim=OptimConfig(lr=1e-6, betas=(0.9, 0.98), weight_decay=0.1),
         engine=TorchEngineConfig(max_seq_len=256),
         eval=EvalConfig(interval=2, n_samples_per_prompt=4, pass_k=(1, 4), temperature=1.0),
+    )
+
+
+# GRPO steps of `cuda_demo`. Time on one H100, estimated from the 0.6B-shape loop measured there (docs/LOG.md: a
+# 1.4 s step at 64 x (510 + 256) tokens, rollout 0.74 s for 256 decode steps; first step 34 s, 22 s of it compile):
+# here 256 samples of ~35 tokens, so a rollout of ~16 decode steps ~0.2 s, two optimizer steps on ~4.5k tokens
+# ~0.4 s, the sync ~0.1 s: ~0.8 s a step, 100 steps ~80 s; 11 evals of 1,024 samples ~1.5 s each ~15 s; the engine
+# and layer compiles ~40-60 s cold (the first rollout and the first packs of each new bucketed length). With the
+# build (~15 s) and the SFT (~20-65 s): ~3-4 min cold, ~2 min once the warm start and compile caches exist.
+CUDA_DEMO_STEPS = 100
+
+
+def cuda_demo(model: str | None = None, workdir: str | None = None, *, seed: int = 0) -> RunConfig:
+    """`rlbench demo --device cuda`: the CPU demo's task and evaluation at the Qwen3-0.6B shape on one GPU, as
+    `qwen3_0p6b_gpu` runs it (colocated, bf16, compiled engine and layers, 32 prompts x 8 samples, two optimizer
+    steps of 128 per rollout) for 100 GRPO steps at lr 2e-5, evaluated every 10 (128 prompts x 8 samples).
+
+    Args:
+        model: HF directory; None: the GPU warm start (`demo_warm_start(device="cuda")`, built on first use).
+        workdir: where the metrics go; None: a fresh `new_run_dir("demo-cuda")`.
+        seed: the RL's sampling seeds and prompt order, as in `cpu_demo` (warm start and eval draws are shared).
+    """
+    model = model or demo_warm_start(device="cuda")
+    base = qwen3_0p6b_gpu(model, workdir or new_run_dir("demo-cuda"), num_rollout=CUDA_DEMO_STEPS)
+    task = TaskConfig(name="arithmetic", level=1, n_eval=DEMO_SFT_CUDA["num_eval"],
+                      out_dir=os.path.join(cache_dir(), "data"))
+    return base.replace(
+        task=task,
+        data=replace(base.data, path=task.train_path, seed=seed),
+        # 1-digit answers are `\boxed{N}` + <|im_end|>, 9-10 tokens: 16 leaves room without long truncated tails
+        rollout=replace(base.rollout, max_response_len=16, seed=seed),
+        # The CPU demo's lr 1e-4 (its SFT's last lr; 2e-4 collapsed) scaled by the two shapes' SFT lrs (small 1e-3,
+        # this shape 3e-4, taken as equally effective per step: not measured) is ~3e-5, so ~6e-5 would collapse;
+        # 2e-5 keeps a 3x margin. A wider layer moves its output more per Adam step (fan-in 1024 / 3072 against
+        # 256 / 768), which points the same way. The warm-up keeps Adam's first, sign-sized steps small.
+        backend=replace(base.backend, optim=OptimConfig(lr=2e-5, betas=(0.9, 0.98), clip_grad=1.0, warmup_steps=10)),
+        eval=EvalConfig(interval=10, n_samples_per_prompt=8, pass_k=(1, 8), temperature=1.0),
     )
 
 
