@@ -12,6 +12,8 @@
 #   loop     `rlbench bench e2e` 0.6B shape: defaults, --fast, the true on-policy mode and TRL, cold caches
 #   warm     the same without TRL on the caches `loop` left: the warm-cache first step
 #   gputests the rollout, FSDP and e2e GPU tests
+#   demo     `rlbench demo --device cuda --seed 0` (issue 51): the GPU warm start built on a cold cache, 100 GRPO steps,
+#            eval pass@1 / pass@8 every 10, metrics and curve.png in $OUT/demo (estimated 3-4 min on one H100)
 #   others   the GPU tests no other part runs: every architecture on CUDA, the log-prob kernels' memory, CP's kernel
 #            path, megatron beside FSDP (tests/test_gpu_paths.py checks that every GPU test module is in some part)
 #   loop4b   `rlbench bench e2e` 4B shape, defaults and TRL (the memory plan's peak per phase, the ratio to TRL)
@@ -114,6 +116,7 @@ for part in "$@"; do case $part in
   notebooks) for nb in $(for n in ${NOTEBOOKS:-0}; do ls notebooks/"$n"*.ipynb; done); do  # one limit each
                run "nb_$(basename "$nb" .ipynb)" 0 "$(lim 240)" "RLBENCH_SMOKE=0 python3 -m pytest -q -p no:cacheprovider \
                  --nbval-lax --nbval-cell-timeout 230 $nb"; done ;;
+  demo) run demo 0 "$(lim 560)" "python3 -m rlbench.cli demo --device cuda --seed 0 --run-dir $OUT/demo" ;;
   gputests) run gputests 0 "$(lim 240)" "python3 -m pytest -q -m gpu tests/test_rollout_gpu.py tests/test_fsdp_gpu.py tests/test_e2e_gpu.py" ;;
   others) run others 0 "$(lim 400)" "python3 -m pytest -q -m gpu tests/test_architectures.py tests/test_algorithms_logprobs.py \
             tests/test_cp_gpu.py tests/test_megatron_gpu.py" ;;

@@ -108,7 +108,7 @@ def _script(relpath: str):
 
 
 def check_cli(argv: list[str]) -> list[str]:
-    """`python -m rlbench.cli ARGV`: train/bench/quickstart build their RunConfig (`--print-config`), `bench e2e` and
+    """`python -m rlbench.cli ARGV`: train/demo/bench/quickstart build their RunConfig (`--print-config`), `bench e2e` and
     `experiment NAME` parse their flags."""
     from rlbench import cli
     from rlbench.experiments import EXPERIMENTS
