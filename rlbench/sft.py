@@ -14,6 +14,7 @@ directory (model + tokenizer) for `rlbench.models.load_model` / `load_tokenizer`
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -239,6 +240,10 @@ def run_sft(cfg: SFTConfig) -> dict:
         save_pretrained(model, tokenizer, cfg.out)
         with open(os.path.join(cfg.out, "sft_metrics.json"), "w") as f:
             json.dump(metrics | {"config": asdict(cfg)}, f, indent=1)
+    if model.device.type == "cuda":  # hand the model's, Adam's and the logits' blocks back to the driver: a trainer
+        del model, opt, sched  # started next in this process (`rlbench demo --device cuda`) plans from the free memory
+        gc.collect()
+        torch.cuda.empty_cache()
     return metrics
 
 
