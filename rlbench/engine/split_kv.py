@@ -6,9 +6,7 @@ samples of a prompt share its K/V) that is 64 programs of 16 query rows at 8 pro
 up to 2.5k keys alone on an H200 with 132 SMs. Here program (r, h, c) reads keys `[c CHUNK, (c + 1) CHUNK)` of
 row r and KV head h once for all its query rows (the G heads of the KV head, times the k samples in the grouped
 layout; tensor-core dots), keeps an online softmax in fp32, and writes a normalised partial output and its
-log-sum-exp. A second kernel (`_merge_kernel`, one program per (row, KV head)) merges the chunks. It is Triton,
-not torch ops for inductor to fuse: inside the engine's dynamic-shape layer graph inductor's reduction over the chunk
-axis took 3.4x longer per call after unrelated changes to the graph around it (docs/log/2026-12.md, 2026-12-08).
+log-sum-exp. A second pass (torch: inductor fuses it into one kernel) merges the chunks.
 
 `split_kv_decode` has the `DecodeAttention` signature of `rlbench.engine.attention`; the mask is any boolean
 `[B, 1, 1 or M, L]` (the slot layout's or the grouped layout's). Under Triton's CPU interpreter (tensors on the
@@ -79,38 +77,6 @@ def _split_kv_kernel(q, k, v, mask, out, lse, M, L, qk_scale,
              tl.where(seen_any, m_i + tl.log2(tl.where(seen_any, l_i, 1.0)), float("-inf")), mask=valid)
 
 
-@triton.jit
-def _merge_kernel(partial, lse, out, M, C, spb, sph, spc, spm, slb, slh, slc, slm, sob, soh, som,
-                  HD: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Program (row, head): out[m] = sum_c 2^(lse_c[m] - top[m]) partial_c[m] / sum_c 2^(lse_c[m] - top[m]), in
-    fp32, chunks in order; a chunk with no visible key has lse -inf (weight 0). Every row sees a key, so top is
-    finite for the real rows."""
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
-    m = tl.arange(0, BLOCK_M)
-    d = tl.arange(0, HD)
-    valid = m < M
-    l_base = lse + row * slb + head * slh + m * slm
-    p_base = partial + row * spb + head * sph + m[:, None] * spm + d[None, :]
-    top = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    c = 0
-    while c < C:  # `while`, not `range(C)`: Triton's CPU interpreter cannot range over a runtime argument
-        top = tl.maximum(top, tl.load(l_base + c * slc, mask=valid, other=float("-inf")))
-        c += 1
-    top = tl.where(valid, top, 0.0)
-    acc = tl.full([BLOCK_M, HD], 0.0, tl.float32)
-    total = tl.full([BLOCK_M], 0.0, tl.float32)
-    c = 0
-    while c < C:
-        weight = tl.exp2(tl.load(l_base + c * slc, mask=valid, other=float("-inf")) - top)
-        acc += weight[:, None] * tl.load(p_base + c * spc, mask=valid[:, None], other=0.0)
-        total += weight
-        c += 1
-    o = acc / tl.where(valid, total, 1.0)[:, None]
-    tl.store(out + row * sob + head * soh + m[:, None] * som + d[None, :], o.to(out.dtype.element_ty),
-             mask=valid[:, None])
-
-
 @triton_op("rlbench::split_kv_decode", mutates_args=())
 def _split_kv(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
               scale: float) -> torch.Tensor:
@@ -128,11 +94,10 @@ def _split_kv(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
         HD=hd, BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=min(BLOCK_N, CHUNK), CHUNK=CHUNK,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INTERPRETED=interpreted, num_warps=4,
         num_stages=1 if interpreted else 2)
-    out = torch.empty_like(q)
-    wrap_triton(_merge_kernel)[(b, n_kv)](
-        partial, lse, out, rows, chunks, *partial.stride()[:4], *lse.stride()[:4], *out.stride()[:3],
-        HD=hd, BLOCK_M=max(16, triton.next_power_of_2(rows)), num_warps=4)
-    return out
+    top = lse.amax(2, keepdim=True)  # every row sees at least one key, so `top` is finite
+    weight = torch.exp2(lse - top)  # [B, n_kv, C, M]
+    merged = (weight[..., None] * partial).sum(2) / weight.sum(2)[..., None]
+    return merged.to(q.dtype)
 
 
 def split_kv_decode(q, keys, values, mask, scale: float) -> torch.Tensor:
