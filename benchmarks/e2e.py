@@ -252,7 +252,13 @@ def run_rlbench(w: Workload, model_dir: str, rollouts: int, variant: str = "defa
         t0 = time.perf_counter()
         trainer = Trainer(cfg)
         build_s = time.perf_counter() - t0
-        history = [trainer.step() for _ in range(rollouts)]
+        print(f"[e2e] rlbench {variant}: built in {build_s:.1f} s", flush=True)
+        history = []
+        for i in range(rollouts):  # a line per step: a stalled step shows where it stalled
+            history.append(trainer.step())
+            m = history[-1]
+            print(f"[e2e] rlbench {variant}: step {i + 1}/{rollouts} {m['perf/step_time']:.2f} s (rollout "
+                  f"{m.get('perf/rollout_time', 0.0):.2f} s, train {m.get('perf/train_time', 0.0):.2f} s)", flush=True)
         caches = compile_cache_counts()
         phase_profiles = profile_phases(trainer) if profile else None
     steps = []
