@@ -14,7 +14,7 @@
     rlbench train --reward-model runs/rm --reward-weights math:1,rm:0.5      # ... served beside the rule reward
     rlbench experiment cp-oom --preset qwen3-4b-shape --cp 1 2 4 --ac on off --out runs/cp_oom
 
-Every config field has one flag. Its name is slime's where slime has that setting (`FLAG_NAMES`), otherwise
+Every config field has one flag. Its name is slime's where slime has that setting (`rlbench.cli_flags.FLAG_NAMES`), otherwise
 `--{field}` (or `--{section}-{field}` when the bare name is ambiguous). Flags only override fields of
 the chosen preset; `build_parser()` and `FLAG_NAMES` are the single source, so names never drift.
 
@@ -28,82 +28,27 @@ more a `curve.png` of held-out pass@k beside them.
 from __future__ import annotations
 
 import argparse
-import ast
-import contextlib
 import dataclasses
 import difflib
-import functools
 import inspect
 import json
 import os
 import re
 import sys
-import types
 import typing
-from typing import Any
 
-# (section path, field) -> flag. Sections: data, backend, backend.optim, backend.fsdp, loss, rollout, batch, engine,
-# weights, eval, logging, checkpoint, task, and "" for RunConfig's own scalar fields.
-FLAG_NAMES: dict[tuple[str, str], str] = {
-    ("backend", "model"): "--hf-checkpoint",
-    ("backend", "ref_model"): "--ref-load",
-    ("backend", "seed"): "--model-seed",
-    ("backend", "cp_size"): "--context-parallel-size",
-    ("backend.fsdp", "cpu_offload"): "--fsdp-cpu-offload",
-    ("backend", "checkpoint_dir"): "--backend-checkpoint-dir",
-    ("backend.optim", "lr_schedule"): "--lr-decay-style",
-    ("backend.optim", "warmup_steps"): "--lr-warmup-iters",
-    ("backend.optim", "warmup_init_lr"): "--lr-warmup-init",
-    ("backend.optim", "decay_steps"): "--lr-decay-iters",
-    ("backend.optim", "eps"): "--adam-eps",
-    ("data", "path"): "--prompt-data",
-    ("data", "max_prompt_length"): "--rollout-max-prompt-len",
-    ("data", "shuffle"): "--rollout-shuffle",
-    ("data", "seed"): "--rollout-seed",
-    ("rollout", "max_response_len"): "--rollout-max-response-len",
-    ("rollout", "temperature"): "--rollout-temperature",
-    ("rollout", "top_p"): "--rollout-top-p",
-    ("rollout", "top_k"): "--rollout-top-k",
-    ("rollout", "seed"): "--sampling-seed",
-    ("eval", "interval"): "--eval-interval",
-    ("eval", "data_path"): "--eval-prompt-data",
-    ("eval", "n_samples_per_prompt"): "--n-samples-per-eval-prompt",
-    ("eval", "skip_before_train"): "--skip-eval-before-train",
-    ("eval", "max_prompts"): "--eval-max-prompts",
-    ("weights", "bucket_bytes"): "--update-weight-buffer-size",
-    ("weights", "verify"): "--check-weight-update-equal",
-    ("checkpoint", "save_dir"): "--save",
-    ("checkpoint", "load_dir"): "--load",
-    ("checkpoint", "save_interval"): "--save-interval",
-    ("logging", "tensorboard_dir"): "--tensorboard-dir",
-    ("logging", "wandb_run_name"): "--wandb-run-name",
-    ("logging", "console"): "--console",
-    ("logging", "jsonl_path"): "--metrics-jsonl",
-    ("logging", "wandb_project"): "--wandb-project",
-    ("task", "name"): "--task",
-    ("cluster", "colocate"): "--colocate",
-    ("engine.megakernel", "enabled"): "--engine-megakernel",
-    ("megatron", "attention"): "--megatron-attention",
-    ("backend.critic", "load"): "--critic-load",
-    ("backend.critic", "lr"): "--critic-lr",
-    ("backend.critic", "lr_warmup_iters"): "--critic-lr-warmup-iters",
-    ("backend.critic", "num_critic_only_steps"): "--num-critic-only-steps",
-}
-# Sections whose field names are used bare (`--eps-clip`, `--global-batch-size`, `--lr`).
-BARE_SECTIONS = ("loss", "batch", "backend.optim", "backend.fsdp", "rollout", "rollout.multiturn", "backend", "data",
-                 "cluster", "megatron", "")
-SKIP = {("loss", "mis"), ("backend", "model_overrides"), ("backend", "optim"), ("backend", "fsdp"), ("backend", "critic"),
-        ("backend", "batch_invariant"), ("engine", "batch_invariant"),  # both follow --true-on-policy-mode
-        ("logging", "console_keys"), ("backend.optim", "betas"), ("", "task"), ("engine", "megakernel"),
-        ("engine.megakernel", "sync"), ("engine.megakernel", "gluon"), ("engine.megakernel", "head"),
-        ("rollout", "multiturn")}
-# Nested sections: "parent.field" -> the dataclass held in that field.
-NESTED = ("backend.optim", "backend.fsdp", "backend.critic", "engine.megakernel", "rollout.multiturn")
+from rlbench.cli_flags import (
+    FLAG_TYPES,
+    NESTED,
+    Parser,
+    argparse_kwargs,
+    config_flags,
+    field_doc,
+    section_types,
+)
+from rlbench.cli_run import WARM_STARTS, device_sft_dir, ensure_device_sft, ensure_sft, run_train
 
 PRESETS = ("cpu_demo", "cpu_test", "qwen3_0p6b_gpu", "cuda_demo")
-WARM_STARTS = {"cpu_demo": "cpu", "cpu_test": "cpu", "cuda_demo": "cuda"}
-"""Presets that start from a demo SFT warm start when no --hf-checkpoint is given: preset -> its device key in
-`presets.DEMO_SFTS` (`presets.demo_warm_start(device=...)`, built once into the cache)."""
 MODEL_FLAGS = ("hf_checkpoint", "ref_load", "critic_load")
 """Flags that take a model: an HF directory or a model preset name."""
 FILE_FLAGS = ("prompt_data", "eval_prompt_data")
@@ -116,132 +61,10 @@ QUICKSTART_ARGS = {"hf_checkpoint": "model", "prompt_data": "data", "eval_prompt
 flags are applied after, as for `rlbench train`."""
 
 
-def _section_types() -> dict[str, type]:
-    from rlbench.configs import RunConfig
-
-    hints = typing.get_type_hints(RunConfig)
-    out = {"": RunConfig}
-    for f in dataclasses.fields(RunConfig):
-        cls = _dataclass_of(hints[f.name])
-        if cls is not None:
-            out[f.name] = cls
-    for nested in NESTED:
-        parent, name = nested.split(".")
-        out[nested] = _dataclass_of(typing.get_type_hints(out[parent])[name])
-    return out
-
-
-def _dataclass_of(tp) -> type | None:
-    """The dataclass in `tp` (unwrapping `X | None`), or None."""
-    if dataclasses.is_dataclass(tp):
-        return tp
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    return args[0] if len(args) == 1 and dataclasses.is_dataclass(args[0]) else None
-
-
-@functools.lru_cache(maxsize=1)
-def config_flags() -> dict[str, tuple[str, str, Any, str]]:
-    """flag -> (section, field, type, help) for every configurable field."""
-    sections = _section_types()
-    raw: list[tuple[str, str, Any, str]] = []
-    for section, cls in sections.items():
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if (section, f.name) in SKIP or (section == "" and _dataclass_of(hints[f.name])):
-                continue
-            raw.append((section, f.name, hints[f.name], _field_doc(cls, f.name)))
-    bare_count: dict[str, int] = {}
-    for section, name, _, _ in raw:
-        if section in BARE_SECTIONS and (section, name) not in FLAG_NAMES:
-            bare_count[name] = bare_count.get(name, 0) + 1
-    flags = {}
-    for section, name, tp, doc in raw:
-        flag = FLAG_NAMES.get((section, name))
-        if flag is None:
-            bare = section in BARE_SECTIONS and bare_count.get(name) == 1
-            flag = "--" + (name if bare else f"{section.replace('.', '-')}-{name}").replace("_", "-")
-        assert flag not in flags, f"duplicate flag {flag} for {section}.{name} and {flags[flag][:2]}"
-        flags[flag] = (section, name, tp, doc)
-    return flags
-
-
-@functools.cache
-def _module_classes(path: str) -> dict[str, ast.ClassDef]:
-    """Top-level classes of a source file, parsed once."""
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read(), filename=path)
-    return {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
-
-
-@functools.cache
-def field_docs(cls) -> dict[str, str]:
-    """field -> the docstring under it in `cls`'s source, whitespace folded to one line ('' when missing)."""
-    path = getattr(sys.modules.get(cls.__module__), "__file__", None)
-    node = _module_classes(path).get(cls.__name__) if path else None
-    if node is None:
-        return {}
-    docs = {}
-    for stmt, nxt in zip(node.body, node.body[1:]):
-        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)):
-            docs[stmt.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
-def _field_doc(cls, name: str) -> str:
-    """The docstring under a dataclass field, '%'-escaped for argparse, or ''."""
-    return field_docs(cls).get(name, "").replace("%", "%%")
-
-
-def _reward_weights(text: str) -> dict:
-    """argparse type of --reward-weights: `math:1,rm:0.5` or a JSON object."""
-    from rlbench.configs.rollout import parse_reward_weights
-
-    try:
-        return parse_reward_weights(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-FLAG_TYPES = {"--reward-weights": {"type": _reward_weights}}
-"""Flags whose argparse options are not those of their field's type (a dict written as name:weight,...)."""
-
-
-def _argparse_kwargs(tp) -> dict:
-    """argparse options for a field type: bools get --x/--no-x, tuples take several values."""
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    base = args[0] if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1 else tp
-    optional = base is not tp  # `X | None`: the word none unsets it (`--label-key none`: rows without labels)
-    if base is bool:
-        return {"action": argparse.BooleanOptionalAction}
-    if typing.get_origin(base) is tuple:
-        return {"nargs": "+", "type": typing.get_args(base)[0]}
-    if base in (int, float, str):
-        return {"type": _or_none(base) if optional else base}
-    return {"type": json.loads}  # dicts and anything else: JSON (null unsets an optional one)
-
-
-def _or_none(base: type):
-    """An argparse type: `none` (any case) -> None, anything else -> `base(text)`."""
-    def parse(text: str):
-        return None if text.lower() == "none" else base(text)
-
-    parse.__name__ = base.__name__  # argparse names the type in its "invalid int value" message
-    return parse
-
-
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line (the sub-commands' usage lists hundreds of flags)."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists every flag)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The `rlbench` parser with its sub-commands (`.commands`: name -> sub-parser)."""
     parser = argparse.ArgumentParser(prog="rlbench", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for name, help_ in (("train", "GRPO/PPO training: your --hf-checkpoint DIR + --prompt-data FILE (sizes derived "
                                   "from the device and the data), or a preset + flags"),
                         ("demo", "SFT warm start (cached) then GRPO on arithmetic; what `make run` runs"),
@@ -273,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "built: cpu presets without --hf-checkpoint, bench)")
             p.add_argument("--sft-dir", default=None, help="where the SFT warm start is cached (default: the user cache)")
         for flag, (_, _, tp, doc) in config_flags().items():
-            p.add_argument(flag, help=doc, **(FLAG_TYPES.get(flag) or _argparse_kwargs(tp)))
+            p.add_argument(flag, help=doc, **(FLAG_TYPES.get(flag) or argparse_kwargs(tp)))
     rm = sub.add_parser("rm", help="train a reward model on preference pairs (see rlbench rm --help)", add_help=False)
     rm.add_argument("rest", nargs=argparse.REMAINDER)
     sft = sub.add_parser("sft", help="SFT warm start (see python -m rlbench.sft --help)", add_help=False)
@@ -380,7 +203,7 @@ def apply_flags(cfg, args: argparse.Namespace):
             parent, name = nested.split(".")
             fields = updates.pop(nested)
             current = getattr(getattr(cfg, parent), name)  # None: an optional section (the critic) starts default
-            current = _section_types()[nested]() if current is None else current
+            current = section_types()[nested]() if current is None else current
             updates.setdefault(parent, {})[name] = dataclasses.replace(current, **fields)
     sections = {section: dataclasses.replace(getattr(cfg, section), **fields)
                 for section, fields in updates.items() if section}
@@ -525,89 +348,6 @@ def derivations(cfg, args: argparse.Namespace) -> dict[str, str]:
     }
 
 
-def ensure_sft(args: argparse.Namespace) -> str:
-    """The SFT warm start of `args.preset` (`WARM_STARTS`: `presets.demo_warm_start` on its device) in `--sft-dir`
-    or the cache, built when missing."""
-    from rlbench.presets import demo_sft_dir, demo_warm_start
-
-    device = WARM_STARTS[args.preset]
-    out = args.sft_dir or demo_sft_dir(device)
-    if os.path.isfile(os.path.join(out, "config.json")):
-        print(f"[rlbench] reusing SFT warm start {out}", flush=True)
-    return demo_warm_start(out, max_steps=args.sft_steps, device=device)  # announces a build itself
-
-
-def run_train(cfg) -> dict:
-    """Build the trainer of `cfg.cluster.backend`, train `num_rollout` steps, print a summary; returns the last metrics."""
-    from rlbench.curve_png import write_run_curve
-    from rlbench.orchestration import build_trainer
-
-    trainer = build_trainer(cfg)
-    with rollout_progress(trainer):
-        trainer.fit()
-    summary = summarize_run(trainer)
-    print(json.dumps(summary, indent=1), flush=True)
-    curve = write_run_curve(trainer)
-    if curve:
-        print(f"[rlbench] curve -> {curve}", flush=True)
-    trainer.close()
-    return summary
-
-
-@contextlib.contextmanager
-def rollout_progress(trainer):
-    """A progress bar of the samples the run still generates (training rounds and evals, `expected_samples`), fed
-    by the rollout manager as each sample ends (`RolloutManager.progress`); the per-step lines print above it."""
-    from rlbench.progress import Progress
-
-    manager = getattr(trainer, "rollouts", None)
-    total = expected_samples(trainer.cfg, len(trainer.eval_items), trainer.rollout_id)
-    if manager is None or not hasattr(manager, "progress") or total < 1:
-        yield
-        return
-    with Progress(total, "rollout", unit="sample") as bar:
-        manager.progress = bar.update
-        try:
-            yield
-        finally:
-            manager.progress = None
-
-
-def expected_samples(cfg, n_eval_items: int, done: int = 0) -> int:
-    """Samples a run generates from rollout `done` to `num_rollout`: one round of `prompts_per_round` x n per
-    rollout (dynamic sampling may draw more rounds: the bar's total then grows) and every eval due, the one before
-    training included unless skipped."""
-    r, e, end = cfg.rollout, cfg.eval, cfg.batch.num_rollout
-    train = max(0, end - done) * r.prompts_per_round * r.n_samples_per_prompt
-    evals = 0
-    if e.interval and n_eval_items:
-        evals = end // e.interval - done // e.interval + (done == 0 and not e.skip_before_train)
-    return train + evals * n_eval_items * e.n_samples_per_prompt
-
-
-def summarize_run(trainer) -> dict:
-    """Start/end eval and mean per-phase times of a finished run.
-
-    `eval/<metric>/start` is the first eval and `/end` the last one, each beside the rollout id it measured
-    (`eval/rollout_id/start`, `/end`); with a single eval there is no `/end`: nothing measured it after training.
-    """
-    out: dict[str, float] = {}
-    if trainer.eval_history:
-        first, last = trainer.eval_history[0], trainer.eval_history[-1]
-        keys = [k for k in first if k.startswith("eval/pass@") or k == "eval/reward"]
-        out["eval/rollout_id/start"] = first["rollout/id"]
-        out |= {f"{key}/start": first[key] for key in keys}
-        if len(trainer.eval_history) > 1:
-            out["eval/rollout_id/end"] = last["rollout/id"]
-            out |= {f"{key}/end": last[key] for key in keys}
-    for key in ("perf/rollout_time", "perf/log_probs_time", "perf/train_time", "perf/update_weights_time",
-                "perf/step_time", "perf/peak_memory_gb", "weights/bytes"):
-        vals = [h[key] for h in trainer.history if key in h]
-        if vals:
-            out[f"{key}/mean"] = sum(vals) / len(vals)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["sft"]:
@@ -700,7 +440,7 @@ def build_rm_parser() -> argparse.ArgumentParser:
     """`rlbench rm` flags: one per `RMTrainConfig` field (`--{field}`, or `RM_FLAG_NAMES`), help from its docstring."""
     from rlbench.configs.reward_model import RMTrainConfig
 
-    parser = _Parser(prog="rlbench rm", description="Train a reward model (HF causal LM + scalar head) on "
+    parser = Parser(prog="rlbench rm", description="Train a reward model (HF causal LM + scalar head) on "
                      "preference pairs with the Bradley-Terry loss (docs/reward_model.md)",
                      argument_default=argparse.SUPPRESS)
     parser.add_argument("--debug", action="store_true", default=False,
@@ -708,7 +448,7 @@ def build_rm_parser() -> argparse.ArgumentParser:
     hints = typing.get_type_hints(RMTrainConfig)
     for f in dataclasses.fields(RMTrainConfig):
         flag = RM_FLAG_NAMES.get(f.name, "--" + f.name.replace("_", "-"))
-        parser.add_argument(flag, dest=f.name, help=_field_doc(RMTrainConfig, f.name), **_argparse_kwargs(hints[f.name]))
+        parser.add_argument(flag, dest=f.name, help=field_doc(RMTrainConfig, f.name), **argparse_kwargs(hints[f.name]))
     return parser
 
 
@@ -739,26 +479,6 @@ def run_bench_e2e(argv: list[str]) -> int:
     from rlbench.experiments import load_benchmark
 
     return load_benchmark("benchmarks/e2e.py", "rlbench_bench_e2e").main(argv)
-
-
-def device_sft_dir(args: argparse.Namespace, preset: str) -> str:
-    """Where `rlbench bench`'s SFT warm start of `preset` is: `--sft-dir`, else `runs/sft-<preset>`."""
-    return args.sft_dir or os.path.join("runs", f"sft-{preset}")
-
-
-def ensure_device_sft(args: argparse.Namespace, preset: str) -> str:
-    """A short SFT warm start of `preset` on the GPU in `device_sft_dir` (reused when there); returns the HF dir."""
-    out = device_sft_dir(args, preset)
-    if os.path.isfile(os.path.join(out, "config.json")):
-        print(f"[rlbench] reusing SFT warm start {out}", flush=True)
-        return out
-    from rlbench.presets import gpu_sft
-    from rlbench.sft import run_sft
-
-    print(f"[rlbench] SFT warm start of {preset!r} on cuda -> {out}", flush=True)
-    metrics = run_sft(gpu_sft(preset, out, steps=args.sft_steps or 150))
-    print(json.dumps({k: v for k, v in metrics.items() if k != "history"}), flush=True)
-    return out
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from rlbench.cli import build_parser, config_flags, main, preset_config
+from rlbench.cli import build_parser, main, preset_config
+from rlbench.cli_flags import config_flags
 
 SLIME_FLAGS = [
     "--train-backend", "--hf-checkpoint", "--prompt-data", "--input-key", "--label-key", "--rm-type",

@@ -12,7 +12,9 @@ import sys
 import pytest
 
 from rlbench import presets
-from rlbench.cli import build_parser, config_flags, flag_message, main, preset_config, summarize_run
+from rlbench.cli import build_parser, flag_message, main, preset_config
+from rlbench.cli_flags import config_flags
+from rlbench.cli_run import summarize_run
 
 HEAVY = ("torch", "transformers", "numpy", "safetensors", "triton")
 

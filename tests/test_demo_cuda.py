@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from rlbench import presets
-from rlbench.cli import build_parser, expected_samples, main, preset_config
+from rlbench.cli import build_parser, main, preset_config
+from rlbench.cli_run import expected_samples
 from rlbench.configs import LoggingConfig
 from rlbench.memory_start import DeviceMemory, plan_at_start
 from rlbench.models import build_config
