@@ -19,6 +19,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from rlbench.cache import cache_dir
 from rlbench.configs import (
     BatchConfig,
     CheckpointConfig,
@@ -36,15 +37,6 @@ from rlbench.configs import (
 
 if TYPE_CHECKING:
     from rlbench.sft import SFTConfig
-
-
-def cache_dir() -> str:
-    """Where rlbench keeps what it builds once and reuses: $RLBENCH_CACHE, else $XDG_CACHE_HOME/rlbench,
-    else ~/.cache/rlbench (read at call time)."""
-    if os.environ.get("RLBENCH_CACHE"):
-        return os.path.abspath(os.path.expanduser(os.environ["RLBENCH_CACHE"]))
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "rlbench")
 
 
 def new_run_dir(name: str, root: str = "runs") -> str:
