@@ -272,14 +272,19 @@ def check_quickstart_paths(args: argparse.Namespace) -> None:
 
 
 def quickstart_config(args: argparse.Namespace):
-    """`presets.quickstart` from the flags it derives sizes from (`QUICKSTART_ARGS`), then every flag applied."""
+    """`presets.quickstart` from the flags it derives sizes from (`QUICKSTART_ARGS`), then every flag applied.
+    Returns (config, the longest prompt in tokens, measured once here when no flag gives the engine's length,
+    else None)."""
     from rlbench import presets
 
     given = vars(args)
     kwargs = {arg: given[dest] for dest, arg in QUICKSTART_ARGS.items() if dest in given}
     kwargs["model"] = os.path.expanduser(kwargs["model"])
+    if "max_seq_len" not in kwargs and "max_prompt_len" not in kwargs:
+        measured = ("model", "data", "eval_data", "input_key", "label_key")
+        kwargs["prompt_len"] = presets.quickstart_prompt_len(**{k: kwargs[k] for k in measured if k in kwargs})
     cfg = presets.quickstart(**kwargs, workdir=given.get("run_dir") or presets.new_run_dir(args.command))
-    return apply_flags(cfg, args)
+    return apply_flags(cfg, args), kwargs.get("prompt_len")
 
 
 def quickstart_summary(cfg, args: argparse.Namespace) -> str:
@@ -305,10 +310,11 @@ def quickstart_summary(cfg, args: argparse.Namespace) -> str:
     return "\n".join([f"[rlbench] {args.command}:", *("  " + line for line in lines)])
 
 
-def derivations(cfg, args: argparse.Namespace) -> dict[str, str]:
+def derivations(cfg, args: argparse.Namespace, prompt_len: int | None) -> dict[str, str]:
     """How each derived value of a config without a preset was chosen ("given" when a flag set it): the
-    `derived` part of `--print-config`."""
-    from rlbench.presets import QUICKSTART_MAX_RESPONSE_LEN, longest_prompt
+    `derived` part of `--print-config`. `prompt_len`: the longest prompt `quickstart_config` measured (None when
+    a flag gave the engine's length or the prompt limit)."""
+    from rlbench.presets import QUICKSTART_MAX_RESPONSE_LEN
 
     given = vars(args)
     device, r, b = cfg.backend.device, cfg.rollout, cfg.batch
@@ -323,8 +329,7 @@ def derivations(cfg, args: argparse.Namespace) -> dict[str, str]:
             prompt = f"--rollout-max-prompt-len {given['rollout_max_prompt_len']}"
         else:
             files = [f for f in (cfg.data.path, cfg.eval.data_path) if f]
-            longest = max(longest_prompt(cfg.backend.model, cfg.data, f) for f in files)
-            prompt = f"the longest prompt, {longest} tokens in {' and '.join(files)} with the model's tokenizer"
+            prompt = f"the longest prompt, {prompt_len} tokens in {' and '.join(files)} with the model's tokenizer"
         seq = f"{cfg.engine.max_seq_len} ({prompt} + max response {r.max_response_len}, rounded up to 16)"
     cuda = "a CUDA device is present" if device == "cuda" else "no CUDA device"
     return {
@@ -407,9 +412,9 @@ def run_command(args: argparse.Namespace) -> int:
     if args.command == "demo" and args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads {args.threads} must be >= 1")
     model = device_sft_dir(args, "qwen3-0.6b-shape") if bench_sft else given_model  # a warm start: built below
-    cfg = quickstart_config(args) if derived else preset_config(args, model=model)
+    cfg, prompt_len = quickstart_config(args) if derived else (preset_config(args, model=model), None)
     if args.print_config:
-        out = cfg.to_dict() | ({"derived": derivations(cfg, args)} if derived else {})
+        out = cfg.to_dict() | ({"derived": derivations(cfg, args, prompt_len)} if derived else {})
         print(json.dumps(out, indent=1, default=str))
         return 0
     check_device(cfg, args)

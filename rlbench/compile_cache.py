@@ -14,10 +14,10 @@ CACHE_ENV = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"
 
 
 def use_compile_cache(root: str | None = None) -> dict[str, str]:
-    """Point the caches at `root` (default `presets.cache_dir()/compile`) unless the environment already names
+    """Point the caches at `root` (default `cache.cache_dir()/compile`) unless the environment already names
     them; returns {variable: directory in use}. Call before the first compile (the variables are read then)."""
     if root is None:
-        from rlbench.presets import cache_dir
+        from rlbench.cache import cache_dir
 
         root = os.path.join(cache_dir(), "compile")
     for var, sub in CACHE_ENV.items():

@@ -23,6 +23,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from rlbench.cache import cache_dir
 from rlbench.configs import (
     BatchConfig,
     CheckpointConfig,
@@ -40,15 +41,6 @@ from rlbench.configs import (
 
 if TYPE_CHECKING:
     from rlbench.sft import SFTConfig
-
-
-def cache_dir() -> str:
-    """Where rlbench keeps what it builds once and reuses: $RLBENCH_CACHE, else $XDG_CACHE_HOME/rlbench,
-    else ~/.cache/rlbench (read at call time)."""
-    if os.environ.get("RLBENCH_CACHE"):
-        return os.path.abspath(os.path.expanduser(os.environ["RLBENCH_CACHE"]))
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "rlbench")
 
 
 def new_run_dir(name: str, root: str = "runs") -> str:
@@ -301,7 +293,7 @@ QUICKSTART_MAX_RESPONSE_LEN = {"cpu": 64, "cuda": 512}
 def quickstart(model: str, data: str, *, eval_data: str | None = None, workdir: str | None = None,
                device: str | None = None, input_key: str = "prompt", label_key: str = "label",
                max_prompt_len: int | None = None, max_response_len: int | None = None,
-               max_seq_len: int | None = None) -> RunConfig:
+               max_seq_len: int | None = None, prompt_len: int | None = None) -> RunConfig:
     """GRPO on your HF model directory and your prompt file, without a preset (`rlbench quickstart`).
 
     Args:
@@ -314,6 +306,8 @@ def quickstart(model: str, data: str, *, eval_data: str | None = None, workdir: 
         max_response_len: new tokens per response; None: `QUICKSTART_MAX_RESPONSE_LEN[device]`.
         max_seq_len: the engine's sequence length; None: the longest prompt of `data` (and of `eval_data`)
             in the model's tokens (or `max_prompt_len`) + `max_response_len`, rounded up to 16.
+        prompt_len: that longest prompt when the caller has measured it already (`quickstart_prompt_len`, as
+            `rlbench quickstart` does to explain the choice); None: measured here when `max_seq_len` needs it.
 
     The reward is `exact`: the last `\\boxed{}` content (or the whole response) equals the label.
     """
@@ -325,7 +319,8 @@ def quickstart(model: str, data: str, *, eval_data: str | None = None, workdir: 
     max_response_len = max_response_len or QUICKSTART_MAX_RESPONSE_LEN[device]
     data_cfg = DataConfig(path=data, input_key=input_key, label_key=label_key, max_prompt_length=max_prompt_len)
     if max_seq_len is None:
-        prompt_len = max_prompt_len or max(longest_prompt(model, data_cfg, path) for path in (data, eval_data) if path)
+        prompt_len = max_prompt_len or prompt_len or quickstart_prompt_len(model, data, eval_data,
+                                                                           input_key=input_key, label_key=label_key)
         max_seq_len = prompt_len + max_response_len
     gpu = device == "cuda"
     rollout = RolloutConfig(rollout_batch_size=32 if gpu else 4, n_samples_per_prompt=8 if gpu else 4,
@@ -341,6 +336,13 @@ def quickstart(model: str, data: str, *, eval_data: str | None = None, workdir: 
         eval=EvalConfig(interval=5 if eval_data else None, data_path=eval_data, n_samples_per_prompt=1),
         logging=LoggingConfig(jsonl_path=os.path.join(workdir, "metrics.jsonl")),
     )
+
+
+def quickstart_prompt_len(model: str, data: str, eval_data: str | None = None, *, input_key: str = "prompt",
+                          label_key: str = "label") -> int:
+    """The longest prompt of `data` and `eval_data` in `model`'s tokens, as `quickstart` renders them."""
+    data_cfg = DataConfig(path=data, input_key=input_key, label_key=label_key)
+    return max(longest_prompt(model, data_cfg, path) for path in (data, eval_data) if path)
 
 
 def longest_prompt(model: str, data: DataConfig, path: str) -> int:

@@ -35,7 +35,8 @@ DOCS_IMG = ROOT / "docs" / "img"
 CHROMIUM = os.environ.get("PLAYWRIGHT_CHROMIUM_EXECUTABLE") or shutil.which("chromium") or "/usr/bin/chromium"
 NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
 RUN_ALL_TIMEOUT_S = 480
-# 06 trains its 400-step calculator SFT warm start live: ~20 min on a loaded 2-core box (docs/log/2026-12.md)
+# 06 trains its 400-step calculator SFT warm start when the user cache has none (`cached_tool_warm_start`): ~20 min
+# on a loaded 2-core box the first time (docs/log/2026-12.md), reused after
 RUN_ALL_TIMEOUT_S_OF = {"06_tool_use.ipynb": 2400}
 STEP_TIMEOUT_S = 240
 STOP_WITHIN_STEPS = 2

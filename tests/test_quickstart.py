@@ -125,6 +125,18 @@ def test_train_without_preset_derives_like_quickstart(run_dir, capsys):
     assert derived["eval.interval"] == "None (no --eval-prompt-data: no evaluation)"
 
 
+def test_print_config_reads_each_prompt_file_once(run_dir, capsys, monkeypatch):
+    from rlbench import presets
+
+    (run_dir / "eval.jsonl").write_text(json.dumps({"prompt": "What is 123+456?", "label": "579"}) + "\n")
+    read, longest = [], presets.longest_prompt
+    monkeypatch.setattr(presets, "longest_prompt", lambda model, data, path: read.append(path) or longest(model, data, path))
+    cfg = _config(capsys, "--eval-prompt-data", "eval.jsonl")
+    assert read == ["data.jsonl", "eval.jsonl"]  # once for the config and its explanation together
+    assert cfg["derived"]["engine.max_seq_len"] == ("112 (the longest prompt, 35 tokens in data.jsonl and eval.jsonl "
+                                                    "with the model's tokenizer + max response 64, rounded up to 16)")
+
+
 def test_readme_gpu_command_resolves_lengths_from_the_data(run_dir, capsys):
     argv = _readme_train_command()
     assert argv[:2] == ["train", "--train-backend"] and "--preset" not in argv

@@ -2,6 +2,7 @@
 knows the call syntax (a random char-level model never writes a JSON tool call).
 
     model_dir = tool_warm_start(ToolSFTConfig(preset="small", level=4, tool_fraction=0.5, out="runs/sft-tools"))
+    model_dir = cached_tool_warm_start(ToolSFTConfig(preset="tiny", level=3, steps=400))  # built once, in the cache
 
 A tool transcript is the sample the multi-turn rollout would produce: `format_call("calculator", {"expression": q})`,
 the observation `observation_text(answer)` (not trained on: loss mask 0, as in RL), then `\\boxed{answer}<|im_end|>`;
@@ -11,12 +12,14 @@ directly. With a `tool_fraction` below 1 the warm start uses the tool only part 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from rlbench.cache import build_once, cache_dir, recipe_key
 from rlbench.data.tasks import make_task
 from rlbench.data.tokenizer import build_tokenizer
 from rlbench.models import build_model, save_pretrained
@@ -116,3 +119,27 @@ def tool_warm_start(cfg: ToolSFTConfig, tokenizer=None):
     os.makedirs(cfg.out, exist_ok=True)
     save_pretrained(model, tokenizer, cfg.out)
     return cfg.out
+
+
+def tool_sft_recipe(cfg: ToolSFTConfig, tokenizer=None) -> dict:
+    """What a warm start is built from: every field of `cfg` but `out`, and the token ids of one tool transcript and
+    one direct one (so a change of the call syntax, the observation format or the chat template changes it too)."""
+    tokenizer = tokenizer or build_tokenizer()
+    row = {"prompt": "47+38=?", "label": 85}
+    return {"config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "out"},
+            "transcripts": [encode(row["prompt"], transcript(row, use_tool, cfg.calls), tokenizer)[0]
+                            for use_tool in (True, False)]}
+
+
+def cached_tool_warm_start(cfg: ToolSFTConfig, root: str | None = None) -> str:
+    """The warm start of `cfg`, trained once into `root` (default `cache_dir()`) and reused: the HF directory
+    `tool-sft-<preset>-level<level>-<key>`, the key a hash of `tool_sft_recipe(cfg)`, so a changed recipe is built
+    anew. An unfinished directory is built again, never loaded (`rlbench.cache.build_once`). `cfg.out` must be None:
+    the cache picks the directory."""
+    if cfg.out is not None:
+        raise ValueError(f"cached_tool_warm_start picks its own directory; got out={cfg.out!r}: leave it None, "
+                         f"or call tool_warm_start to train into {cfg.out!r}")
+    recipe = tool_sft_recipe(cfg)
+    out = os.path.join(root or cache_dir(), f"tool-sft-{cfg.preset}-level{cfg.level}-{recipe_key(recipe)}")
+    return build_once(out, recipe, lambda tmp: tool_warm_start(dataclasses.replace(cfg, out=tmp)),
+                      what=f"tool-use SFT warm start ({cfg.steps} steps)")
