@@ -20,7 +20,10 @@ modules=("$@")
 failed=0
 for n in $THREADS; do
   for f in "${modules[@]}"; do
-    log="$LOGDIR/$(basename "$f" .py).t$n.log"
+    # tests/reliability/ repeats some tests/ names (test_data.py, test_rewards.py): keep the folder in the log name
+    rel=${f#tests/}
+    rel=${rel%.py}
+    log="$LOGDIR/${rel//\//.}.t$n.log"
     start=$SECONDS
     OMP_NUM_THREADS=$n PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest -x -q -p no:cacheprovider \
       -m "$MARKERS" "$f" >"$log" 2>&1
