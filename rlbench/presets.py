@@ -16,14 +16,12 @@ from any directory. Each run writes its metrics to a fresh `runs/<name>-<time>/`
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from rlbench.cache import cache_dir
+from rlbench.cache import cache_dir, recipe_key
 from rlbench.configs import (
     BatchConfig,
     CheckpointConfig,
@@ -86,15 +84,14 @@ DEMO_SFT_TIME = {"cpu": "about 40 s on 2 CPU cores", "cuda": "about 1 min on one
 
 def demo_sft_name(device: str = "cpu") -> str:
     """The cache directory name of the demo's warm start on `device` ("cpu" or "cuda"). The CPU one carries its step
-    count (`DEMO_SFT_NAME`); the GPU one the preset, the task and a digest of every field of `DEMO_SFT_CUDA`, so a
+    count (`DEMO_SFT_NAME`); the GPU one the preset, the task and `rlbench.cache.recipe_key` of `DEMO_SFT_CUDA`, so a
     cache from another recipe is never reused."""
     if device not in DEMO_SFTS:
         raise ValueError(f"no demo warm start for device {device!r}; use one of {sorted(DEMO_SFTS)}")
     if device == "cpu":
         return DEMO_SFT_NAME
     spec = DEMO_SFTS[device]
-    digest = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:8]
-    return f"sft-{spec['preset']}-arith{spec['task_kwargs']['level']}-{device}-{digest}"
+    return f"sft-{spec['preset']}-arith{spec['task_kwargs']['level']}-{device}-{recipe_key(spec)}"
 
 
 def demo_sft_dir(device: str = "cpu") -> str:
