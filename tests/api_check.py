@@ -132,27 +132,29 @@ class _Checker:
         self.findings[(node.lineno, f"{self.where(node.lineno)}: {message}")] = None
 
     # -- environments -------------------------------------------------------------------------------------------
+    def imported(self, node: ast.AST, name: str, statement: str):
+        """Module `name` imported for `node`; None when it is not resolved here, or missing (then reported)."""
+        try:
+            return _import(name, self.search_dir)
+        except Unresolved:
+            return None
+        except ModuleNotFoundError as exc:
+            self.report(node, f"{statement}: {exc}")
+            return None
+
     def bind_import(self, node: ast.Import | ast.ImportFrom, env: dict) -> None:
         if isinstance(node, ast.Import):
             for alias in node.names:
-                try:
-                    module = _import(alias.name, self.search_dir)
-                except Unresolved:
-                    continue
-                except ModuleNotFoundError as exc:
-                    self.report(node, f"import {alias.name}: {exc}")
+                module = self.imported(node, alias.name, f"import {alias.name}")
+                if module is None:
                     continue
                 env[alias.asname or alias.name.split(".")[0]] = (
                     module if alias.asname else importlib.import_module(alias.name.split(".")[0]))
             return
         if node.level or node.module is None:
             return
-        try:
-            module = _import(node.module, self.search_dir)
-        except Unresolved:
-            return
-        except ModuleNotFoundError as exc:
-            self.report(node, f"from {node.module} import ...: {exc}")
+        module = self.imported(node, node.module, f"from {node.module} import ...")
+        if module is None:
             return
         for alias in node.names:
             if alias.name == "*":

@@ -147,8 +147,9 @@ class ModelRunner:
         self._pool = None
         self._warmed: set[tuple[int, int, str, int]] = set()
         self._eager_keys: set[tuple[int, int, str, int]] = set()
-        self._fn_sets: dict[bool, tuple] = {}
         """Decode shapes `(batch, kv_len, mode, group)` whose compile failed: they run eagerly, the others compiled."""
+        self._fn_sets: dict[bool, tuple] = {}
+        """The step's functions, compiled (True) and eager (False), each built once (`_use_compiled`)."""
         self._use_compiled(opts.compile)
         self.prefilled_tokens = 0
         self.prefill_deltas: list[int] = []
