@@ -15,6 +15,7 @@ PY=${PY:-.venv/bin/python}
 THREADS=${THREADS:-"1 2"}
 MARKERS=${MARKERS:-"not gpu and not browser and not interpreted"}
 LOGDIR=${LOGDIR:-$(mktemp -d -t run_alone.XXXXXX)}
+mkdir -p "$LOGDIR"
 modules=("$@")
 [ ${#modules[@]} -gt 0 ] || modules=(tests/test_*.py tests/reliability/test_*.py)
 failed=0
